@@ -1,0 +1,44 @@
+# Everything a fresh clone needs: Python 3.11+, Java 17+ and Maven on the machine.
+#   make up    - start a local Kafka (KRaft) and print how to reach it
+#   make test  - virtualenv, project + dev tools, Kafka jars, lint, the whole test suite
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PROTOS := $(shell find proto -name '*.proto')
+
+.PHONY: up test unit lint proto kafka venv bench-quick clean
+
+up: venv proto kafka
+	$(PY) -m wal.broker up --data-dir .data/kafka
+
+test: venv proto kafka lint
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+unit: venv proto
+	$(PY) -m pytest -q tests/unit
+
+lint: venv proto
+	$(VENV)/bin/ruff check wal kvstore tests bench
+	$(VENV)/bin/mypy
+
+venv: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $@
+
+# Stubs are generated next to their packages (wal/v1, kvstore/v1) and never committed.
+proto: venv
+	$(PY) -m grpc_tools.protoc -Iproto --python_out=. --pyi_out=. --grpc_python_out=. $(PROTOS)
+
+kafka: venv
+	$(PY) -m wal.broker fetch
+
+bench-quick: venv proto kafka
+	$(PY) bench/wal_append.py --quick
+
+clean:
+	rm -rf $(VENV) .data build *.egg-info
+	find . -name '*_pb2*.py*' -not -path './.venv/*' -delete

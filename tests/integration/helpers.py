@@ -1,0 +1,135 @@
+"""Helpers shared by the WAL integration tests: writers, replay, a zombie writer process."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from wal import Replayer, ShardWriter, WriterConfig, WriterIdentity, shard_transactional_id
+from wal.record import AcceptedRecord
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def writer(bootstrap: str, topic: str, name: str = "w", cluster: str = "test", **overrides: Any) -> ShardWriter:
+    config = WriterConfig(
+        bootstrap_servers=bootstrap,
+        topic=topic,
+        partition=0,
+        transactional_id=shard_transactional_id(cluster + topic.replace(".", "-"), 0),
+        writer=WriterIdentity(name, 1),
+        **overrides,
+    )
+    return ShardWriter(config)
+
+
+def replay_all(
+    bootstrap: str, topic: str, start: int = 0, timeout_s: float = 30.0
+) -> tuple[list[AcceptedRecord], Replayer]:
+    """Everything a read_committed reader accepts, up to the high watermark now."""
+    replayer = Replayer(bootstrap, topic, 0, start)
+    records = list(replayer.read_to_end(timeout_s))
+    replayer.close()
+    return records, replayer
+
+
+def payloads(records: list[AcceptedRecord]) -> list[bytes]:
+    return [r.payload for r in records]
+
+
+# A writer in its own process, so that tests can really pause (SIGSTOP) and resume it.
+# It appends the batches given on its command line; for the batch named by --pause-before-commit
+# it stops itself after delivery and before commit_transaction. It prints one JSON line per batch.
+ZOMBIE = r'''
+import json, os, signal, sys
+from wal import ShardWriter, WriterConfig, WriterIdentity, WalError
+args = json.loads(sys.argv[1])
+pause_at = args["pause_before_commit"]
+current = {"batch": None}
+def before_commit():
+    if current["batch"] == pause_at:
+        print(json.dumps({"event": "paused", "batch": pause_at}), flush=True)
+        os.kill(os.getpid(), signal.SIGSTOP)
+w = ShardWriter(WriterConfig(bootstrap_servers=args["bootstrap"], topic=args["topic"], partition=0,
+                             transactional_id=args["tid"], writer=WriterIdentity("zombie", 1),
+                             transaction_timeout_ms=args["txn_timeout_ms"]), before_commit=before_commit)
+print(json.dumps({"event": "fenced-in", "upcoming": w.fence()}), flush=True)
+for name in args["batches"]:
+    current["batch"] = name
+    try:
+        r = w.append([f"{name}-{i}".encode() for i in range(args["records"])])
+        print(json.dumps({"event": "committed", "batch": name, "offsets": list(r.offsets)}), flush=True)
+    except WalError as e:
+        print(json.dumps({"event": "error", "batch": name, "type": type(e).__name__,
+                          "fenced": getattr(e, "fenced", None), "message": str(e)}), flush=True)
+w.close()
+'''
+
+
+class ZombieProcess:
+    def __init__(self, bootstrap: str, topic: str, tid: str, batches: list[str], pause_before_commit: str,
+                 records: int = 3, txn_timeout_ms: int = 60_000) -> None:
+        args = {"bootstrap": bootstrap, "topic": topic, "tid": tid, "batches": batches,
+                "pause_before_commit": pause_before_commit, "records": records,
+                "txn_timeout_ms": txn_timeout_ms}
+        env = {**os.environ, "PYTHONPATH": str(REPO)}
+        self.proc = subprocess.Popen([sys.executable, "-c", ZOMBIE, json.dumps(args)], stdout=subprocess.PIPE,
+                                     text=True, env=env)
+        self._lines: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=self._pump, daemon=True).start()
+
+    def _pump(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.strip():
+                self._lines.put(line)
+        self._lines.put("")
+
+    def next_event(self, timeout_s: float = 60.0) -> dict[str, Any]:
+        line = self._lines.get(timeout=timeout_s)
+        assert line, f"zombie exited early with {self.proc.poll()}"
+        event: dict[str, Any] = json.loads(line)
+        return event
+
+    def wait_stopped(self, timeout_s: float = 30.0) -> None:
+        """Until the kernel reports the process as stopped (state T)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            state = Path(f"/proc/{self.proc.pid}/stat").read_text().split(")")[-1].split()[0]
+            if state == "T":
+                return
+            time.sleep(0.05)
+        raise AssertionError("zombie did not stop")
+
+    def resume(self) -> None:
+        os.kill(self.proc.pid, signal.SIGCONT)
+
+    def finish(self, timeout_s: float = 60.0) -> list[dict[str, Any]]:
+        """The remaining events, once the process has exited."""
+        self.proc.wait(timeout_s)
+        events = []
+        while (line := self._lines.get(timeout=timeout_s)) != "":
+            events.append(json.loads(line))
+        return events
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+def eventually(predicate: Any, timeout_s: float = 10.0, what: str = "condition") -> None:
+    """Poll `predicate` until true; commit markers, for one, are written after commit returns."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} not reached within {timeout_s}s")
+        time.sleep(0.05)

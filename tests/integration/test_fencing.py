@@ -1,0 +1,69 @@
+"""W4: a new writer fences the old one; nothing the zombie does afterwards becomes visible."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.integration.helpers import ZombieProcess, payloads, replay_all, writer
+from wal import FencedError, UnknownOutcomeError, shard_transactional_id
+from wal.broker import LocalKafka
+
+pytestmark = pytest.mark.kafka
+
+
+def test_zombie_appends_fail_as_fenced_and_stay_invisible(kafka: LocalKafka, topic: str) -> None:
+    a = writer(kafka.bootstrap_servers, topic, "a")
+    b = writer(kafka.bootstrap_servers, topic, "b")
+    a.fence()
+    a.append([b"a1", b"a2"])
+
+    b.fence()  # takeover: bumps the epoch, A is now a zombie
+    b.append([b"b1"])
+
+    for attempt in range(3):  # every later append of A fails the same way
+        with pytest.raises(FencedError):
+            a.append([f"a-late-{attempt}".encode()])
+    b.append([b"b2"])  # B is unaffected by A's attempts
+
+    records, _replayer = replay_all(kafka.bootstrap_servers, topic)
+    assert payloads(records) == [b"a1", b"a2", b"b1", b"b2"]
+    assert {r.writer.id for r in records} == {"a", "b"}
+    assert b.stats.fencings == 0 and a.stats.fencings >= 1
+    a.close()
+    b.close()
+
+
+def test_paused_zombie_with_open_transaction_is_fenced_on_resume(kafka: LocalKafka, topic: str) -> None:
+    """A is really paused (SIGSTOP) with an open, fully delivered transaction; B takes over and
+    writes; A resumes and tries to commit. Nothing of A's after B's takeover is visible."""
+    tid = shard_transactional_id("zombie" + topic.replace(".", "-"), 0)
+    zombie = ZombieProcess(kafka.bootstrap_servers, topic, tid, ["before", "zombie", "after"],
+                           pause_before_commit="zombie")
+    try:
+        assert zombie.next_event()["event"] == "fenced-in"
+        assert zombie.next_event() == {"event": "committed", "batch": "before", "offsets": [0, 1, 2]}
+        assert zombie.next_event() == {"event": "paused", "batch": "zombie"}
+        zombie.wait_stopped()
+
+        b = writer(kafka.bootstrap_servers, topic, "b")
+        b = type(b)(type(b.config)(**{**b.config.__dict__, "transactional_id": tid}))
+        b.fence()  # aborts A's open transaction and fences A
+        b.append([b"b1", b"b2"])
+
+        zombie.resume()
+        events = zombie.finish()
+    finally:
+        zombie.kill()
+
+    by_batch = {e["batch"]: e for e in events}
+    # Fenced while committing: the writer cannot know the outcome (W7), but it is fenced.
+    assert by_batch["zombie"]["event"] == "error"
+    assert by_batch["zombie"]["type"] in (UnknownOutcomeError.__name__, FencedError.__name__)
+    assert by_batch["after"] == {**by_batch["after"], "event": "error", "type": FencedError.__name__}
+
+    records, _ = replay_all(kafka.bootstrap_servers, topic)
+    assert payloads(records) == [b"before-0", b"before-1", b"before-2", b"b1", b"b2"]
+    b.append([b"b3"])
+    records, _ = replay_all(kafka.bootstrap_servers, topic)
+    assert payloads(records)[-1] == b"b3"
+    b.close()

@@ -1,0 +1,42 @@
+"""The conditional-publish write-ahead log over Kafka (KIP-27 emulated; DESIGN.md §3).
+
+Knows nothing of keys and values: it appends opaque payloads to one shard's partition at
+expected offsets, with one writer per shard, and replays them under the acceptance rule.
+"""
+
+from wal.clients import shard_transactional_id
+from wal.errors import (
+    BatchAbortedError,
+    FencedError,
+    InvalidBatchError,
+    OffsetMismatchError,
+    UnavailableError,
+    UnknownOutcomeError,
+    WalError,
+    WalTimeoutError,
+    WriterFatalError,
+)
+from wal.guard import AppendResult
+from wal.record import AcceptedRecord, WriterIdentity
+from wal.replayer import Replayer, ReplayStats
+from wal.writer import ShardWriter, WriterConfig
+
+__all__ = [
+    "AcceptedRecord",
+    "AppendResult",
+    "BatchAbortedError",
+    "FencedError",
+    "InvalidBatchError",
+    "OffsetMismatchError",
+    "ReplayStats",
+    "Replayer",
+    "ShardWriter",
+    "UnavailableError",
+    "UnknownOutcomeError",
+    "WalError",
+    "WalTimeoutError",
+    "WriterConfig",
+    "WriterFatalError",
+    "WriterIdentity",
+    "shard_transactional_id",
+]

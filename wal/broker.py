@@ -1,0 +1,371 @@
+"""A real Apache Kafka on loopback, for development and tests: KRaft, combined broker+controller.
+
+The jars come from Maven Central through `wal/kafka/pom.xml` (`python -m wal.broker fetch`,
+run by `make kafka`) into a cache outside git. One node, or three (replication factor 3,
+min.insync.replicas=2) for fault tests. Every broker setting the project relies on is in
+`BROKER_SETTINGS` below; nothing else in the repo configures the broker.
+
+Never replace this with librdkafka's mock cluster: it lets a fenced producer commit, so it
+cannot test the single-writer guard (W4).
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Mapping
+from pathlib import Path
+
+from confluent_kafka import KafkaException
+from confluent_kafka.admin import AdminClient, NewTopic
+
+KAFKA_VERSION = "4.1.1"  # pinned; the pom's default is kept equal (see wal/kafka/pom.xml)
+POM = Path(__file__).resolve().parent / "kafka" / "pom.xml"
+
+# KIP-890 part 2: a server-side epoch bump per transaction closes the "delayed commit lands on
+# a later transaction" hole (DESIGN.md §3). Set explicitly at format time, not left to defaults.
+TRANSACTION_VERSION = 2
+
+# The broker settings the store and its tests rely on: this is the one place they live.
+BROKER_SETTINGS: Mapping[str, str] = {
+    # A writer may ask for any transaction.timeout.ms up to this (the broker refuses more).
+    "transaction.max.timeout.ms": "900000",
+    # How often the coordinator looks for transactions open past their timeout and aborts them
+    # (fencing the stalled producer). Default 10 s; 1 s keeps "stalled leader" tests short.
+    "transaction.abort.timed.out.transaction.cleanup.interval.ms": "1000",
+    # How fast the controller declares a silent broker dead and moves its partition leaders
+    # (defaults 9 s / 2 s). Local clusters fail over in ~3 s instead.
+    "broker.session.timeout.ms": "3000",
+    "broker.heartbeat.interval.ms": "500",
+    # Lowest consumer-group session timeout a node may ask for (failure detection speed).
+    "group.min.session.timeout.ms": "1000",
+    "group.initial.rebalance.delay.ms": "0",
+    # Small internal topics start fast on a laptop; production clusters keep the defaults.
+    "offsets.topic.num.partitions": "4",
+    "transaction.state.log.num.partitions": "4",
+    # WAL topics are created on purpose, with a partition count equal to the shard count.
+    "auto.create.topics.enable": "false",
+    "num.partitions": "1",
+}
+
+
+def _replication_settings(nodes: int) -> dict[str, str]:
+    rf = "3" if nodes >= 3 else "1"
+    min_isr = "2" if nodes >= 3 else "1"
+    return {
+        "offsets.topic.replication.factor": rf,
+        "transaction.state.log.replication.factor": rf,
+        "transaction.state.log.min.isr": min_isr,
+        "default.replication.factor": rf,
+        "min.insync.replicas": min_isr,
+    }
+
+
+_LOG4J2 = """\
+rootLogger.level=WARN
+rootLogger.appenderRef.out.ref=OUT
+appender.out.type=Console
+appender.out.name=OUT
+appender.out.layout.type=PatternLayout
+appender.out.layout.pattern=[%d] %p %m (%c)%n
+logger.kafka.name=kafka
+logger.kafka.level=WARN
+logger.started.name=kafka.server.KafkaRaftServer
+logger.started.level=INFO
+"""
+
+
+class BrokerError(RuntimeError):
+    """The local broker could not be fetched, started or stopped."""
+
+
+def cache_dir() -> Path:
+    """Where the jars live: $KVSTORE_KAFKA_HOME, else ~/.cache/kvstore/kafka-<version>."""
+    env = os.environ.get("KVSTORE_KAFKA_HOME")
+    if env:
+        return Path(env)
+    return Path.home() / ".cache" / "kvstore" / f"kafka-{KAFKA_VERSION}"
+
+
+def libs_dir() -> Path:
+    return cache_dir() / "libs"
+
+
+def fetch(quiet: bool = True) -> Path:
+    """Resolve the pinned Kafka jars from Maven Central (idempotent; a stamp marks success)."""
+    libs = libs_dir()
+    stamp = cache_dir() / ".complete"
+    if stamp.exists() and any(libs.glob("kafka_2.13-*.jar")):
+        return libs
+    if shutil.which("mvn") is None:
+        raise BrokerError("Maven (mvn) is required to fetch Kafka; install it and retry")
+    if libs.exists():
+        shutil.rmtree(libs)
+    cmd = ["mvn", "-B", "-f", str(POM), f"-Dkafka.version={KAFKA_VERSION}",
+           "dependency:copy-dependencies", "-DincludeScope=runtime", f"-DoutputDirectory={libs}"]
+    if quiet:
+        cmd.insert(1, "-q")
+    result = subprocess.run(cmd, check=False)
+    if result.returncode != 0:
+        raise BrokerError(f"mvn failed ({result.returncode}) resolving Kafka {KAFKA_VERSION}")
+    stamp.write_text(KAFKA_VERSION + "\n")
+    return libs
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class LocalKafka:
+    """One or three KRaft nodes (each broker+controller) on 127.0.0.1, data under `data_dir`.
+
+    Ports are chosen at construction and kept across restarts, so clients reconnect. A data
+    directory that was already formatted is reused (`make up` resumes where it stopped).
+    """
+
+    def __init__(self, data_dir: Path, nodes: int = 1, *, heap_mb: int = 512,
+                 ports: list[tuple[int, int]] | None = None) -> None:
+        assert nodes in (1, 3), "the local cluster has one node or three"
+        self.data_dir = Path(data_dir)
+        self.nodes = nodes
+        self.heap_mb = heap_mb
+        saved = self._load_ports()
+        self.ports = ports or saved or [(free_port(), free_port()) for _ in range(nodes)]
+        assert len(self.ports) == nodes
+        self._procs: dict[int, subprocess.Popen[bytes]] = {}
+
+    # ---- addresses ---------------------------------------------------------------------------
+
+    @property
+    def bootstrap_servers(self) -> str:
+        return ",".join(f"127.0.0.1:{broker}" for broker, _ in self.ports)
+
+    def node_bootstrap(self, node: int) -> str:
+        return f"127.0.0.1:{self.ports[node][0]}"
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+
+    def start(self, timeout_s: float = 90.0) -> LocalKafka:
+        libs = libs_dir()
+        if not any(libs.glob("kafka_2.13-*.jar")):
+            raise BrokerError(f"Kafka jars missing in {libs}: run `make kafka` first")
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        self._save_ports()
+        cluster_id = self._cluster_id()
+        for node in range(self.nodes):
+            self._write_config(node)
+            if not (self._node_dir(node) / "data" / "meta.properties").exists():
+                self._format(node, cluster_id)
+        for node in range(self.nodes):
+            self.start_node(node, wait=False)
+        self.wait_ready(timeout_s)
+        return self
+
+    def start_node(self, node: int, wait: bool = True, timeout_s: float = 60.0) -> None:
+        proc = self._procs.get(node)
+        if proc is not None and proc.poll() is None:
+            return
+        log = open(self._node_dir(node) / "broker.log", "ab")  # noqa: SIM115 - owned by Popen
+        cmd = [self._java(), f"-Xmx{self.heap_mb}m", f"-Xms{min(self.heap_mb, 256)}m",
+               "-XX:+UseG1GC", "-Djava.awt.headless=true",
+               f"-Dlog4j2.configurationFile={self._node_dir(node) / 'log4j2.properties'}",
+               "-cp", str(libs_dir() / "*"), "kafka.Kafka", str(self._node_dir(node) / "server.properties")]
+        self._procs[node] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                             stdin=subprocess.DEVNULL, start_new_session=True)
+        log.close()
+        if wait:
+            self.wait_ready(timeout_s)
+
+    def wait_ready(self, timeout_s: float = 60.0) -> None:
+        """Until every running node is registered with the controller and answers metadata."""
+        deadline = time.monotonic() + timeout_s
+        expected = {n + 1 for n, p in self._procs.items() if p.poll() is None}
+        # Quiet: "connection refused" is the expected answer until the JVM is up.
+        admin = AdminClient({"bootstrap.servers": self.bootstrap_servers, "log_level": 0})
+        last_error = "no answer"
+        while time.monotonic() < deadline:
+            for node, proc in self._procs.items():
+                if proc.poll() is not None:
+                    raise BrokerError(f"node {node} exited with {proc.returncode}; see "
+                                      f"{self._node_dir(node) / 'broker.log'}")
+            try:
+                meta = admin.list_topics(timeout=2)
+                if expected <= set(meta.brokers):
+                    return
+                last_error = f"brokers {sorted(meta.brokers)} of {sorted(expected)}"
+            except KafkaException as exc:
+                last_error = str(exc)
+            time.sleep(0.2)
+        raise BrokerError(f"Kafka not ready after {timeout_s}s: {last_error}")
+
+    def stop_node(self, node: int, timeout_s: float = 30.0) -> None:
+        """Controlled shutdown (SIGTERM), SIGKILL if it does not exit in time."""
+        proc = self._procs.get(node)
+        if proc is None or proc.poll() is not None:
+            return
+        proc.terminate()
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+
+    def kill_node(self, node: int) -> None:
+        proc = self._procs.get(node)
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+
+    def pause_node(self, node: int) -> None:
+        self._signal(node, signal.SIGSTOP)
+
+    def resume_node(self, node: int) -> None:
+        self._signal(node, signal.SIGCONT)
+
+    def restart_node(self, node: int, timeout_s: float = 60.0) -> None:
+        self.stop_node(node)
+        self.start_node(node, wait=True, timeout_s=timeout_s)
+
+    def stop(self) -> None:
+        for node in list(self._procs):
+            self.resume_node(node)  # a paused JVM cannot handle SIGTERM
+            self.stop_node(node)
+
+    def create_topic(self, name: str, partitions: int, timeout_s: float = 30.0) -> None:
+        """Create a topic replicated on every node (min.insync.replicas from the broker)."""
+        admin = AdminClient({"bootstrap.servers": self.bootstrap_servers})
+        futures = admin.create_topics([NewTopic(name, partitions, replication_factor=min(self.nodes, 3))],
+                                      request_timeout=timeout_s)
+        for future in futures.values():
+            future.result(timeout_s)
+
+    def __enter__(self) -> LocalKafka:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # ---- internals ---------------------------------------------------------------------------
+
+    def _signal(self, node: int, sig: signal.Signals) -> None:
+        proc = self._procs.get(node)
+        if proc is not None and proc.poll() is None:
+            proc.send_signal(sig)
+
+    def _node_dir(self, node: int) -> Path:
+        return self.data_dir / f"node-{node + 1}"
+
+    def _java(self) -> str:
+        java_home = os.environ.get("JAVA_HOME")
+        if java_home and (Path(java_home) / "bin" / "java").exists():
+            return str(Path(java_home) / "bin" / "java")
+        java = shutil.which("java")
+        if java is None:
+            raise BrokerError("Java 17+ is required to run Kafka; no `java` on PATH")
+        return java
+
+    def _cluster_id(self) -> str:
+        path = self.data_dir / "cluster.id"
+        if not path.exists():
+            # Like Kafka's Uuid.randomUuid: never starting with "-", which CLIs take for a flag.
+            cluster_id = "-"
+            while cluster_id.startswith("-"):
+                cluster_id = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
+            path.write_text(cluster_id + "\n")
+        return path.read_text().strip()
+
+    def _ports_file(self) -> Path:
+        return self.data_dir / "ports"
+
+    def _load_ports(self) -> list[tuple[int, int]] | None:
+        path = self._ports_file()
+        if not path.exists():
+            return None
+        pairs = [tuple(int(p) for p in line.split()) for line in path.read_text().splitlines() if line]
+        ports = [(p[0], p[1]) for p in pairs if len(p) == 2]
+        return ports if len(ports) == self.nodes else None
+
+    def _save_ports(self) -> None:
+        self._ports_file().write_text("".join(f"{b} {c}\n" for b, c in self.ports))
+
+    def _write_config(self, node: int) -> None:
+        directory = self._node_dir(node)
+        (directory / "data").mkdir(parents=True, exist_ok=True)
+        broker_port, controller_port = self.ports[node]
+        voters = ",".join(f"{n + 1}@127.0.0.1:{c}" for n, (_, c) in enumerate(self.ports))
+        settings = {
+            "process.roles": "broker,controller",
+            "node.id": str(node + 1),
+            "controller.quorum.voters": voters,
+            "listeners": f"PLAINTEXT://127.0.0.1:{broker_port},CONTROLLER://127.0.0.1:{controller_port}",
+            "advertised.listeners": f"PLAINTEXT://127.0.0.1:{broker_port}",
+            "controller.listener.names": "CONTROLLER",
+            "inter.broker.listener.name": "PLAINTEXT",
+            "listener.security.protocol.map": "PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT",
+            "log.dirs": str(directory / "data"),
+            **_replication_settings(self.nodes),
+            **BROKER_SETTINGS,
+        }
+        text = "".join(f"{k}={v}\n" for k, v in settings.items())
+        (directory / "server.properties").write_text(text)
+        (directory / "log4j2.properties").write_text(_LOG4J2)
+
+    def _format(self, node: int, cluster_id: str) -> None:
+        directory = self._node_dir(node)
+        cmd = [self._java(), "-Xmx256m", "-cp", str(libs_dir() / "*"),
+               f"-Dlog4j2.configurationFile={directory / 'log4j2.properties'}",
+               "kafka.tools.StorageTool", "format", f"--cluster-id={cluster_id}",
+               "-c", str(directory / "server.properties"),
+               "--feature", f"transaction.version={TRANSACTION_VERSION}"]
+        result = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        if result.returncode != 0:
+            raise BrokerError(f"formatting node {node + 1} failed: {result.stdout}{result.stderr}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m wal.broker", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("fetch", help="resolve the pinned Kafka jars from Maven Central")
+    up = sub.add_parser("up", help="run a local broker in the foreground until Ctrl-C")
+    up.add_argument("--data-dir", default=".data/kafka", type=Path)
+    up.add_argument("--nodes", type=int, default=1, choices=(1, 3))
+    args = parser.parse_args(argv)
+    if args.command == "fetch":
+        print(fetch(quiet=False))
+        return 0
+    kafka = LocalKafka(args.data_dir, args.nodes)
+    stop = False
+
+    def on_signal(signum: int, frame: object) -> None:
+        nonlocal stop
+        stop = True
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        kafka.start()
+        print(f"Kafka {KAFKA_VERSION} (KRaft, {args.nodes} node(s)) is up.", flush=True)
+        print(f"  bootstrap servers: {kafka.bootstrap_servers}", flush=True)
+        print(f"  data directory:    {args.data_dir.resolve()}", flush=True)
+        print(f"  export KVSTORE_KAFKA={kafka.bootstrap_servers}", flush=True)
+        print("Ctrl-C stops it.", flush=True)
+        while not stop:
+            time.sleep(0.5)
+    finally:
+        kafka.stop()
+        print("Kafka stopped.", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,144 @@
+"""librdkafka client settings and the few raw queries the WAL needs, in one place.
+
+Everything that talks to librdkafka lives in `wal/`; `kvstore/` only sees the WAL's API.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+import uuid
+from collections.abc import Mapping
+from typing import Any
+
+from confluent_kafka import Consumer, IsolationLevel, KafkaError, KafkaException, TopicPartition
+from confluent_kafka.admin import AdminClient, OffsetSpec
+
+
+def shard_transactional_id(cluster: str, shard: int) -> str:
+    """W4: one transactional id per shard, so that a new leader fences the old one."""
+    assert cluster and "." not in cluster, f"cluster name must be non-empty and dot-free: {cluster!r}"
+    assert shard >= 0, f"shard must be >= 0: {shard}"
+    return f"{cluster}.shard-{shard}"
+
+
+def producer_config(
+    bootstrap_servers: str,
+    transactional_id: str,
+    transaction_timeout_ms: int,
+    overrides: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """A transactional (hence idempotent, acks=all) producer for one shard."""
+    config: dict[str, Any] = {
+        "bootstrap.servers": bootstrap_servers,
+        "transactional.id": transactional_id,
+        # The broker aborts a transaction left open longer than this (a stalled leader), which
+        # also fences the stalled producer. Keep it above the worst batch time + a broker bounce.
+        "transaction.timeout.ms": transaction_timeout_ms,
+        "enable.idempotence": True,
+        "acks": "all",
+        # flush() sends at once; a short linger only helps produce() calls coalesce.
+        "linger.ms": 2,
+        "client.id": f"wal-writer-{transactional_id}",
+    }
+    config.update(overrides or {})
+    return config
+
+
+def consumer_config(
+    bootstrap_servers: str, isolation_level: str, overrides: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
+    """A group-less reader: partitions are assigned by hand, offsets are never committed."""
+    assert isolation_level in ("read_committed", "read_uncommitted"), isolation_level
+    config: dict[str, Any] = {
+        "bootstrap.servers": bootstrap_servers,
+        # librdkafka wants a group id even for assign(); it never joins or commits.
+        "group.id": f"wal-reader-{uuid.uuid4().hex[:12]}",
+        "enable.auto.commit": False,
+        "enable.auto.offset.store": False,
+        "isolation.level": isolation_level,
+        "enable.partition.eof": True,
+        # An offset below the log start (truncated WAL) restarts at the earliest record.
+        "auto.offset.reset": "earliest",
+    }
+    config.update(overrides or {})
+    return config
+
+
+def end_offsets(consumer: Consumer, topic: str, partition: int, timeout_s: float) -> tuple[int, int]:
+    """(log start, end) as the consumer's isolation level sees it.
+
+    librdkafka >= 1.7.1 honours isolation.level here: a read_committed consumer gets the last
+    stable offset (LSO), a read_uncommitted one the high watermark. Raises KafkaException.
+    """
+    low, high = consumer.get_watermark_offsets(
+        TopicPartition(topic, partition), timeout=timeout_s, cached=False
+    )
+    if low < 0 or high < 0:
+        raise KafkaException(KafkaError(KafkaError._UNKNOWN_PARTITION, f"no offsets for {topic}[{partition}]"))
+    return int(low), int(high)
+
+
+def error_of(exc: KafkaException) -> KafkaError:
+    """The KafkaError inside a KafkaException (confluent-kafka puts it in args[0])."""
+    first = exc.args[0] if exc.args else None
+    if isinstance(first, KafkaError):
+        return first
+    return KafkaError(KafkaError._FAIL, str(exc))
+
+
+class PartitionEnds:
+    """Both ends of a partition: the high watermark (read_uncommitted) and the LSO.
+
+    Uses the admin ListOffsets API, which looks up the partition leader on every call, so the
+    answer follows a leader change (a consumer's cached metadata for a partition it is not
+    assigned can stay stale for a long time after the leader dies).
+    """
+
+    def __init__(self, bootstrap_servers: str, timeout_s: float) -> None:
+        self._timeout_s = timeout_s
+        self._admin = AdminClient({"bootstrap.servers": bootstrap_servers})
+
+    def high_watermark(self, topic: str, partition: int) -> int:
+        return self._latest(topic, partition, IsolationLevel.READ_UNCOMMITTED)
+
+    def stable_offset(self, topic: str, partition: int) -> int:
+        return self._latest(topic, partition, IsolationLevel.READ_COMMITTED)
+
+    def _latest(self, topic: str, partition: int, isolation: IsolationLevel) -> int:
+        tp = TopicPartition(topic, partition)
+        latest = OffsetSpec.latest()  # type: ignore[no-untyped-call]
+        futures = self._admin.list_offsets({tp: latest}, isolation_level=isolation,
+                                           request_timeout=self._timeout_s)
+        try:
+            info = futures[tp].result(timeout=self._timeout_s + 1)
+        except concurrent.futures.TimeoutError as exc:
+            raise KafkaException(KafkaError(KafkaError._TIMED_OUT, f"list_offsets {topic}[{partition}]",
+                                            retriable=True)) from exc
+        return int(info.offset)
+
+    def settled_end(self, topic: str, partition: int, timeout_s: float) -> int:
+        """The high watermark at a moment when no transaction is open on the partition.
+
+        Commit and abort markers are written after commit/abort_transaction return, so right
+        after our own batch the high watermark still lacks its marker; only when LSO == HW is
+        the high watermark the offset the next record will get. Raises a retriable
+        KafkaException(_TIMED_OUT) if some transaction stays open longer than `timeout_s`.
+        """
+        deadline = time.monotonic() + timeout_s
+        while True:
+            # LSO first: HW only grows, so LSO(t1) == HW(t2) for t1 < t2 proves that at t1
+            # nothing was open and nothing has been appended since.
+            stable = self.stable_offset(topic, partition)
+            high = self.high_watermark(topic, partition)
+            if stable == high:
+                return high
+            if time.monotonic() >= deadline:
+                raise KafkaException(KafkaError(
+                    KafkaError._TIMED_OUT,
+                    f"{topic}[{partition}]: a transaction stays open (LSO {stable} < HW {high})",
+                    retriable=True))
+            time.sleep(0.02)
+
+    def close(self) -> None:
+        """Nothing to release: the admin client is dropped with this object."""

@@ -1,0 +1,96 @@
+"""The WAL record envelope and the acceptance rule W3: the one definition every reader uses.
+
+A record is accepted iff it is well formed and its actual offset equals its expected offset.
+The expected offset travels twice: in the protobuf body (authoritative for Python readers) and
+as ASCII decimal in the Kafka header `wal.expected_offset`, so that Spark SQL can apply the same
+rule as a column expression without parsing protobuf. A record whose two copies disagree is
+malformed, never accepted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+from google.protobuf.message import DecodeError
+
+from wal.v1 import record_pb2
+
+EXPECTED_OFFSET_HEADER = "wal.expected_offset"
+
+# As confluent-kafka types them; values are bytes on the wire.
+Headers = list[tuple[str, str | bytes | None]]
+AnyHeaders = Headers | dict[str, str | bytes | None] | None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class WriterIdentity:
+    """Who writes: a free-form id and the caller's leadership term."""
+
+    id: str
+    term: int = 0
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class AcceptedRecord:
+    """A record that passed W3, as readers see it."""
+
+    offset: int
+    payload: bytes
+    writer: WriterIdentity
+    timestamp_ms: int
+
+
+class Verdict(enum.Enum):
+    ACCEPTED = "accepted"
+    MISMATCH = "mismatch"  # well formed, but landed somewhere else than it expected
+    MALFORMED = "malformed"  # not a WAL record at all (foreign producer, corrupt bytes)
+
+
+def encode(expected_offset: int, writer: WriterIdentity, payload: bytes) -> tuple[bytes, Headers]:
+    """Build the Kafka value and headers for one record expected at `expected_offset`."""
+    assert expected_offset >= 0, f"expected offset must be non-negative: {expected_offset}"
+    body = record_pb2.Record(
+        expected_offset=expected_offset,
+        writer=record_pb2.Writer(id=writer.id, term=writer.term),
+        payload=payload,
+    ).SerializeToString()
+    headers: Headers = [(EXPECTED_OFFSET_HEADER, str(expected_offset).encode("ascii"))]
+    return body, headers
+
+
+def header_expected_offset(headers: AnyHeaders) -> int | None:
+    """The expected offset from the header, or None if absent or not a decimal integer."""
+    pairs = headers.items() if isinstance(headers, dict) else (headers or ())
+    for key, value in pairs:
+        if key == EXPECTED_OFFSET_HEADER:
+            try:
+                text = value.decode("ascii") if isinstance(value, bytes) else (value or "")
+            except UnicodeDecodeError:
+                return None
+            return int(text) if text.isdigit() else None
+    return None
+
+
+def judge(
+    offset: int, value: bytes | None, headers: AnyHeaders, timestamp_ms: int = 0
+) -> tuple[Verdict, AcceptedRecord | None]:
+    """Apply the acceptance rule W3 to one record read under read_committed."""
+    expected_in_header = header_expected_offset(headers)
+    if expected_in_header is None or value is None:
+        return Verdict.MALFORMED, None
+    try:
+        body = record_pb2.Record.FromString(value)
+    except DecodeError:
+        return Verdict.MALFORMED, None
+    if body.expected_offset != expected_in_header:
+        return Verdict.MALFORMED, None
+    if not accepts(offset, expected_in_header):
+        return Verdict.MISMATCH, None
+    writer = WriterIdentity(id=body.writer.id, term=body.writer.term)
+    return Verdict.ACCEPTED, AcceptedRecord(offset, body.payload, writer, timestamp_ms)
+
+
+def accepts(actual_offset: int, expected_offset: int) -> bool:
+    """W3 itself. The Spark jobs express the same predicate in SQL; tests hold them together."""
+    return actual_offset == expected_offset

@@ -1,0 +1,165 @@
+"""read_committed replay of one shard's partition with the acceptance rule W3.
+
+Every reader of the WAL (leader bootstrap, followers, audits) goes through this class, so the
+rule is applied identically everywhere: only records whose actual offset equals their expected
+offset are yielded; the others are skipped and counted.
+
+The replayer tracks its position itself: after record o it is o+1, and librdkafka's
+PARTITION_EOF event carries the offset past trailing control markers (commit/abort) and aborted
+records, so "reached the end" also works when a partition ends in markers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Iterator
+
+from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
+
+from wal import clients, record
+from wal.errors import UnavailableError, WalTimeoutError
+
+
+@dataclasses.dataclass
+class ReplayStats:
+    accepted: int = 0
+    rejected_mismatch: int = 0  # well-formed records that landed where they did not expect (W3)
+    rejected_malformed: int = 0  # foreign or corrupt records
+
+    @property
+    def rejected(self) -> int:
+        return self.rejected_mismatch + self.rejected_malformed
+
+
+class Replayer:
+    """Consumes one partition read_committed from `start_offset`. Not thread-safe."""
+
+    def __init__(
+        self,
+        bootstrap_servers: str,
+        topic: str,
+        partition: int,
+        start_offset: int,
+        *,
+        poll_timeout_s: float = 0.5,
+        call_timeout_s: float = 10.0,
+        max_poll_records: int = 5_000,
+    ) -> None:
+        assert start_offset >= 0, f"start offset must be >= 0: {start_offset}"
+        assert max_poll_records > 0
+        self.topic = topic
+        self.partition = partition
+        self.position = start_offset  # the next offset this replayer has not looked at
+        self.stats = ReplayStats()
+        self._poll_timeout_s = poll_timeout_s
+        self._call_timeout_s = call_timeout_s
+        self._max_poll_records = max_poll_records
+        self._bootstrap = bootstrap_servers
+        self._ends: clients.PartitionEnds | None = None
+        self._consumer = Consumer(clients.consumer_config(bootstrap_servers, "read_committed"))
+        self._consumer.assign([TopicPartition(topic, partition, start_offset)])
+
+    def end_offset(self) -> int:
+        """The high watermark (read_uncommitted end), the target of "replay to the end" (W6).
+
+        A read_committed consumer's watermark query returns the LSO, so ask a separate
+        read_uncommitted view: the LSO can lag a committed write whose marker is not yet
+        written, and an open transaction below the HW must be waited out, not skipped.
+        """
+        return self._watermark(stable=False)
+
+    def stable_offset(self) -> int:
+        """The last stable offset: what read_committed can deliver right now."""
+        return self._watermark(stable=True)
+
+    def poll(self, timeout_s: float | None = None) -> list[record.AcceptedRecord]:
+        """Tail: return the accepted records that arrive within `timeout_s` (maybe none)."""
+        deadline = time.monotonic() + (self._poll_timeout_s if timeout_s is None else timeout_s)
+        accepted: list[record.AcceptedRecord] = []
+        while not accepted:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            accepted.extend(self._poll_once(remaining))
+        return accepted
+
+    def read_to(self, end_offset: int, timeout_s: float) -> Iterator[record.AcceptedRecord]:
+        """Yield accepted records until the position reaches `end_offset`.
+
+        Raises WalTimeoutError if the end is not reached within `timeout_s`, e.g. because an
+        open transaction below it keeps the LSO back longer than that.
+        """
+        deadline = time.monotonic() + timeout_s
+        while self.position < end_offset:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise WalTimeoutError(
+                    f"{self.topic}[{self.partition}] replay stuck at {self.position}, "
+                    f"end {end_offset}, after {timeout_s}s (an open transaction holds the LSO?)"
+                )
+            yield from self._poll_once(min(remaining, self._poll_timeout_s))
+
+    def read_to_end(self, timeout_s: float) -> Iterator[record.AcceptedRecord]:
+        """Replay up to the high watermark as of this call."""
+        yield from self.read_to(self.end_offset(), timeout_s)
+
+    def seek(self, offset: int) -> None:
+        """Resume from `offset` (e.g. a checkpoint)."""
+        assert offset >= 0
+        self._consumer.seek(TopicPartition(self.topic, self.partition, offset))
+        self.position = offset
+
+    def close(self) -> None:
+        self._consumer.close()
+        if self._ends is not None:
+            self._ends.close()
+            self._ends = None
+
+    def __enter__(self) -> Replayer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- internals ---------------------------------------------------------------------------
+
+    def _poll_once(self, timeout_s: float) -> list[record.AcceptedRecord]:
+        accepted: list[record.AcceptedRecord] = []
+        messages = self._consumer.consume(self._max_poll_records, timeout=timeout_s)
+        for msg in messages:
+            err = msg.error()
+            if err is not None:
+                if err.code() == KafkaError._PARTITION_EOF:
+                    # The offset past everything read_committed can see, markers included.
+                    self.position = max(self.position, msg.offset() or 0)
+                    continue
+                if err.retriable() or not err.fatal():
+                    continue  # transient fetch errors: librdkafka retries by itself
+                raise UnavailableError(f"{self.topic}[{self.partition}]: {err.str()}")
+            offset = msg.offset()
+            assert offset is not None, "a fetched record always has an offset"
+            if offset < self.position:
+                continue  # a re-delivery after a seek; already judged
+            timestamp_ms = msg.timestamp()[1]
+            verdict, accepted_record = record.judge(offset, msg.value(), msg.headers(), timestamp_ms)
+            if verdict is record.Verdict.ACCEPTED:
+                assert accepted_record is not None
+                self.stats.accepted += 1
+                accepted.append(accepted_record)
+            elif verdict is record.Verdict.MISMATCH:
+                self.stats.rejected_mismatch += 1
+            else:
+                self.stats.rejected_malformed += 1
+            self.position = offset + 1
+        return accepted
+
+    def _watermark(self, *, stable: bool) -> int:
+        if self._ends is None:
+            self._ends = clients.PartitionEnds(self._bootstrap, self._call_timeout_s)
+        try:
+            if stable:
+                return self._ends.stable_offset(self.topic, self.partition)
+            return self._ends.high_watermark(self.topic, self.partition)
+        except KafkaException as exc:
+            raise UnavailableError(f"watermarks of {self.topic}[{self.partition}]: {exc}") from exc

@@ -1,0 +1,296 @@
+"""The shard writer: a thin librdkafka shell around the pure `Guard`.
+
+It performs the guard's actions (init_transactions, watermark query, produce, commit, abort)
+and feeds their outcomes back as events. All decisions (W1, W2, W4, retries, what an error
+means) are the guard's; this module only translates between librdkafka and events.
+
+A ShardWriter is not thread-safe and has at most one batch in flight, by design: throughput
+comes from batch size, not from concurrent transactions (DESIGN.md §4, group commit).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import logging
+import time
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from confluent_kafka import KafkaError, KafkaException, Message, Producer
+
+from wal import clients, record
+from wal.errors import ErrorClass, InvalidBatchError, classify
+from wal.guard import (
+    Aborted,
+    AbortTransaction,
+    Action,
+    Append,
+    AppendResult,
+    BeginAndProduce,
+    CloseProducer,
+    Committed,
+    CommitTransaction,
+    Complete,
+    Delivered,
+    EndOffsetRead,
+    Event,
+    Fail,
+    Failed,
+    Fence,
+    Guard,
+    GuardStats,
+    Initialized,
+    InitTransactions,
+    Op,
+    Phase,
+    ReadEndOffset,
+)
+
+log = logging.getLogger(__name__)
+
+# Kafka's default message.max.bytes is 1 MiB per record batch; leave room for the envelope.
+MAX_RECORD_BYTES_DEFAULT = 1_000_000 - 1024
+MAX_BATCH_RECORDS_DEFAULT = 10_000
+MAX_BATCH_BYTES_DEFAULT = 16 * 1024 * 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class WriterConfig:
+    """Where and how one shard writer writes. Every bound has a default and a name."""
+
+    bootstrap_servers: str
+    topic: str
+    partition: int
+    transactional_id: str
+    writer: record.WriterIdentity
+    transaction_timeout_ms: int = 60_000
+    # Upper bound for each blocking librdkafka call (init, flush, commit, abort, watermark).
+    call_timeout_s: float = 10.0
+    # How often a retriable failure of the same call is repeated before giving up.
+    retry_limit: int = 5
+    max_batch_records: int = MAX_BATCH_RECORDS_DEFAULT
+    max_batch_bytes: int = MAX_BATCH_BYTES_DEFAULT
+    max_record_bytes: int = MAX_RECORD_BYTES_DEFAULT
+    producer_overrides: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+
+class ShardWriter:
+    """Conditional-publish appender for one shard's partition (W1, W2, W4, W7)."""
+
+    def __init__(self, config: WriterConfig, *, before_commit: Callable[[], None] | None = None) -> None:
+        """`before_commit` runs after a batch was delivered and checked, right before
+        commit_transaction: a fault-injection seam (the fencing tests pause the process there)."""
+        self.config = config
+        self._guard = Guard(retry_limit=config.retry_limit)
+        self._before_commit = before_commit
+        self._producer: Producer | None = None
+        self._ends: clients.PartitionEnds | None = None
+        self._payloads: Sequence[bytes] = ()
+
+    # ---- public API --------------------------------------------------------------------------
+
+    @property
+    def upcoming_offset(self) -> int | None:
+        """Where the next record will land, or None when unknown (after an abort or a fence)."""
+        return self._guard.upcoming_offset
+
+    @property
+    def phase(self) -> Phase:
+        return self._guard.phase
+
+    @property
+    def stats(self) -> GuardStats:
+        return self._guard.stats
+
+    def fence(self) -> int:
+        """Take the shard: fence every older writer (W4) and return the upcoming offset (W6)."""
+        result = self._drive(Fence())
+        assert isinstance(result, int)
+        return result
+
+    def append(self, payloads: Sequence[bytes], expected_offset: int | None = None) -> AppendResult:
+        """Append one batch in one transaction, or raise a `wal.errors.WalError`.
+
+        With `expected_offset`, the batch must start exactly there (KIP-27's conditional
+        publish); without it, at the writer's own upcoming offset, read from the partition
+        when unknown. Returns the offsets the records landed at and the new upcoming offset.
+        """
+        why = Guard.batch_bounds_ok(
+            [len(p) for p in payloads], self.config.max_batch_records, self.config.max_batch_bytes
+        )
+        if why is not None:
+            raise InvalidBatchError(why)
+        too_big = [len(p) for p in payloads if len(p) > self.config.max_record_bytes]
+        if too_big:
+            raise InvalidBatchError(
+                f"record of {too_big[0]} bytes exceeds max_record_bytes={self.config.max_record_bytes}"
+            )
+        self._payloads = payloads
+        try:
+            result = self._drive(Append(len(payloads), expected_offset))
+        finally:
+            self._payloads = ()
+        assert isinstance(result, AppendResult)
+        return result
+
+    def end_offset(self) -> int:
+        """The partition's high watermark (read_uncommitted end) now; raises KafkaException.
+
+        Right after a commit or abort this may still lack the marker: see `settled_end`."""
+        return self._partition_ends().high_watermark(self.config.topic, self.config.partition)
+
+    def settled_end_offset(self) -> int:
+        """The high watermark once no transaction is open on the partition (markers written)."""
+        return self._partition_ends().settled_end(self.config.topic, self.config.partition,
+                                                  self.config.call_timeout_s)
+
+    def close(self) -> None:
+        """Drop the producer without committing anything: an open transaction is aborted by
+        the broker (timeout) or by the next writer's init_transactions."""
+        self._close_producer()
+        if self._ends is not None:
+            self._ends.close()
+            self._ends = None
+
+    def __enter__(self) -> ShardWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- the event loop ----------------------------------------------------------------------
+
+    def _drive(self, request: Event) -> int | AppendResult:
+        pending: collections.deque[Action] = collections.deque(self._guard.step(request))
+        while pending:
+            action = pending.popleft()
+            if isinstance(action, Complete):
+                return action.result
+            if isinstance(action, Fail):
+                log.warning("shard %s: %s: %s", self.config.transactional_id,
+                            type(action.error).__name__, action.error)
+                raise action.error
+            if isinstance(action, CloseProducer):
+                self._close_producer()
+                continue
+            event = self._perform(action)
+            assert not pending, f"I/O action {action!r} must be the guard's last action"
+            pending.extend(self._guard.step(event))
+        raise AssertionError("the guard ended a request without Complete or Fail")
+
+    def _perform(self, action: Action) -> Event:
+        if isinstance(action, InitTransactions):
+            return self._init(action.fresh_producer)
+        if isinstance(action, ReadEndOffset):
+            try:
+                ends = self._partition_ends()
+                return EndOffsetRead(ends.settled_end(self.config.topic, self.config.partition,
+                                                      self.config.call_timeout_s))
+            except KafkaException as exc:
+                return _failed(Op.END_OFFSET, clients.error_of(exc))
+        if isinstance(action, BeginAndProduce):
+            return self._produce(action)
+        if isinstance(action, CommitTransaction):
+            return self._call(Op.COMMIT, Committed(), self._commit)
+        if isinstance(action, AbortTransaction):
+            return self._call(Op.ABORT, Aborted(),
+                              lambda: self._live_producer().abort_transaction(self.config.call_timeout_s))
+        raise AssertionError(f"unknown action {action!r}")
+
+    def _init(self, fresh: bool) -> Event:
+        if fresh or self._producer is None:
+            self._close_producer()
+            self._producer = Producer(clients.producer_config(
+                self.config.bootstrap_servers, self.config.transactional_id,
+                self.config.transaction_timeout_ms, self.config.producer_overrides))
+        return self._call(Op.INIT, Initialized(),
+                          lambda: self._live_producer().init_transactions(self.config.call_timeout_s))
+
+    def _commit(self) -> None:
+        if self._before_commit is not None:
+            self._before_commit()
+        self._live_producer().commit_transaction(self.config.call_timeout_s)
+
+    def _produce(self, action: BeginAndProduce) -> Event:
+        producer = self._live_producer()
+        assert len(self._payloads) == action.count
+        reports: list[tuple[KafkaError | None, int]] = []
+
+        def on_delivery(err: KafkaError | None, msg: Message) -> None:
+            offset = msg.offset() if err is None else None
+            # None means librdkafka does not know where it landed: -1 fails the W2 check.
+            reports.append((err, -1 if offset is None else int(offset)))
+
+        try:
+            producer.begin_transaction()
+            for index, payload in enumerate(self._payloads):
+                value, headers = record.encode(action.first_offset + index, self.config.writer, payload)
+                producer.produce(self.config.topic, value, partition=self.config.partition,
+                                 headers=headers, on_delivery=on_delivery)
+            undelivered = producer.flush(self.config.call_timeout_s)
+        except KafkaException as exc:
+            return _failed(Op.PRODUCE, clients.error_of(exc))
+        except SystemError as exc:
+            # confluent-kafka raises a fatal error from flush() as SystemError when a delivery
+            # callback ran in the same poll; the KafkaException is its cause.
+            return _failed(Op.PRODUCE, _cause(exc))
+        except BufferError as exc:  # local queue full: bounded by max_batch_records
+            return Failed(Op.PRODUCE, ErrorClass.ABORTABLE, f"producer queue full: {exc}")
+        if undelivered:
+            return Failed(Op.PRODUCE, ErrorClass.RETRIABLE,
+                          f"{undelivered} records undelivered after {self.config.call_timeout_s}s")
+        errors = [err for err, _ in reports if err is not None]
+        if errors:
+            return _failed(Op.PRODUCE, errors[0])
+        # With one partition and max one in-flight transaction, delivery reports arrive in
+        # produce order; sort anyway so that the guard checks record i against offset k+i.
+        return Delivered(tuple(sorted(offset for _, offset in reports)))
+
+    def _call(self, op: Op, success: Event, call: Callable[[], None]) -> Event:
+        started = time.monotonic()
+        try:
+            call()
+        except (KafkaException, SystemError) as exc:
+            err = clients.error_of(exc) if isinstance(exc, KafkaException) else _cause(exc)
+            event = _failed(op, err)
+            log.info("shard %s: %s after %.0f ms: %s", self.config.transactional_id, op.value,
+                     (time.monotonic() - started) * 1000, event.reason)
+            return event
+        return success
+
+    def _live_producer(self) -> Producer:
+        assert self._producer is not None, "no producer: the guard must init first"
+        return self._producer
+
+    def _partition_ends(self) -> clients.PartitionEnds:
+        if self._ends is None:
+            self._ends = clients.PartitionEnds(self.config.bootstrap_servers, self.config.call_timeout_s)
+        return self._ends
+
+    def _close_producer(self) -> None:
+        producer, self._producer = self._producer, None
+        if producer is None:
+            return
+        # A fenced or fatal producer refuses both calls; dropping the instance is what matters.
+        with contextlib.suppress(KafkaException, RuntimeError):
+            producer.purge()
+        with contextlib.suppress(KafkaException, RuntimeError), warnings.catch_warnings():
+            # close() tries to abort an open transaction; the broker will do it anyway.
+            warnings.simplefilter("ignore", RuntimeWarning)
+            producer.close()
+
+
+def _failed(op: Op, err: KafkaError) -> Failed:
+    cls = classify(err.name(), fatal=err.fatal(), retriable=err.retriable(),
+                   txn_requires_abort=err.txn_requires_abort())
+    return Failed(op, cls, f"{err.name()}: {err.str()}")
+
+
+def _cause(exc: SystemError) -> KafkaError:
+    cause = exc.__cause__ or exc.__context__
+    if isinstance(cause, KafkaException):
+        return clients.error_of(cause)
+    return KafkaError(KafkaError._FAIL, f"{exc}")
