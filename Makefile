@@ -18,7 +18,7 @@ unit: venv proto
 	$(PY) -m pytest -q tests/unit
 
 lint: venv proto
-	$(VENV)/bin/ruff check wal kvstore tests bench
+	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
 
 venv: $(VENV)/.installed
