@@ -97,7 +97,11 @@ class PartitionEnds:
 
     def __init__(self, bootstrap_servers: str, timeout_s: float) -> None:
         self._timeout_s = timeout_s
-        self._admin = AdminClient({"bootstrap.servers": bootstrap_servers})
+        self._bootstrap_servers = bootstrap_servers
+        self._admin = self._new_admin()
+
+    def _new_admin(self) -> AdminClient:
+        return AdminClient({"bootstrap.servers": self._bootstrap_servers, "client.id": "wal-partition-ends"})
 
     def high_watermark(self, topic: str, partition: int) -> int:
         return self._latest(topic, partition, IsolationLevel.READ_UNCOMMITTED)
@@ -113,8 +117,14 @@ class PartitionEnds:
         try:
             info = futures[tp].result(timeout=self._timeout_s + 1)
         except concurrent.futures.TimeoutError as exc:
+            self._admin = self._new_admin()
             raise KafkaException(KafkaError(KafkaError._TIMED_OUT, f"list_offsets {topic}[{partition}]",
                                             retriable=True)) from exc
+        except KafkaException:
+            # The admin client does not refresh a stale leader epoch by itself after a broker
+            # restart (FENCED_LEADER_EPOCH forever): start over with fresh metadata.
+            self._admin = self._new_admin()
+            raise
         return int(info.offset)
 
     def settled_end(self, topic: str, partition: int, timeout_s: float) -> int:

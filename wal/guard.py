@@ -242,14 +242,16 @@ class Guard:
 
     def _on_request(self, event: Fence | Append) -> list[Action]:
         assert self._request is None, f"{event!r} while {self._request!r} is in progress"
+        if isinstance(event, Append):  # refuse before taking the request: the guard stays usable
+            assert event.count > 0, "an append needs at least one record"
+            assert event.expected_offset is None or event.expected_offset >= 0, (
+                f"negative expected offset {event.expected_offset}"
+            )
         self._request = event
         self._attempts = 0
         if isinstance(event, Fence):
             self.upcoming_offset = None
             return self._init(fresh=self.phase is not Phase.NEW)
-        assert event.count > 0, "an append needs at least one record"
-        if event.expected_offset is not None:
-            assert event.expected_offset >= 0, f"negative expected offset {event.expected_offset}"
         if self.phase is Phase.FENCED:
             return self._fail(FencedError("this writer was fenced by a newer writer"), Phase.FENCED)
         if self.phase in (Phase.NEW, Phase.NEEDS_INIT):

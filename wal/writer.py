@@ -123,6 +123,8 @@ class ShardWriter:
         )
         if why is not None:
             raise InvalidBatchError(why)
+        if expected_offset is not None and expected_offset < 0:
+            raise InvalidBatchError(f"expected_offset must be >= 0, got {expected_offset}")
         too_big = [len(p) for p in payloads if len(p) > self.config.max_record_bytes]
         if too_big:
             raise InvalidBatchError(
