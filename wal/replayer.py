@@ -81,7 +81,7 @@ class Replayer:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 break
-            accepted.extend(self._poll_once(remaining))
+            accepted.extend(self.poll_once(remaining))
         return accepted
 
     def read_to(self, end_offset: int, timeout_s: float) -> Iterator[record.AcceptedRecord]:
@@ -98,7 +98,7 @@ class Replayer:
                     f"{self.topic}[{self.partition}] replay stuck at {self.position}, "
                     f"end {end_offset}, after {timeout_s}s (an open transaction holds the LSO?)"
                 )
-            yield from self._poll_once(min(remaining, self._poll_timeout_s))
+            yield from self.poll_once(min(remaining, self._poll_timeout_s))
 
     def read_to_end(self, timeout_s: float) -> Iterator[record.AcceptedRecord]:
         """Replay up to the high watermark as of this call."""
@@ -124,7 +124,9 @@ class Replayer:
 
     # ---- internals ---------------------------------------------------------------------------
 
-    def _poll_once(self, timeout_s: float) -> list[record.AcceptedRecord]:
+    def poll_once(self, timeout_s: float) -> list[record.AcceptedRecord]:
+        """One fetch: the accepted records it brought (maybe none); `position` moves past
+        everything it saw, markers and rejected records included."""
         accepted: list[record.AcceptedRecord] = []
         messages = self._consumer.consume(self._max_poll_records, timeout=timeout_s)
         for msg in messages:

@@ -84,6 +84,9 @@ class ShardWriter:
         """`before_commit` runs after a batch was delivered and checked, right before
         commit_transaction: a fault-injection seam (the fencing tests pause the process there)."""
         self.config = config
+        # Who writes; the caller may set a new term after fence() (the term is often only
+        # known once the shard is taken).
+        self.identity = config.writer
         self._guard = Guard(retry_limit=config.retry_limit)
         self._before_commit = before_commit
         self._producer: Producer | None = None
@@ -229,7 +232,7 @@ class ShardWriter:
         try:
             producer.begin_transaction()
             for index, payload in enumerate(self._payloads):
-                value, headers = record.encode(action.first_offset + index, self.config.writer, payload)
+                value, headers = record.encode(action.first_offset + index, self.identity, payload)
                 producer.produce(self.config.topic, value, partition=self.config.partition,
                                  headers=headers, on_delivery=on_delivery)
             undelivered = producer.flush(self.config.call_timeout_s)

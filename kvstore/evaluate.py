@@ -1,0 +1,124 @@
+"""Leader-side evaluation of write requests: conditions in, effects out; pure.
+
+The leader evaluates a request against its applied state plus the batch still pending
+(`lookup` covers both), at the revision (WAL offset) the request's record will be appended at.
+The result is the WAL entry to append (effects only, DESIGN.md §4) and the response to send
+once the batch commits. The response travels inside the entry, so that any replica can answer a
+retry with the original result from its request-id table.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from kvstore.state import KeyState, Lookup, next_key_state
+from kvstore.v1 import kv_pb2, wal_entry_pb2
+
+Response = kv_pb2.PutResponse | kv_pb2.DeleteResponse | kv_pb2.TxnResponse
+
+
+@dataclasses.dataclass(frozen=True)
+class Evaluation:
+    """`entry` is None when the request writes nothing (e.g. a Txn branch of only gets)."""
+
+    entry: wal_entry_pb2.WalEntry | None
+    response: Response
+
+
+def key_value(key: bytes, state: KeyState) -> kv_pb2.KeyValue:
+    return kv_pb2.KeyValue(key=key, value=state.value, version=state.version,
+                           mod_revision=state.mod_revision, create_revision=state.create_revision)
+
+
+def _entry(request_id: str, effects: list[wal_entry_pb2.Effect], response: Response) -> wal_entry_pb2.WalEntry:
+    return wal_entry_pb2.WalEntry(request_id=request_id, effects=effects, response=response.SerializeToString())
+
+
+def _put_effect(key: bytes, value: bytes) -> wal_entry_pb2.Effect:
+    return wal_entry_pb2.Effect(put=wal_entry_pb2.PutEffect(key=key, value=value))
+
+
+def _delete_effect(key: bytes) -> wal_entry_pb2.Effect:
+    return wal_entry_pb2.Effect(delete=wal_entry_pb2.DeleteEffect(key=key))
+
+
+def evaluate_put(req: kv_pb2.PutRequest, lookup: Lookup, shard: int, revision: int) -> Evaluation:
+    effect = _put_effect(req.key, req.value)
+    new = next_key_state(lookup(req.key), effect, revision)
+    assert new is not None
+    response = kv_pb2.PutResponse(result=kv_pb2.WriteResult(shard=shard, revision=revision), version=new.version)
+    return Evaluation(_entry(req.request_id, [effect], response), response)
+
+
+def evaluate_delete(req: kv_pb2.DeleteRequest, lookup: Lookup, shard: int, revision: int) -> Evaluation:
+    existed = lookup(req.key) is not None
+    response = kv_pb2.DeleteResponse(result=kv_pb2.WriteResult(shard=shard, revision=revision), deleted=existed)
+    return Evaluation(_entry(req.request_id, [_delete_effect(req.key)], response), response)
+
+
+def compare_holds(compare: kv_pb2.Compare, state: KeyState | None) -> bool:
+    """One compare against a key's current state. A missing key has version 0, no value."""
+    target, op = compare.target, compare.op
+    if target == kv_pb2.Compare.TARGET_EXISTS:
+        left: int | bytes = int(state is not None)
+        right: int | bytes = int(compare.exists)
+    elif target == kv_pb2.Compare.TARGET_VERSION:
+        left, right = (state.version if state else 0), compare.version
+    elif target == kv_pb2.Compare.TARGET_MOD_REVISION:
+        left, right = (state.mod_revision if state else 0), compare.mod_revision
+    elif target == kv_pb2.Compare.TARGET_VALUE:
+        if state is None:
+            return op == kv_pb2.Compare.OP_NOT_EQUAL
+        left, right = state.value, compare.value
+    else:
+        raise ValueError(f"compare target {target} is not supported")
+    if op == kv_pb2.Compare.OP_EQUAL:
+        return left == right
+    if op == kv_pb2.Compare.OP_NOT_EQUAL:
+        return left != right
+    if op == kv_pb2.Compare.OP_GREATER:
+        return left > right  # type: ignore[operator]
+    if op == kv_pb2.Compare.OP_LESS:
+        return left < right  # type: ignore[operator]
+    raise ValueError(f"compare op {op} is not supported")
+
+
+def evaluate_txn(req: kv_pb2.TxnRequest, lookup: Lookup, shard: int, revision: int) -> Evaluation:
+    """Compares and gets see the state before the Txn; its writes apply in order."""
+    succeeded = all(compare_holds(c, lookup(c.key)) for c in req.compares)
+    ops = req.success if succeeded else req.failure
+    overlay: dict[bytes, KeyState | None] = {}
+
+    def current(key: bytes) -> KeyState | None:
+        return overlay[key] if key in overlay else lookup(key)
+
+    effects: list[wal_entry_pb2.Effect] = []
+    results: list[kv_pb2.TxnOpResult] = []
+    write = kv_pb2.WriteResult(shard=shard, revision=revision)
+    for op in ops:
+        kind = op.WhichOneof("op")
+        if kind == "put":
+            effect = _put_effect(op.put.key, op.put.value)
+            new = next_key_state(current(op.put.key), effect, revision)
+            assert new is not None
+            overlay[op.put.key] = new
+            effects.append(effect)
+            results.append(kv_pb2.TxnOpResult(put=kv_pb2.PutResponse(result=write, version=new.version)))
+        elif kind == "delete":
+            existed = current(op.delete.key) is not None
+            overlay[op.delete.key] = None
+            effects.append(_delete_effect(op.delete.key))
+            results.append(kv_pb2.TxnOpResult(delete=kv_pb2.DeleteResponse(result=write, deleted=existed)))
+        elif kind == "get":
+            state = lookup(op.get.key)
+            get = kv_pb2.GetResponse(found=state is not None)
+            if state is not None:
+                get.kv.CopyFrom(key_value(op.get.key, state))
+            results.append(kv_pb2.TxnOpResult(get=get))
+        else:
+            raise ValueError("a Txn operation must be a put, delete or get")
+    response = kv_pb2.TxnResponse(succeeded=succeeded, results=results,
+                                  result=write if effects else kv_pb2.WriteResult(shard=shard))
+    if not effects:
+        return Evaluation(None, response)
+    return Evaluation(_entry(req.request_id, effects, response), response)

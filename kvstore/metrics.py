@@ -1,0 +1,36 @@
+"""Prometheus metrics of a node (DESIGN.md §6). Names carry their unit last."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_LATENCY_BUCKETS_S = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0)
+_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+
+
+class Metrics:
+    """One registry per node, so several nodes in one process (tests) do not collide."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.commit_latency = Histogram("kvstore_commit_latency_seconds", "WAL batch append+commit time",
+                                        ["shard"], buckets=_LATENCY_BUCKETS_S, registry=r)
+        self.batch_records = Histogram("kvstore_batch_records", "records per committed WAL batch", ["shard"],
+                                       buckets=_BATCH_BUCKETS, registry=r)
+        self.applied_offset = Gauge("kvstore_applied_offset", "next WAL offset this replica will apply",
+                                    ["shard"], registry=r)
+        self.end_offset = Gauge("kvstore_end_offset", "last known WAL high watermark", ["shard"], registry=r)
+        self.lag_records = Gauge("kvstore_lag_records", "end_offset - applied_offset (markers included)",
+                                 ["shard"], registry=r)
+        self.w3_rejections = Counter("kvstore_w3_rejections", "WAL records skipped by the acceptance rule",
+                                     ["shard"], registry=r)
+        self.fencings = Counter("kvstore_fencings", "times this node's writer was fenced", ["shard"], registry=r)
+        self.leader_changes = Counter("kvstore_leader_changes", "times this node took leadership", ["shard"],
+                                      registry=r)
+        self.rebuilds = Counter("kvstore_rebuilds", "local state wiped and rebuilt from the WAL", ["shard"],
+                                registry=r)
+        self.open_txn_age = Gauge("kvstore_open_txn_age_seconds", "age of the open WAL transaction (0: none)",
+                                  ["shard"], registry=r)
+        self.requests = Counter("kvstore_requests", "gRPC requests by method and status code",
+                                ["method", "code"], registry=r)

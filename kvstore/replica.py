@@ -1,0 +1,487 @@
+"""One shard's replica: follower, bootstrapping leader, leader with group commit, read barrier.
+
+Runs on the server's asyncio loop. Blocking WAL calls (librdkafka) run in worker threads; the
+LevelDB store is touched only from the loop thread, so apply and reads never race.
+
+Leader life (DESIGN.md §3-4):
+  1. fence: `init_transactions` on the shard's transactional id (W4) -> upcoming offset e;
+  2. bootstrap: replay read_committed from the checkpoint up to e (W6), applying with the same
+     function as followers; only then accept writes;
+  3. group commit: one batch in flight; requests arriving meanwhile form the next batch, bounded
+     by count, bytes and a short linger; each request is evaluated against state + the pending
+     batch at the revision (offset) its record will get; the batch is appended at that expected
+     offset (W1, W2) and applied + answered only after commit (W5);
+  4. any abort: fail the batch's requests as retriable and bootstrap again from the partition;
+     unknown outcome: answer "unknown" (W7) and bootstrap again; fenced: step down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import enum
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import wal
+import wal.clients
+from kvstore import errors, limits
+from kvstore.evaluate import Evaluation, Response
+from kvstore.metrics import Metrics
+from kvstore.state import Change, KeyState, Lookup, decode_entry, effect_key, next_key_state
+from kvstore.storage import ShardStore
+from kvstore.v1 import kv_pb2
+
+log = logging.getLogger(__name__)
+
+
+class Role(enum.Enum):
+    FOLLOWER = "follower"
+    BOOTSTRAPPING = "bootstrapping"
+    LEADER = "leader"
+    STOPPED = "stopped"
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplicaConfig:
+    cluster: str
+    topic: str
+    shard: int
+    bootstrap_servers: str
+    node_id: str
+    data_dir: Path
+    transaction_timeout_ms: int = 60_000
+    call_timeout_s: float = 10.0
+    bootstrap_timeout_s: float = 120.0
+    linger_ms: float = limits.BATCH_LINGER_MS
+    max_batch_records: int = limits.MAX_BATCH_RECORDS
+    max_batch_bytes: int = limits.MAX_BATCH_BYTES
+    max_pending_writes: int = limits.MAX_PENDING_WRITES_PER_SHARD
+    barrier_timeout_s: float = 10.0
+
+
+Build = Callable[[Lookup, int], Evaluation]
+
+
+@dataclasses.dataclass
+class _Pending:
+    build: Build
+    request_id: str
+    size: int
+    response_type: type[Any]
+    future: asyncio.Future[Response]
+
+
+class Watcher:
+    """A bounded queue of changes for one Watch stream; cut off if it falls too far behind."""
+
+    def __init__(self, key: bytes, prefix: bytes) -> None:
+        self.key = key
+        self.prefix = prefix
+        self.queue: asyncio.Queue[tuple[int, Change] | None] = asyncio.Queue(maxsize=limits.WATCH_QUEUE_EVENTS)
+        # Per shard: changes below this revision come from WAL history, not from live apply.
+        self.live_from: dict[int, int] = {}
+        self.overflowed = False
+
+    def matches(self, key: bytes) -> bool:
+        return key.startswith(self.prefix) if self.prefix else key == self.key
+
+    def offer(self, shard: int, change: Change) -> None:
+        if self.overflowed or not self.matches(change.key) or change.revision < self.live_from.get(shard, 0):
+            return
+        try:
+            self.queue.put_nowait((shard, change))
+        except asyncio.QueueFull:
+            self.overflowed = True
+            self.close()
+
+    def close(self) -> None:
+        """End the stream: None is the end-of-stream marker, room is made for it if needed."""
+        if self.queue.full():
+            self.queue.get_nowait()
+        self.queue.put_nowait(None)
+
+
+class ShardReplica:
+    def __init__(self, config: ReplicaConfig, metrics: Metrics) -> None:
+        self.config = config
+        self.shard = config.shard
+        self.metrics = metrics
+        self.store = ShardStore(config.data_dir / f"shard-{config.shard}", topic=config.topic, shard=config.shard)
+        self.role = Role.FOLLOWER
+        self.term = 0
+        self.end_offset = 0  # last known high watermark
+        self.watchers: set[Watcher] = set()
+        self._queue: asyncio.Queue[_Pending] = asyncio.Queue(maxsize=config.max_pending_writes)
+        self._writer: wal.ShardWriter | None = None
+        self._upcoming: int | None = None
+        self._written_end: int | None = None  # upcoming offset if the in-flight batch commits
+        self._txn_started: float | None = None
+        self._applied = asyncio.Event()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._stopping = False
+        self._want_lead = False
+        self._round: asyncio.Future[int] | None = None
+        self._round_task: asyncio.Task[None] | None = None
+        self._ends = wal.clients.PartitionEnds(config.bootstrap_servers, config.call_timeout_s)
+        self._seen_rejected = 0
+        if self.store.rebuilt_reason:
+            metrics.rebuilds.labels(shard=str(self.shard)).inc()
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+
+    def start(self, lead: bool) -> None:
+        """Follow the shard, and lead it whenever possible if `lead`."""
+        self._want_lead = lead
+        self._tasks.append(asyncio.create_task(self._run(), name=f"shard-{self.shard}"))
+
+    async def stop(self) -> None:
+        """Graceful: stop taking writes, let the batch in flight finish and answer its clients."""
+        self._stopping = True
+        deadline = time.monotonic() + self.config.call_timeout_s * 2
+        while self._txn_started is not None and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        self._fail_queued(errors.UnavailableError(f"shard {self.shard}: node shutting down"))
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self.role = Role.STOPPED
+        for watcher in list(self.watchers):
+            watcher.close()
+        if self._writer is not None:
+            await asyncio.to_thread(self._writer.close)
+        self.store.close()
+
+    async def _run(self) -> None:
+        backoff = 0.2
+        while not self._stopping:
+            try:
+                if self._want_lead:
+                    await self._lead()
+                else:
+                    await self._follow()
+                backoff = 0.2
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("shard %d: replica loop failed; retrying in %.1fs", self.shard, backoff)
+                self.role = Role.FOLLOWER
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 5.0)
+
+    # ---- follower ------------------------------------------------------------------------------
+
+    async def _follow(self) -> None:
+        self.role = Role.FOLLOWER
+        replayer = await asyncio.to_thread(self._replayer)
+        try:
+            while not self._stopping and not self._want_lead:
+                records = await asyncio.to_thread(replayer.poll_once, 0.5)
+                self._apply_replayed(records, replayer)
+        finally:
+            await asyncio.to_thread(replayer.close)
+
+    def _replayer(self) -> wal.Replayer:
+        return wal.Replayer(self.config.bootstrap_servers, self.config.topic, self.shard, self.store.applied_offset,
+                            call_timeout_s=self.config.call_timeout_s)
+
+    def _apply_replayed(self, records: list[wal.AcceptedRecord], replayer: wal.Replayer) -> None:
+        rejected = replayer.stats.rejected
+        self.metrics.w3_rejections.labels(shard=str(self.shard)).inc(rejected - self._seen_rejected)
+        self._seen_rejected = rejected
+        if replayer.position <= self.store.applied_offset and not records:
+            return
+        applied = self.store.apply([(r.offset, r.payload) for r in records], replayer.position)
+        self._after_apply(applied.changes)
+
+    def _after_apply(self, changes: list[Change]) -> None:
+        applied_offset = self.store.applied_offset
+        self.metrics.applied_offset.labels(shard=str(self.shard)).set(applied_offset)
+        self.end_offset = max(self.end_offset, applied_offset)
+        for change in changes:
+            for watcher in list(self.watchers):
+                watcher.offer(self.shard, change)
+        self._applied.set()
+        self._applied = asyncio.Event()
+
+    # ---- leader --------------------------------------------------------------------------------
+
+    async def _lead(self) -> None:
+        self.role = Role.BOOTSTRAPPING
+        writer = wal.ShardWriter(wal.WriterConfig(
+            bootstrap_servers=self.config.bootstrap_servers, topic=self.config.topic, partition=self.shard,
+            transactional_id=wal.shard_transactional_id(self.config.cluster, self.shard),
+            writer=wal.WriterIdentity(self.config.node_id, 0),
+            transaction_timeout_ms=self.config.transaction_timeout_ms, call_timeout_s=self.config.call_timeout_s,
+            max_batch_records=self.config.max_batch_records, max_batch_bytes=self.config.max_batch_bytes * 2))
+        self._writer = writer
+        try:
+            end = await asyncio.to_thread(writer.fence)  # W4
+            self.metrics.leader_changes.labels(shard=str(self.shard)).inc()
+            # The term: the partition end when this leader fenced in, plus one. It never goes
+            # back across takeovers because every takeover sees at least the previous one's end.
+            self.term = end + 1
+            writer.identity = wal.WriterIdentity(self.config.node_id, self.term)
+            await self._catch_up(end)  # W6
+            self._upcoming = end
+            self.role = Role.LEADER
+            log.info("shard %d: leading at offset %d (term %d)", self.shard, end, self.term)
+            await self._commit_loop(writer)
+        finally:
+            self.role = Role.FOLLOWER if not self._stopping else Role.STOPPED
+            self._upcoming = None
+            self._fail_queued(errors.UnavailableError(f"shard {self.shard}: leadership lost; retry"))
+            self._writer = None
+            await asyncio.to_thread(writer.close)
+
+    async def _catch_up(self, end: int) -> None:
+        """Replay read_committed from the checkpoint up to `end` (bounded by bootstrap_timeout_s)."""
+        if self.store.applied_offset > end:
+            # Our checkpoint is beyond the partition: the WAL was recreated. Never trust it.
+            self.store.wipe(f"checkpoint {self.store.applied_offset} beyond WAL end {end}")
+            self.metrics.rebuilds.labels(shard=str(self.shard)).inc()
+        if self.store.applied_offset >= end:
+            return
+        replayer = await asyncio.to_thread(self._replayer)
+        deadline = time.monotonic() + self.config.bootstrap_timeout_s
+        try:
+            while replayer.position < end:
+                if time.monotonic() > deadline:
+                    raise errors.UnavailableError(
+                        f"shard {self.shard}: bootstrap stuck at {replayer.position} of {end}")
+                records = await asyncio.to_thread(replayer.poll_once, 0.5)
+                self._apply_replayed(records, replayer)
+        finally:
+            await asyncio.to_thread(replayer.close)
+
+    async def _commit_loop(self, writer: wal.ShardWriter) -> None:
+        while not self._stopping:
+            first = await self._queue.get()
+            batch = [first]
+            size = first.size
+            if self.config.linger_ms > 0 and self._queue.empty():
+                await asyncio.sleep(self.config.linger_ms / 1000)
+            while (len(batch) < self.config.max_batch_records and size < self.config.max_batch_bytes
+                   and not self._queue.empty()):
+                item = self._queue.get_nowait()
+                batch.append(item)
+                size += item.size
+            if not await self._commit_batch(writer, batch):
+                return  # leadership lost: _run decides what next
+
+    async def _commit_batch(self, writer: wal.ShardWriter, batch: list[_Pending]) -> bool:
+        """Evaluate, append, apply, answer. False when this node must stop leading."""
+        assert self._upcoming is not None
+        revision = self._upcoming
+        overlay: dict[bytes, KeyState | None] = {}
+
+        def lookup(key: bytes) -> KeyState | None:
+            return overlay[key] if key in overlay else self.store.get(key)
+
+        payloads: list[bytes] = []
+        answers: list[tuple[_Pending, Response | Exception]] = []
+        in_batch: dict[str, Response] = {}
+        for pending in batch:
+            if pending.future.done():  # the client gave up (deadline) before we started
+                continue
+            if pending.request_id:
+                earlier = self.store.request(pending.request_id)
+                if earlier is not None:
+                    answers.append((pending, _replayed(pending.response_type, earlier.response)))
+                    continue
+                if pending.request_id in in_batch:
+                    answers.append((pending, in_batch[pending.request_id]))
+                    continue
+            try:
+                evaluation = pending.build(lookup, revision + len(payloads))
+            except ValueError as exc:
+                answers.append((pending, errors.InvalidRequestError(str(exc))))
+                continue
+            if evaluation.entry is not None:
+                record_revision = revision + len(payloads)
+                for effect in evaluation.entry.effects:
+                    key = effect_key(effect)
+                    overlay[key] = next_key_state(lookup(key), effect, record_revision)
+                payloads.append(evaluation.entry.SerializeToString())
+            if pending.request_id:
+                in_batch[pending.request_id] = evaluation.response
+            answers.append((pending, evaluation.response))
+
+        if payloads:
+            ok = await self._append(writer, payloads, revision, [p for p, _ in answers])
+            if not ok:
+                return self.role is Role.LEADER and not self._stopping
+        elif any(not isinstance(a, Exception) for _, a in answers):
+            # Read-only Txns saw committed state only; a barrier makes their answer linearizable.
+            try:
+                await self.barrier()
+            except errors.StoreError as exc:
+                for pending, _ in answers:
+                    _settle(pending.future, exc)
+                return self.role is Role.LEADER
+        for pending, answer in answers:
+            _settle(pending.future, answer)
+        return True
+
+    async def _append(self, writer: wal.ShardWriter, payloads: list[bytes], revision: int,
+                      waiting: list[_Pending]) -> bool:
+        self._written_end = revision + len(payloads) + 1
+        self._txn_started = time.monotonic()
+        started = time.perf_counter()
+        try:
+            result = await asyncio.to_thread(writer.append, payloads, revision)
+        except wal.WalError as exc:
+            self._txn_started = None
+            self._written_end = None
+            await self._on_append_error(exc, waiting)
+            return False
+        finally:
+            self._txn_started = None
+        self.metrics.commit_latency.labels(shard=str(self.shard)).observe(time.perf_counter() - started)
+        self.metrics.batch_records.labels(shard=str(self.shard)).observe(len(payloads))
+        assert result.offsets == tuple(range(revision, revision + len(payloads))), "W2 broken: guard let it pass"
+        applied = self.store.apply(list(zip(result.offsets, payloads, strict=True)), result.upcoming_offset)  # W5
+        self._upcoming = result.upcoming_offset
+        self._written_end = None
+        self._after_apply(applied.changes)
+        return True
+
+    async def _on_append_error(self, exc: wal.WalError, waiting: list[_Pending]) -> None:
+        shard = self.shard
+        if isinstance(exc, wal.UnknownOutcomeError):
+            error: errors.StoreError = errors.UnknownOutcomeError(
+                f"shard {shard}: commit outcome unknown ({exc}); retry with the same request id")
+        elif isinstance(exc, wal.WriterFatalError):
+            error = errors.UnavailableError(f"shard {shard}: leader was fenced; retry")
+        else:
+            error = errors.UnavailableError(f"shard {shard}: batch aborted ({exc}); retry")
+        for pending in waiting:
+            _settle(pending.future, error)
+        if isinstance(exc, wal.FencedError) or (isinstance(exc, wal.UnknownOutcomeError) and exc.fenced):
+            self.metrics.fencings.labels(shard=str(shard)).inc()
+            log.warning("shard %d: fenced, stepping down: %s", shard, exc)
+            self.role = Role.FOLLOWER
+            return
+        # W2: after any abort or unknown outcome, learn the partition again before writing.
+        log.warning("shard %d: %s; bootstrapping again", shard, exc)
+        self.role = Role.BOOTSTRAPPING
+        self._upcoming = None
+        try:
+            assert self._writer is not None
+            end = await asyncio.to_thread(self._writer.settled_end_offset)
+            await self._catch_up(end)
+        except Exception as resync_error:
+            log.warning("shard %d: re-bootstrap failed: %s", shard, resync_error)
+            self.role = Role.FOLLOWER
+            return
+        self._upcoming = end
+        self.role = Role.LEADER
+
+    # ---- requests --------------------------------------------------------------------------------
+
+    def require_leader(self) -> None:
+        if self.role is not Role.LEADER or self._stopping:
+            if self.role is Role.BOOTSTRAPPING:
+                raise errors.UnavailableError(f"shard {self.shard} is bootstrapping; retry")
+            raise errors.NotLeaderError(self.shard, None)
+
+    async def write(self, build: Build, request_id: str, size: int, response_type: type[Any]) -> Response:
+        """Queue a write for the next batch and wait for its answer (after commit)."""
+        self.require_leader()
+        if request_id:
+            earlier = self.store.request(request_id)
+            if earlier is not None:
+                return _replayed(response_type, earlier.response)
+        future: asyncio.Future[Response] = asyncio.get_running_loop().create_future()
+        try:
+            self._queue.put_nowait(_Pending(build, request_id, size, response_type, future))
+        except asyncio.QueueFull:
+            raise errors.OverloadedError(
+                f"shard {self.shard}: {self.config.max_pending_writes} writes pending "
+                f"(limit MAX_PENDING_WRITES_PER_SHARD); back off") from None
+        return await future
+
+    async def barrier(self) -> None:
+        """Linearizable read barrier (DESIGN.md §4), shared by the reads waiting at that moment."""
+        self.require_leader()
+        if self._round is None:
+            self._round = asyncio.get_running_loop().create_future()
+            self._round_task = asyncio.create_task(self._run_round(self._round))
+        end = await asyncio.shield(self._round)
+        written = self._written_end if self._written_end is not None else self._upcoming
+        if written is None or end > written:
+            # Someone else wrote beyond everything we wrote: we may not be the leader any more.
+            self.role = Role.FOLLOWER if written is not None else self.role
+            raise errors.UnavailableError(f"shard {self.shard}: high watermark {end} beyond our writes; retry")
+        await self.wait_applied(end, self.config.barrier_timeout_s)
+
+    async def _run_round(self, round_: asyncio.Future[int]) -> None:
+        await asyncio.sleep(0)  # let reads that arrived in this same tick join
+        self._round = None  # reads arriving from now on need a later query
+        try:
+            end = await asyncio.to_thread(self._ends.high_watermark, self.config.topic, self.shard)
+        except Exception as exc:
+            round_.set_exception(errors.UnavailableError(f"shard {self.shard}: read barrier failed: {exc}"))
+            return
+        self.end_offset = max(self.end_offset, end)
+        round_.set_result(end)
+
+    async def wait_applied(self, offset: int, timeout_s: float) -> None:
+        """Until everything below `offset` is applied here."""
+        deadline = time.monotonic() + timeout_s
+        while self.store.applied_offset < offset:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise errors.UnavailableError(
+                    f"shard {self.shard}: applied {self.store.applied_offset}, waited for {offset}")
+            try:
+                await asyncio.wait_for(self._applied.wait(), remaining)
+            except TimeoutError:
+                continue
+
+    def open_txn_age_ms(self) -> int:
+        started = self._txn_started
+        return int((time.monotonic() - started) * 1000) if started is not None else 0
+
+    def _fail_queued(self, error: errors.StoreError) -> None:
+        while not self._queue.empty():
+            _settle(self._queue.get_nowait().future, error)
+
+
+def _settle(future: asyncio.Future[Response], answer: Response | Exception) -> None:
+    if future.done():
+        return
+    if isinstance(answer, Exception):
+        future.set_exception(answer)
+    else:
+        future.set_result(answer)
+
+
+def _replayed(response_type: type[Any], raw: bytes) -> Response:
+    """The original answer to a request id seen before, marked as a replay."""
+    response = response_type.FromString(raw)
+    if response.HasField("result"):
+        response.result.replayed = True
+    assert isinstance(response, (kv_pb2.PutResponse, kv_pb2.DeleteResponse, kv_pb2.TxnResponse))
+    return response
+
+
+def decode_changes(records: list[wal.AcceptedRecord]) -> list[Change]:
+    """Changes carried by WAL records, for Watch history (versions are not known there: 0)."""
+    from kvstore.state import ChangeType
+
+    out: list[Change] = []
+    for rec in records:
+        entry = decode_entry(rec.payload)
+        if entry is None:
+            continue
+        for effect in entry.effects:
+            key = effect_key(effect)
+            if effect.WhichOneof("kind") == "put":
+                out.append(Change(ChangeType.PUT, key, KeyState(effect.put.value, 0, rec.offset, 0), rec.offset))
+            else:
+                out.append(Change(ChangeType.DELETE, key, None, rec.offset))
+    return out

@@ -1,0 +1,359 @@
+"""`kvstore serve`: the gRPC server (grpc.aio) of one node.
+
+Services: kvstore.v1.KV, kvstore.v1.Cluster, grpc.health.v1.Health (NOT_SERVING until every
+shard bootstrapped), server reflection (grpcurl works without .proto files). Prometheus
+metrics on --metrics-port. SIGTERM/SIGINT: stop taking requests, finish the batches in flight,
+answer their clients, then stop (no acknowledged write is lost: acknowledgement follows commit).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import functools
+import json
+import logging
+import signal
+import sys
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import grpc
+import grpc.aio
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from prometheus_client import start_http_server
+
+import wal
+from kvstore import errors, limits, validation
+from kvstore.evaluate import evaluate_delete, evaluate_put, evaluate_txn, key_value
+from kvstore.node import Node, NodeConfig
+from kvstore.replica import Role, ShardReplica, Watcher, decode_changes
+from kvstore.state import ChangeType
+from kvstore.v1 import cluster_pb2, cluster_pb2_grpc, kv_pb2, kv_pb2_grpc
+
+log = logging.getLogger("kvstore.server")
+
+T = TypeVar("T")
+STALE_WAIT_DEFAULT_S = 5.0
+
+
+def _handler(method: str) -> Callable[[Callable[..., Awaitable[T]]], Callable[..., Awaitable[T]]]:
+    """Map StoreErrors to gRPC status in one place (kvstore.errors.to_status) and count requests."""
+
+    def wrap(fn: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
+        @functools.wraps(fn)
+        async def run(self: Any, request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> T:
+            try:
+                result = await fn(self, request, context)
+            except errors.StoreError as exc:
+                code, details, metadata = errors.to_status(exc)
+                self.node.metrics.requests.labels(method=method, code=code.name).inc()
+                await context.abort(code, details, trailing_metadata=metadata)
+                raise AssertionError("abort returned") from exc
+            self.node.metrics.requests.labels(method=method, code="OK").inc()
+            return result
+
+        return run
+
+    return wrap
+
+
+def _deadline_s(context: grpc.aio.ServicerContext[Any, Any], default: float) -> float:
+    remaining = context.time_remaining()
+    return default if remaining is None else max(0.0, min(default, remaining))
+
+
+class KVService(kv_pb2_grpc.KVServicer):
+    def __init__(self, node: Node) -> None:
+        self.node = node
+
+    def _leader(self, shard: int) -> ShardReplica:
+        replica = self.node.replica(shard)
+        replica.require_leader()
+        return replica
+
+    async def _read_ready(self, shard: int, options: kv_pb2.ReadOptions,
+                          context: grpc.aio.ServicerContext[Any, Any]) -> ShardReplica:
+        replica = self.node.replica(shard)
+        consistency = options.consistency
+        if consistency in (kv_pb2.CONSISTENCY_UNSPECIFIED, kv_pb2.CONSISTENCY_LINEARIZABLE):
+            await replica.barrier()
+        elif consistency == kv_pb2.CONSISTENCY_LEADER_LOCAL:
+            replica.require_leader()
+        elif consistency == kv_pb2.CONSISTENCY_STALE:
+            if options.min_revision > 0:
+                await replica.wait_applied(options.min_revision + 1, _deadline_s(context, STALE_WAIT_DEFAULT_S))
+        else:
+            raise errors.InvalidRequestError(f"unknown consistency level {consistency}")
+        return replica
+
+    def _header(self, replica: ShardReplica) -> kv_pb2.ReadHeader:
+        return kv_pb2.ReadHeader(shard=replica.shard, applied_revision=replica.store.applied_offset,
+                                 served_by=self.node.config.node_id)
+
+    @_handler("Get")
+    async def Get(self, request: kv_pb2.GetRequest, context: Any) -> kv_pb2.GetResponse:
+        validation.check_key(request.key)
+        replica = await self._read_ready(self.node.shard_for(request.key), request.read, context)
+        state = replica.store.get(request.key)
+        response = kv_pb2.GetResponse(header=self._header(replica), found=state is not None)
+        if state is not None:
+            response.kv.CopyFrom(key_value(request.key, state))
+        return response
+
+    @_handler("Put")
+    async def Put(self, request: kv_pb2.PutRequest, context: Any) -> kv_pb2.PutResponse:
+        validation.check_put(request)
+        shard = self.node.shard_for(request.key)
+        response = await self._leader(shard).write(
+            lambda lookup, rev: evaluate_put(request, lookup, shard, rev), request.request_id,
+            request.ByteSize(), kv_pb2.PutResponse)
+        assert isinstance(response, kv_pb2.PutResponse)
+        return response
+
+    @_handler("Delete")
+    async def Delete(self, request: kv_pb2.DeleteRequest, context: Any) -> kv_pb2.DeleteResponse:
+        validation.check_delete(request)
+        shard = self.node.shard_for(request.key)
+        response = await self._leader(shard).write(
+            lambda lookup, rev: evaluate_delete(request, lookup, shard, rev), request.request_id,
+            request.ByteSize(), kv_pb2.DeleteResponse)
+        assert isinstance(response, kv_pb2.DeleteResponse)
+        return response
+
+    @_handler("Txn")
+    async def Txn(self, request: kv_pb2.TxnRequest, context: Any) -> kv_pb2.TxnResponse:
+        shard = validation.check_txn(request, self.node.config.shards)
+        response = await self._leader(shard).write(
+            lambda lookup, rev: evaluate_txn(request, lookup, shard, rev), request.request_id,
+            request.ByteSize(), kv_pb2.TxnResponse)
+        assert isinstance(response, kv_pb2.TxnResponse)
+        return response
+
+    @_handler("Scan")
+    async def Scan(self, request: kv_pb2.ScanRequest, context: Any) -> kv_pb2.ScanResponse:
+        start, end, limit = validation.scan_bounds(request)
+        if request.page_token:
+            if request.page_token <= start and not request.page_token.startswith(start):
+                raise errors.InvalidRequestError("page_token does not belong to this scan")
+            start = max(start, request.page_token)
+        replicas = [await self._read_ready(shard, request.read, context) for shard in range(self.node.config.shards)]
+        # Scatter-gather: every shard's first `limit + 1` keys, merged in byte order.
+        rows = []
+        for replica in replicas:
+            rows.extend(replica.store.scan(start, end, limit + 1))
+        rows.sort(key=lambda row: row[0])
+        page = rows[:limit]
+        response = kv_pb2.ScanResponse(headers=[self._header(r) for r in replicas])
+        for key, state in page:
+            kv = key_value(key, state)
+            if request.keys_only:
+                kv.value = b""
+            response.kvs.append(kv)
+        if len(rows) > limit:
+            response.next_page_token = page[-1][0] + b"\x00"
+        return response
+
+    async def Watch(self, request: kv_pb2.WatchRequest,
+                    context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[kv_pb2.WatchEvent]:
+        try:
+            if not request.prefix:
+                validation.check_key(request.key)
+            if request.start_revision < 0:
+                raise errors.InvalidRequestError("start_revision must be >= 0")
+            watching = sum(len(r.watchers) for r in self.node.replicas.values())
+            if watching >= limits.MAX_WATCHERS:
+                raise errors.OverloadedError(f"{watching} watches open; limit MAX_WATCHERS is {limits.MAX_WATCHERS}")
+        except errors.StoreError as exc:
+            code, details, metadata = errors.to_status(exc)
+            await context.abort(code, details, trailing_metadata=metadata)
+            return
+        shards = ([self.node.shard_for(request.key)] if not request.prefix
+                  else list(range(self.node.config.shards)))
+        watcher = Watcher(request.key, request.prefix)
+        replicas = [self.node.replica(s) for s in shards]
+        for replica in replicas:
+            watcher.live_from[replica.shard] = replica.store.applied_offset
+            replica.watchers.add(watcher)
+        try:
+            if request.HasField("start_revision"):
+                for replica in replicas:
+                    async for event in self._history(replica, watcher, request.start_revision):
+                        yield event
+            while True:
+                item = await watcher.queue.get()
+                if item is None:
+                    if watcher.overflowed:
+                        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                            f"watcher fell {limits.WATCH_QUEUE_EVENTS} events behind "
+                                            "(WATCH_QUEUE_EVENTS); watch again from the last revision seen")
+                    return
+                shard, change = item
+                yield _event(shard, change)
+        finally:
+            for replica in replicas:
+                replica.watchers.discard(watcher)
+
+    async def _history(self, replica: ShardReplica, watcher: Watcher, start: int) -> AsyncIterator[kv_pb2.WatchEvent]:
+        """Changes in [start, live_from) of one shard, read back from the WAL."""
+        end = watcher.live_from[replica.shard]
+        if start >= end:
+            return
+        config = replica.config
+        replayer = await asyncio.to_thread(wal.Replayer, config.bootstrap_servers, config.topic, replica.shard, start)
+        try:
+            while replayer.position < end:
+                records = await asyncio.to_thread(replayer.poll_once, 0.5)
+                for change in decode_changes([r for r in records if r.offset < end]):
+                    if watcher.matches(change.key):
+                        yield _event(replica.shard, change)
+        finally:
+            await asyncio.to_thread(replayer.close)
+
+
+def _event(shard: int, change: Any) -> kv_pb2.WatchEvent:
+    if change.type is ChangeType.PUT:
+        assert change.state is not None
+        return kv_pb2.WatchEvent(type=kv_pb2.WatchEvent.TYPE_PUT, kv=key_value(change.key, change.state), shard=shard)
+    return kv_pb2.WatchEvent(type=kv_pb2.WatchEvent.TYPE_DELETE,
+                             kv=kv_pb2.KeyValue(key=change.key, mod_revision=change.revision), shard=shard)
+
+
+class ClusterService(cluster_pb2_grpc.ClusterServicer):
+    def __init__(self, node: Node) -> None:
+        self.node = node
+
+    @_handler("ShardMap")
+    async def ShardMap(self, request: cluster_pb2.ShardMapRequest,
+                       context: Any) -> cluster_pb2.ShardMapResponse:
+        config = self.node.config
+        response = cluster_pb2.ShardMapResponse(shard_count=config.shards, topic=config.wal_topic,
+                                                served_by=config.node_id)
+        for shard, replica in sorted(self.node.replicas.items()):
+            try:
+                end = await asyncio.to_thread(replica._ends.high_watermark, config.wal_topic, shard)
+                replica.end_offset = max(replica.end_offset, end)
+            except Exception:
+                end = replica.end_offset
+            applied = replica.store.applied_offset
+            leading = replica.role is Role.LEADER
+            response.shards.append(cluster_pb2.ShardInfo(
+                shard=shard, leader=self.node.leader_address(shard), term=replica.term if leading else 0,
+                applied_offset=applied, end_offset=end, lag=max(0, end - applied),
+                open_txn_age_ms=replica.open_txn_age_ms()))
+        return response
+
+
+async def _health_loop(node: Node, servicer: health.HealthServicer, stop: asyncio.Event) -> None:
+    names = ("", "kvstore.v1.KV", "kvstore.v1.Cluster")
+    while not stop.is_set():
+        serving = node.serving()
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in names:
+            await servicer.set(name, status)
+        for shard, replica in node.replicas.items():
+            label = str(shard)
+            node.metrics.open_txn_age.labels(shard=label).set(replica.open_txn_age_ms() / 1000)
+            node.metrics.end_offset.labels(shard=label).set(replica.end_offset)
+            node.metrics.lag_records.labels(shard=label).set(max(0, replica.end_offset - replica.store.applied_offset))
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), 0.2)
+    for name in names:
+        await servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+
+
+async def serve(config: NodeConfig, ready: Callable[[str], None] | None = None) -> None:
+    """Run a node until SIGTERM/SIGINT."""
+    node = Node(config)
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", limits.GRPC_MAX_MESSAGE_BYTES),
+                                      ("grpc.max_send_message_length", limits.GRPC_MAX_MESSAGE_BYTES)])
+    kv_pb2_grpc.add_KVServicer_to_server(KVService(node), server)  # type: ignore[no-untyped-call]
+    cluster_pb2_grpc.add_ClusterServicer_to_server(ClusterService(node), server)  # type: ignore[no-untyped-call]
+    health_servicer = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection((
+        kv_pb2.DESCRIPTOR.services_by_name["KV"].full_name,
+        cluster_pb2.DESCRIPTOR.services_by_name["Cluster"].full_name,
+        health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+        reflection.SERVICE_NAME), server)
+    port = server.add_insecure_port(config.listen)
+    if port == 0:
+        raise SystemExit(f"cannot listen on {config.listen}")
+    if config.metrics_port:
+        start_http_server(config.metrics_port, addr="127.0.0.1", registry=node.metrics.registry)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await server.start()
+    await node.start()
+    health_task = asyncio.create_task(_health_loop(node, health_servicer, stop))
+    host = config.listen.rsplit(":", 1)[0]
+    address = f"{host}:{port}"
+    log.info("serving", extra={"event": "serving", "address": address, "node": config.node_id,
+                               "shards": config.shards, "topic": config.wal_topic})
+    if ready is not None:
+        ready(address)
+    await stop.wait()
+    log.info("shutting down", extra={"event": "shutdown"})
+    # Stop taking new RPCs; in-flight ones (waiting on commits) get the grace period.
+    stopping = asyncio.create_task(server.stop(grace=10))
+    await asyncio.sleep(0.1)
+    await node.stop()
+    await stopping
+    await health_task
+
+
+class JsonFormatter(logging.Formatter):
+    """Structured logs: one JSON object per line."""
+
+    _standard = set(logging.LogRecord("", 0, "", 0, "", (), None).__dict__) | {"message", "asctime"}
+
+    def format(self, record: logging.LogRecord) -> str:
+        entry = {"ts": round(record.created, 3), "level": record.levelname.lower(), "logger": record.name,
+                 "msg": record.getMessage()}
+        entry.update({k: v for k, v in record.__dict__.items() if k not in self._standard})
+        if record.exc_info:
+            entry["exc"] = self.formatException(record.exc_info)
+        return json.dumps(entry, default=str)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kvstore serve", description="Run a kvstore node.")
+    parser.add_argument("--node-id", help="this node's name (env KVSTORE_NODE_ID)")
+    parser.add_argument("--listen", help="gRPC host:port (env KVSTORE_LISTEN, default 127.0.0.1:50051)")
+    parser.add_argument("--advertise", help="address clients should use (env KVSTORE_ADVERTISE)")
+    parser.add_argument("--data-dir", type=Path, help="LevelDB directory (env KVSTORE_DATA_DIR)")
+    parser.add_argument("--kafka", help="Kafka bootstrap servers (env KVSTORE_KAFKA)")
+    parser.add_argument("--cluster", help="cluster name; names the WAL topic and transactional ids")
+    parser.add_argument("--shards", type=int, help="shard count, fixed at cluster creation (default 4)")
+    parser.add_argument("--topic", help="WAL topic (default <cluster>.wal)")
+    parser.add_argument("--metrics-port", type=int, help="Prometheus port on 127.0.0.1 (0 = off)")
+    parser.add_argument("--transaction-timeout-ms", type=int)
+    parser.add_argument("--log-format", choices=("json", "text"), default="json")
+    args = parser.parse_args(argv)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter() if args.log_format == "json"
+                         else logging.Formatter("%(asctime)s %(levelname)s %(name)s %(message)s"))
+    logging.basicConfig(level=logging.INFO, handlers=[handler])
+    try:
+        config = NodeConfig.from_env(node_id=args.node_id, listen=args.listen, advertise=args.advertise,
+                                     data_dir=args.data_dir, kafka=args.kafka, cluster=args.cluster,
+                                     shards=args.shards, topic=args.topic, metrics_port=args.metrics_port,
+                                     transaction_timeout_ms=args.transaction_timeout_ms)
+    except (ValueError, TypeError) as exc:
+        print(f"kvstore serve: {exc}", file=sys.stderr)
+        return 2
+    started = time.monotonic()
+    asyncio.run(serve(config, ready=lambda addr: print(
+        json.dumps({"event": "ready", "address": addr, "after_s": round(time.monotonic() - started, 2)}),
+        flush=True)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

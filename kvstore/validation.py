@@ -1,0 +1,108 @@
+"""Request validation against the documented limits (kvstore.limits); pure.
+
+Every check raises InvalidRequestError with a message that names the limit, so a client can
+tell what to change. Nothing here touches state.
+"""
+
+from __future__ import annotations
+
+from kvstore import limits
+from kvstore.errors import InvalidRequestError
+from kvstore.sharding import shard_of
+from kvstore.v1 import kv_pb2
+
+
+def check_key(key: bytes, what: str = "key") -> None:
+    if not key:
+        raise InvalidRequestError(f"{what} must not be empty")
+    if len(key) > limits.MAX_KEY_BYTES:
+        raise InvalidRequestError(f"{what} has {len(key)} bytes; limit MAX_KEY_BYTES is {limits.MAX_KEY_BYTES}")
+
+
+def check_value(value: bytes) -> None:
+    if len(value) > limits.MAX_VALUE_BYTES:
+        raise InvalidRequestError(
+            f"value has {len(value)} bytes; limit MAX_VALUE_BYTES is {limits.MAX_VALUE_BYTES}")
+
+
+def check_request_id(request_id: str) -> None:
+    if len(request_id.encode()) > limits.MAX_REQUEST_ID_BYTES:
+        raise InvalidRequestError(f"request_id has {len(request_id.encode())} bytes; "
+                                  f"limit MAX_REQUEST_ID_BYTES is {limits.MAX_REQUEST_ID_BYTES}")
+
+
+def check_size(size: int) -> None:
+    if size > limits.MAX_REQUEST_BYTES:
+        raise InvalidRequestError(f"request has {size} bytes; limit MAX_REQUEST_BYTES is {limits.MAX_REQUEST_BYTES}")
+
+
+def check_put(req: kv_pb2.PutRequest) -> None:
+    check_key(req.key)
+    check_value(req.value)
+    check_request_id(req.request_id)
+
+
+def check_delete(req: kv_pb2.DeleteRequest) -> None:
+    check_key(req.key)
+    check_request_id(req.request_id)
+
+
+def txn_keys(req: kv_pb2.TxnRequest) -> list[bytes]:
+    keys = [c.key for c in req.compares]
+    for op in [*req.success, *req.failure]:
+        kind = op.WhichOneof("op")
+        if kind is None:
+            raise InvalidRequestError("every Txn operation must be a put, delete or get")
+        keys.append(getattr(op, kind).key)
+    return keys
+
+
+def check_txn(req: kv_pb2.TxnRequest, shard_count: int) -> int:
+    """Validate a Txn and return its shard; all its keys must live in one shard."""
+    check_request_id(req.request_id)
+    ops = len(req.compares) + len(req.success) + len(req.failure)
+    if ops == 0:
+        raise InvalidRequestError("a Txn needs at least one compare or operation")
+    if ops > limits.MAX_TXN_OPS:
+        raise InvalidRequestError(f"Txn has {ops} compares+operations; limit MAX_TXN_OPS is {limits.MAX_TXN_OPS}")
+    for compare in req.compares:
+        check_key(compare.key, "compare key")
+        if compare.target == kv_pb2.Compare.TARGET_UNSPECIFIED or compare.op == kv_pb2.Compare.OP_UNSPECIFIED:
+            raise InvalidRequestError("every compare needs a target and an op")
+        if compare.target in (kv_pb2.Compare.TARGET_EXISTS, kv_pb2.Compare.TARGET_VALUE) and compare.op in (
+                kv_pb2.Compare.OP_GREATER, kv_pb2.Compare.OP_LESS):
+            raise InvalidRequestError("exists and value compares support only == and !=")
+    for op in [*req.success, *req.failure]:
+        if op.WhichOneof("op") == "put":
+            check_value(op.put.value)
+    keys = txn_keys(req)
+    for key in keys:
+        check_key(key, "Txn key")
+    shards = {shard_of(key, shard_count) for key in keys}
+    if len(shards) > 1:
+        raise InvalidRequestError(
+            f"Txn keys span shards {sorted(shards)}; a Txn is atomic within one shard only")
+    check_size(req.ByteSize())
+    return shards.pop()
+
+
+def scan_bounds(req: kv_pb2.ScanRequest) -> tuple[bytes, bytes | None, int]:
+    """(start, end or None, limit) of a scan; a prefix becomes its [prefix, successor) range."""
+    if req.prefix and (req.start or req.end):
+        raise InvalidRequestError("give either prefix or start/end, not both")
+    if req.limit > limits.MAX_SCAN_LIMIT:
+        raise InvalidRequestError(f"scan limit {req.limit} exceeds MAX_SCAN_LIMIT {limits.MAX_SCAN_LIMIT}")
+    limit = req.limit or limits.DEFAULT_SCAN_LIMIT
+    if req.prefix:
+        return req.prefix, prefix_end(req.prefix), limit
+    if req.end and req.end <= req.start:
+        raise InvalidRequestError("scan end must be greater than start")
+    return req.start, (req.end or None), limit
+
+
+def prefix_end(prefix: bytes) -> bytes | None:
+    """The smallest key greater than every key with `prefix`; None if there is none (all 0xff)."""
+    stripped = prefix.rstrip(b"\xff")
+    if not stripped:
+        return None
+    return stripped[:-1] + bytes([stripped[-1] + 1])

@@ -1,0 +1,242 @@
+"""The store end to end: a real node process, a real broker, real LevelDB, gRPC over loopback."""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from kvstore import limits
+from kvstore.sharding import shard_of
+from kvstore.v1 import cluster_pb2, kv_pb2
+from tests.conftest import unique
+from tests.integration.store_process import StoreProcess
+from wal.broker import LocalKafka
+
+pytestmark = pytest.mark.kafka
+TIMEOUT = 20
+
+
+@pytest.fixture
+def store(kafka: LocalKafka, tmp_path: Path) -> Iterator[StoreProcess]:
+    node = StoreProcess(kafka.bootstrap_servers, tmp_path / "node", unique("kv").replace("-", ""))
+    node.start()
+    try:
+        yield node
+    finally:
+        node.stop()
+
+
+def put(node: StoreProcess, key: bytes, value: bytes, request_id: str = "") -> kv_pb2.PutResponse:
+    return node.kv.Put(kv_pb2.PutRequest(key=key, value=value, request_id=request_id), timeout=TIMEOUT)
+
+
+def get(node: StoreProcess, key: bytes, consistency: int = kv_pb2.CONSISTENCY_LINEARIZABLE) -> kv_pb2.GetResponse:
+    read = kv_pb2.ReadOptions(consistency=consistency)
+    return node.kv.Get(kv_pb2.GetRequest(key=key, read=read), timeout=TIMEOUT)
+
+
+def test_put_get_delete_scan_round_trip(store: StoreProcess) -> None:
+    first = put(store, b"a", b"1")
+    second = put(store, b"a", b"2")
+    assert (first.version, second.version) == (1, 2)
+    assert second.result.revision > first.result.revision
+    for consistency in (kv_pb2.CONSISTENCY_LINEARIZABLE, kv_pb2.CONSISTENCY_LEADER_LOCAL, kv_pb2.CONSISTENCY_STALE):
+        reply = get(store, b"a", consistency)
+        assert reply.found and reply.kv.value == b"2" and reply.kv.version == 2
+        assert reply.kv.mod_revision == second.result.revision
+        assert reply.header.applied_revision > second.result.revision
+    deleted = store.kv.Delete(kv_pb2.DeleteRequest(key=b"a"), timeout=TIMEOUT)
+    assert deleted.deleted
+    assert not get(store, b"a").found
+    assert not store.kv.Delete(kv_pb2.DeleteRequest(key=b"a"), timeout=TIMEOUT).deleted
+
+    keys = [f"scan/{i:03d}".encode() for i in range(25)]
+    for key in keys:
+        put(store, key, key.upper())
+    put(store, b"other", b"x")
+    seen: list[bytes] = []
+    token = b""
+    while True:
+        page = store.kv.Scan(kv_pb2.ScanRequest(prefix=b"scan/", limit=7, page_token=token), timeout=TIMEOUT)
+        seen += [kv.key for kv in page.kvs]
+        token = page.next_page_token
+        if not token:
+            break
+    assert seen == keys  # ordered across all shards
+    ranged = store.kv.Scan(kv_pb2.ScanRequest(start=b"scan/010", end=b"scan/013"), timeout=TIMEOUT)
+    assert [kv.key for kv in ranged.kvs] == keys[10:13]
+
+
+def test_txn_compare_and_set(store: StoreProcess) -> None:
+    def cas(expected_version: int, value: bytes) -> kv_pb2.TxnResponse:
+        return store.kv.Txn(kv_pb2.TxnRequest(
+            compares=[kv_pb2.Compare(key=b"cas", target=kv_pb2.Compare.TARGET_VERSION,
+                                     op=kv_pb2.Compare.OP_EQUAL, version=expected_version)],
+            success=[kv_pb2.TxnOp(put=kv_pb2.PutRequest(key=b"cas", value=value))],
+            failure=[kv_pb2.TxnOp(get=kv_pb2.GetRequest(key=b"cas"))]), timeout=TIMEOUT)
+
+    created = cas(0, b"v1")
+    assert created.succeeded and created.results[0].put.version == 1
+    stale = cas(0, b"again")
+    assert not stale.succeeded and stale.results[0].get.kv.value == b"v1"
+    assert cas(1, b"v2").succeeded
+    assert get(store, b"cas").kv.value == b"v2"
+
+
+def test_concurrent_compare_and_set_exactly_one_wins_per_version(store: StoreProcess) -> None:
+    """Many clients race to move one key from version n to n+1: exactly one wins each round."""
+    rounds, clients = 5, 8
+    winners: dict[int, list[int]] = {}
+    lock = threading.Lock()
+
+    def client(number: int) -> None:
+        for version in range(rounds):
+            reply = store.kv.Txn(kv_pb2.TxnRequest(
+                compares=[kv_pb2.Compare(key=b"race", target=kv_pb2.Compare.TARGET_VERSION,
+                                         op=kv_pb2.Compare.OP_EQUAL, version=version)],
+                success=[kv_pb2.TxnOp(put=kv_pb2.PutRequest(key=b"race", value=str(number).encode()))]),
+                timeout=TIMEOUT)
+            if reply.succeeded:
+                with lock:
+                    winners.setdefault(version, []).append(number)
+            barrier.wait(TIMEOUT)
+
+    barrier = threading.Barrier(clients)
+    threads = [threading.Thread(target=client, args=(n,)) for n in range(clients)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(TIMEOUT * rounds)
+    assert {version: len(ws) for version, ws in winners.items()} == dict.fromkeys(range(rounds), 1)
+    final = get(store, b"race")
+    assert final.kv.version == rounds and final.kv.value == str(winners[rounds - 1][0]).encode()
+
+
+def test_idempotent_retry_after_lost_reply(store: StoreProcess) -> None:
+    """The client never saw the first reply; its retry with the same id is applied at most once."""
+    first = put(store, b"idem", b"once", request_id="req-1")
+    retry = put(store, b"idem", b"once", request_id="req-1")
+    assert retry.result.replayed and not first.result.replayed
+    assert (retry.version, retry.result.revision) == (first.version, first.result.revision)
+    assert get(store, b"idem").kv.version == 1
+    store.stop()
+    store.start()  # also after a restart
+    again = put(store, b"idem", b"once", request_id="req-1")
+    assert again.result.replayed and again.result.revision == first.result.revision
+    assert get(store, b"idem").kv.version == 1
+
+
+def test_restart_recovers_from_checkpoint_plus_wal(store: StoreProcess) -> None:
+    for i in range(20):
+        put(store, f"r{i}".encode(), f"{i}".encode())
+    assert store.stop(signal.SIGKILL) != 0  # no graceful anything
+    store.start()
+    for i in range(20):
+        assert get(store, f"r{i}".encode()).kv.value == f"{i}".encode()
+    put(store, b"r-after", b"ok")
+    assert get(store, b"r-after").found
+
+
+@pytest.mark.parametrize("damage", ["delete", "corrupt"])
+def test_lost_or_corrupt_leveldb_is_rebuilt_from_the_wal(store: StoreProcess, damage: str) -> None:
+    for i in range(10):
+        put(store, f"d{i}".encode(), b"x" * 100)
+    put(store, b"d0", b"latest")
+    store.stop()
+    for shard_dir in store.data_dir.iterdir():
+        if damage == "delete":
+            shutil.rmtree(shard_dir)
+        else:
+            for path in shard_dir.iterdir():
+                if path.name == "CURRENT" or path.suffix in (".ldb", ".log"):
+                    path.write_bytes(b"\x00garbage" * 64)
+    store.start()
+    assert get(store, b"d0").kv.value == b"latest" and get(store, b"d0").kv.version == 2
+    for i in range(1, 10):
+        assert get(store, f"d{i}".encode()).kv.value == b"x" * 100
+
+
+def test_watch_streams_changes(store: StoreProcess) -> None:
+    first = put(store, b"w/1", b"before")
+    stream = store.kv.Watch(kv_pb2.WatchRequest(prefix=b"w/"), timeout=TIMEOUT)  # from now on
+    events: list[kv_pb2.WatchEvent] = []
+
+    def read() -> None:
+        for event in stream:
+            events.append(event)
+            if len(events) == 3:
+                return
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    time.sleep(0.5)  # let the watch register before the writes (it starts "from now")
+    put(store, b"w/2", b"a")
+    put(store, b"w/1", b"b")
+    store.kv.Delete(kv_pb2.DeleteRequest(key=b"w/2"), timeout=TIMEOUT)
+    put(store, b"elsewhere", b"ignored")
+    reader.join(TIMEOUT)
+    stream.cancel()
+    assert [(e.type, e.kv.key) for e in events] == [
+        (kv_pb2.WatchEvent.TYPE_PUT, b"w/2"), (kv_pb2.WatchEvent.TYPE_PUT, b"w/1"),
+        (kv_pb2.WatchEvent.TYPE_DELETE, b"w/2")]
+    assert events[1].kv.version == 2 and events[1].kv.mod_revision > first.result.revision
+
+    # From a past revision: history comes from the WAL.
+    history = store.kv.Watch(kv_pb2.WatchRequest(key=b"w/1", start_revision=first.result.revision),
+                             timeout=TIMEOUT)
+    got = [next(history).kv.value, next(history).kv.value]
+    history.cancel()
+    assert got == [b"before", b"b"]
+
+
+def test_shard_map(store: StoreProcess) -> None:
+    put(store, b"m", b"1")
+    reply = store.cluster_stub.ShardMap(cluster_pb2.ShardMapRequest(), timeout=TIMEOUT)
+    assert reply.shard_count == 4 and len(reply.shards) == 4
+    assert all(s.leader == store.address for s in reply.shards)
+    shard = reply.shards[shard_of(b"m", 4)]
+    assert shard.applied_offset >= 2 and shard.lag == 0 and shard.term >= 1
+
+
+def bad(call: object) -> grpc.RpcError:
+    with pytest.raises(grpc.RpcError) as info:
+        call()  # type: ignore[operator]
+    return info.value
+
+
+def test_limits_and_malformed_requests_get_clear_errors(store: StoreProcess) -> None:
+    kv = store.kv
+    cases = [
+        (lambda: put(store, b"", b"v"), "key must not be empty"),
+        (lambda: put(store, b"k" * (limits.MAX_KEY_BYTES + 1), b"v"), "MAX_KEY_BYTES"),
+        (lambda: put(store, b"k", b"v" * (limits.MAX_VALUE_BYTES + 1)), "MAX_VALUE_BYTES"),
+        (lambda: put(store, b"k", b"v", request_id="r" * 200), "MAX_REQUEST_ID_BYTES"),
+        (lambda: kv.Txn(kv_pb2.TxnRequest(), timeout=TIMEOUT), "at least one"),
+        (lambda: kv.Txn(kv_pb2.TxnRequest(success=[kv_pb2.TxnOp(get=kv_pb2.GetRequest(key=b"k"))] * 200),
+                        timeout=TIMEOUT), "MAX_TXN_OPS"),
+        (lambda: kv.Scan(kv_pb2.ScanRequest(limit=limits.MAX_SCAN_LIMIT + 1), timeout=TIMEOUT), "MAX_SCAN_LIMIT"),
+        (lambda: kv.Scan(kv_pb2.ScanRequest(start=b"b", end=b"a"), timeout=TIMEOUT), "greater than start"),
+    ]
+    keys = [f"span{i}".encode() for i in range(64)]
+    first_shard = shard_of(keys[0], 4)
+    other = next(k for k in keys if shard_of(k, 4) != first_shard)
+    cases.append((lambda: kv.Txn(kv_pb2.TxnRequest(success=[
+        kv_pb2.TxnOp(put=kv_pb2.PutRequest(key=keys[0], value=b"1")),
+        kv_pb2.TxnOp(put=kv_pb2.PutRequest(key=other, value=b"2"))]), timeout=TIMEOUT), "span shards"))
+    for call, needle in cases:
+        error = bad(call)
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, (needle, error)
+        assert needle in (error.details() or ""), (needle, error.details())
+    # A message above gRPC's own cap is refused by gRPC, not by a crash.
+    huge = bad(lambda: put(store, b"k", b"v" * (limits.GRPC_MAX_MESSAGE_BYTES + 10)))
+    assert huge.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    # The server is still fine.
+    assert put(store, b"still", b"ok").version == 1
+    assert get(store, b"still").kv.value == b"ok"
