@@ -1,5 +1,5 @@
 # Everything a fresh clone needs: Python 3.11+, Java 17+ and Maven on the machine.
-#   make up    - start a local Kafka (KRaft) and print how to reach it
+#   make up    - start a local Kafka (KRaft) and a store node; print endpoints and examples
 #   make test  - virtualenv, project + dev tools, Kafka jars, lint, the whole test suite
 PYTHON ?= python3
 VENV   := .venv
@@ -9,7 +9,7 @@ PROTOS := $(shell find proto -name '*.proto')
 .PHONY: up test unit lint proto kafka venv bench-quick clean
 
 up: venv proto kafka
-	$(PY) -m wal.broker up --data-dir .data/kafka
+	$(PY) -m kvstore.devcluster --data-dir .data
 
 test: venv proto kafka lint
 	$(PY) -m pytest -q $(PYTEST_ARGS)

@@ -59,6 +59,9 @@ def evaluate_delete(req: kv_pb2.DeleteRequest, lookup: Lookup, shard: int, revis
 def compare_holds(compare: kv_pb2.Compare, state: KeyState | None) -> bool:
     """One compare against a key's current state. A missing key has version 0, no value."""
     target, op = compare.target, compare.op
+    if op not in (kv_pb2.Compare.OP_EQUAL, kv_pb2.Compare.OP_NOT_EQUAL, kv_pb2.Compare.OP_GREATER,
+                  kv_pb2.Compare.OP_LESS):
+        raise ValueError(f"compare op {op} is not supported")
     if target == kv_pb2.Compare.TARGET_EXISTS:
         left: int | bytes = int(state is not None)
         right: int | bytes = int(compare.exists)

@@ -161,6 +161,9 @@ class ShardReplica:
             try:
                 if self._want_lead:
                     await self._lead()
+                    # Lost leadership (fenced): give whoever fenced us a moment before taking the
+                    # shard back, so two nodes do not fence each other in a tight loop.
+                    await asyncio.sleep(1.0)
                 else:
                     await self._follow()
                 backoff = 0.2
@@ -262,15 +265,20 @@ class ShardReplica:
             first = await self._queue.get()
             batch = [first]
             size = first.size
-            if self.config.linger_ms > 0 and self._queue.empty():
-                await asyncio.sleep(self.config.linger_ms / 1000)
-            while (len(batch) < self.config.max_batch_records and size < self.config.max_batch_bytes
-                   and not self._queue.empty()):
-                item = self._queue.get_nowait()
-                batch.append(item)
-                size += item.size
-            if not await self._commit_batch(writer, batch):
-                return  # leadership lost: _run decides what next
+            try:
+                if self.config.linger_ms > 0 and self._queue.empty():
+                    await asyncio.sleep(self.config.linger_ms / 1000)
+                while (len(batch) < self.config.max_batch_records and size < self.config.max_batch_bytes
+                       and not self._queue.empty()):
+                    item = self._queue.get_nowait()
+                    batch.append(item)
+                    size += item.size
+                if not await self._commit_batch(writer, batch):
+                    return  # leadership lost: _run decides what next
+            finally:
+                # Cancelled (shutdown) before the batch was appended: say so instead of hanging.
+                for pending in batch:
+                    _settle(pending.future, errors.UnavailableError(f"shard {self.shard}: node stopping; retry"))
 
     async def _commit_batch(self, writer: wal.ShardWriter, batch: list[_Pending]) -> bool:
         """Evaluate, append, apply, answer. False when this node must stop leading."""

@@ -85,7 +85,7 @@ class KVService(kv_pb2_grpc.KVServicer):
         elif consistency == kv_pb2.CONSISTENCY_LEADER_LOCAL:
             replica.require_leader()
         elif consistency == kv_pb2.CONSISTENCY_STALE:
-            if options.min_revision > 0:
+            if options.HasField("min_revision"):
                 await replica.wait_applied(options.min_revision + 1, _deadline_s(context, STALE_WAIT_DEFAULT_S))
         else:
             raise errors.InvalidRequestError(f"unknown consistency level {consistency}")

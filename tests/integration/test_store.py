@@ -240,3 +240,38 @@ def test_limits_and_malformed_requests_get_clear_errors(store: StoreProcess) -> 
     # The server is still fine.
     assert put(store, b"still", b"ok").version == 1
     assert get(store, b"still").kv.value == b"ok"
+
+
+def test_graceful_shutdown_loses_no_acknowledged_write(store: StoreProcess) -> None:
+    """SIGTERM while clients write: every write that was acknowledged is there after restart."""
+    acked: dict[bytes, bytes] = {}
+    lock = threading.Lock()
+    stop = threading.Event()
+
+    def writer(number: int) -> None:
+        i = 0
+        while not stop.is_set() and i < 10_000:
+            key, value = f"g{number}/{i}".encode(), f"{i}".encode()
+            i += 1
+            try:
+                put(store, key, value)
+            except (grpc.RpcError, AttributeError):
+                continue  # not acknowledged: may or may not be there
+            with lock:
+                acked[key] = value
+
+    threads = [threading.Thread(target=writer, args=(n,)) for n in range(4)]
+    for thread in threads:
+        thread.start()
+    time.sleep(2.0)
+    assert store.proc is not None
+    store.proc.send_signal(signal.SIGTERM)
+    assert store.proc.wait(60) == 0, "graceful shutdown did not exit cleanly"
+    stop.set()
+    for thread in threads:
+        thread.join(30)
+    assert len(acked) > 10, "nothing was written before the shutdown"
+    store.stop()
+    store.start()
+    missing = [key for key, value in acked.items() if get(store, key).kv.value != value]
+    assert missing == []

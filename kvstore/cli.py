@@ -1,0 +1,673 @@
+"""The `kvstore` command: a thin shell over `kvstore.client` for people and scripts.
+
+    kvstore [--endpoints A,B] [--timeout S] [--output table|json] COMMAND ...
+
+    get KEY [--consistency linearizable|leader-local|stale] [--min-revision REV]
+    put KEY VALUE [--request-id ID]
+    del KEY [--request-id ID]
+    txn [--if COND]... [--then OP]... [--else OP]... [--request-id ID]
+    scan [--prefix P | --start S [--end E]] [--limit N] [--keys-only] [--consistency C]
+    watch [KEY | --prefix P] [--from REV]
+    shards
+    serve ARGS...            (runs kvstore.server.main(ARGS))
+
+The common options are accepted before or after the command. `--endpoints` defaults to
+$KVSTORE_ENDPOINTS, else 127.0.0.1:50051.
+
+Txn syntax: see `TXN_SYNTAX` below (also `kvstore txn --help`).
+
+Output: `table` (default) is for people; `json` prints one JSON object per line. Keys and
+values are UTF-8 strings when they decode, else base64 with `"<field>_base64": true`.
+A missing key is not an error: `get` prints "(not found)" (json: `"found": false`), exit 0.
+
+Exit status: 0 success (and Ctrl-C during `watch`); 2 invalid arguments or a request the
+server refused as invalid; 1 any other error (unavailable, deadline, ...); 130 Ctrl-C elsewhere.
+Errors are one line on stderr, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import importlib
+import json
+import os
+import shlex
+import sys
+from collections.abc import Iterable, Sequence
+from typing import Any, TextIO
+
+from kvstore.client import (
+    CONSISTENCIES,
+    Client,
+    Compare,
+    CompareOp,
+    Consistency,
+    DeleteResult,
+    GetResult,
+    InvalidArgument,
+    KeyValue,
+    KvError,
+    Op,
+    PutResult,
+    ShardMap,
+    TxnResult,
+    WatchEvent,
+)
+from kvstore.limits import MAX_SCAN_LIMIT
+
+DEFAULT_ENDPOINT = "127.0.0.1:50051"
+ENDPOINTS_ENV = "KVSTORE_ENDPOINTS"
+EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+_GLOBAL_VALUE_OPTIONS = ("--endpoints", "--timeout", "--output")
+
+TXN_SYNTAX = """\
+Txn syntax (one `--if` per compare, one `--then`/`--else` per operation; all must hold):
+
+    COND := version(KEY) OP INT        OP is one of = == != > <
+          | mod_revision(KEY) OP INT   (alias: mod)
+          | value(KEY) OP VALUE        (bytewise comparison)
+          | exists(KEY) | !exists(KEY) | exists(KEY) = true|false
+    OP   := put KEY VALUE | del KEY | delete KEY | get KEY     (shell-quoted words)
+
+A KEY inside parentheses or a VALUE after the operator may be quoted ("a b" or 'a)b'); an
+unquoted VALUE is the rest of the condition, trimmed. Example:
+
+    kvstore txn --if 'version(lock)=0' --then 'put lock me' --else 'get lock'
+"""
+
+
+class TxnSyntaxError(InvalidArgument):
+    """A `--if`/`--then`/`--else` argument that does not parse; the message shows the grammar."""
+
+
+# --------------------------------------------------------------------------------------------
+# Txn syntax
+
+
+_COMPARE_TARGETS = {"version": "version", "value": "value", "mod_revision": "mod_revision", "mod": "mod_revision",
+                    "exists": "exists"}
+_CMP_OPERATORS: tuple[tuple[str, CompareOp], ...] = (("==", "=="), ("!=", "!="), ("=", "=="), (">", ">"), ("<", "<"))
+_COND_HELP = "expected TARGET(KEY) OP OPERAND, TARGET one of version, value, mod_revision, exists; OP one of = != > <"
+
+
+def _read_quoted(text: str, i: int) -> tuple[str, int]:
+    """A quoted string starting at text[i] (' or "); backslash escapes the quote and itself."""
+    quote, out, j = text[i], [], i + 1
+    while j < len(text):
+        c = text[j]
+        if c == "\\" and j + 1 < len(text) and text[j + 1] in (quote, "\\"):
+            out.append(text[j + 1])
+            j += 2
+            continue
+        if c == quote:
+            return "".join(out), j + 1
+        out.append(c)
+        j += 1
+    raise TxnSyntaxError(f"unterminated quote in {text!r}")
+
+
+def _skip_spaces(text: str, i: int) -> int:
+    while i < len(text) and text[i].isspace():
+        i += 1
+    return i
+
+
+def parse_compare(text: str) -> Compare:
+    """`version(k)=0`, `value("a b") != x`, `!exists(k)`, `mod(k) < 12` -> a `Compare`."""
+    i = _skip_spaces(text, 0)
+    negate = text.startswith("!", i)
+    if negate:
+        i = _skip_spaces(text, i + 1)
+    open_paren = text.find("(", i)
+    if open_paren < 0:
+        raise TxnSyntaxError(f"bad condition {text!r}: {_COND_HELP}")
+    name = text[i:open_paren].strip().lower()
+    target = _COMPARE_TARGETS.get(name)
+    if target is None:
+        raise TxnSyntaxError(f"bad condition {text!r}: unknown target {name!r}; {_COND_HELP}")
+    if negate and target != "exists":
+        raise TxnSyntaxError(f"bad condition {text!r}: '!' only applies to exists(KEY)")
+    i = _skip_spaces(text, open_paren + 1)
+    if i < len(text) and text[i] in "\"'":
+        key, i = _read_quoted(text, i)
+        i = _skip_spaces(text, i)
+        if not text.startswith(")", i):
+            raise TxnSyntaxError(f"bad condition {text!r}: expected ')' after the quoted key")
+    else:
+        close = text.find(")", i)
+        if close < 0:
+            raise TxnSyntaxError(f"bad condition {text!r}: missing ')'")
+        key, i = text[i:close].strip(), close
+    if not key:
+        raise TxnSyntaxError(f"bad condition {text!r}: empty key")
+    i = _skip_spaces(text, i + 1)
+    rest = text[i:]
+    if target == "exists":
+        if not rest:
+            return Compare.exists(key, not negate)
+        op, operand = _split_operator(text, rest)
+        flag = {"true": True, "1": True, "false": False, "0": False}.get(operand.strip().lower())
+        if op not in ("==", "!=") or flag is None:
+            raise TxnSyntaxError(f"bad condition {text!r}: exists(KEY) compares with = or != to true or false")
+        return Compare.exists(key, (flag == (op == "==")) != negate)
+    if not rest:
+        raise TxnSyntaxError(f"bad condition {text!r}: missing operator and operand; {_COND_HELP}")
+    op, operand = _split_operator(text, rest)
+    if target == "value":
+        return Compare.value(key, op, _operand_text(text, operand))
+    try:
+        number = int(operand.strip())
+    except ValueError:
+        raise TxnSyntaxError(f"bad condition {text!r}: {target} needs an integer, got {operand.strip()!r}") from None
+    return Compare.version(key, op, number) if target == "version" else Compare.mod_revision(key, op, number)
+
+
+def _split_operator(text: str, rest: str) -> tuple[CompareOp, str]:
+    for token, op in _CMP_OPERATORS:
+        if rest.startswith(token):
+            after = rest[len(token):]
+            if after.startswith("="):  # ">=", "<=", "===": not in the proto, say so plainly
+                break
+            return op, after
+    raise TxnSyntaxError(f"bad condition {text!r}: operator must be one of = == != > <")
+
+
+def _operand_text(text: str, operand: str) -> str:
+    stripped = operand.strip()
+    if stripped[:1] in ("'", '"'):
+        value, end = _read_quoted(stripped, 0)
+        if stripped[end:].strip():
+            raise TxnSyntaxError(f"bad condition {text!r}: text after the quoted value")
+        return value
+    if not stripped:
+        raise TxnSyntaxError(f"bad condition {text!r}: missing value (use \"\" for the empty value)")
+    return stripped
+
+
+def parse_op(text: str) -> Op:
+    """`put k v`, `del k`, `get k` (shell-quoted words) -> an `Op`."""
+    try:
+        words = shlex.split(text)
+    except ValueError as exc:
+        raise TxnSyntaxError(f"bad operation {text!r}: {exc}") from None
+    if not words:
+        raise TxnSyntaxError("empty operation; expected put KEY VALUE, del KEY or get KEY")
+    verb, args = words[0].lower(), words[1:]
+    if verb == "put" and len(args) == 2:
+        return Op.put(args[0], args[1])
+    if verb in ("del", "delete") and len(args) == 1:
+        return Op.delete(args[0])
+    if verb == "get" and len(args) == 1:
+        return Op.get(args[0])
+    raise TxnSyntaxError(f"bad operation {text!r}: expected put KEY VALUE, del KEY or get KEY")
+
+
+def parse_txn(
+    compares: Sequence[str], success: Sequence[str], failure: Sequence[str]
+) -> tuple[list[Compare], list[Op], list[Op]]:
+    """The `--if`/`--then`/`--else` arguments of `kvstore txn`, parsed."""
+    if not (compares or success or failure):
+        raise TxnSyntaxError("txn needs at least one --if, --then or --else")
+    return [parse_compare(c) for c in compares], [parse_op(o) for o in success], [parse_op(o) for o in failure]
+
+
+# --------------------------------------------------------------------------------------------
+# Output
+
+
+def bytes_field(name: str, data: bytes) -> dict[str, Any]:
+    """JSON for bytes: the UTF-8 text when it decodes, else base64 plus a `<name>_base64` flag."""
+    try:
+        return {name: data.decode("utf-8")}
+    except UnicodeDecodeError:
+        return {name: base64.b64encode(data).decode("ascii"), f"{name}_base64": True}
+
+
+def display(data: bytes | None) -> str:
+    """Bytes for a table cell: text when printable, escapes otherwise (one cell, one line)."""
+    if data is None:
+        return ""
+    text = data.decode("utf-8", "surrogateescape")
+    if text.isprintable():
+        return text
+    out = []
+    for ch in text:
+        if "\udc80" <= ch <= "\udcff":  # a byte that is not UTF-8
+            out.append(f"\\x{ord(ch) - 0xDC00:02x}")
+        elif ch.isprintable():
+            out.append(ch)
+        else:
+            out.append(repr(ch)[1:-1])  # \n, \x00, \u200b
+    return "".join(out)
+
+
+def format_table(headers: Sequence[str], rows: Iterable[Sequence[object]]) -> str:
+    cells = [[str(h) for h in headers]] + [[str(c) for c in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in cells)
+
+
+def kv_record(kv: KeyValue) -> dict[str, Any]:
+    return {**bytes_field("key", kv.key), **bytes_field("value", kv.value), "version": kv.version,
+            "mod_revision": kv.mod_revision, "create_revision": kv.create_revision}
+
+
+def get_record(result: GetResult) -> dict[str, Any]:
+    record: dict[str, Any] = {**bytes_field("key", result.key), "found": result.found}
+    if result.kv is not None:
+        record.update(kv_record(result.kv))
+    if result.header is not None:
+        record.update(shard=result.header.shard, applied_revision=result.header.applied_revision,
+                      served_by=result.header.served_by)
+    return record
+
+
+def put_record(result: PutResult) -> dict[str, Any]:
+    return {**bytes_field("key", result.key), "shard": result.shard, "revision": result.revision,
+            "version": result.version, "replayed": result.replayed, "request_id": result.request_id}
+
+
+def delete_record(result: DeleteResult) -> dict[str, Any]:
+    return {**bytes_field("key", result.key), "shard": result.shard, "revision": result.revision,
+            "deleted": result.deleted, "replayed": result.replayed, "request_id": result.request_id}
+
+
+def txn_record(result: TxnResult) -> dict[str, Any]:
+    ops: list[dict[str, Any]] = []
+    for r in result.results:
+        if isinstance(r, PutResult):
+            ops.append({"op": "put", **bytes_field("key", r.key), "version": r.version})
+        elif isinstance(r, DeleteResult):
+            ops.append({"op": "delete", **bytes_field("key", r.key), "deleted": r.deleted})
+        else:
+            get = get_record(r)
+            ops.append({"op": "get", **get})
+    return {"succeeded": result.succeeded, "shard": result.shard, "revision": result.revision,
+            "replayed": result.replayed, "request_id": result.request_id, "results": ops}
+
+
+def event_record(event: WatchEvent) -> dict[str, Any]:
+    return {"type": event.type, "shard": event.shard, **kv_record(event.kv)}
+
+
+def shard_map_record(smap: ShardMap) -> dict[str, Any]:
+    return {"shard_count": smap.shard_count, "topic": smap.topic, "served_by": smap.served_by,
+            "shards": [{"shard": s.shard, "leader": s.leader, "term": s.term, "applied_offset": s.applied_offset,
+                        "end_offset": s.end_offset, "lag": s.lag, "open_txn_age_ms": s.open_txn_age_ms}
+                       for s in smap.shards]}
+
+
+class Printer:
+    """Writes results in the chosen format; json is one object per line, flushed (for pipes)."""
+
+    def __init__(self, output: str, out: TextIO) -> None:
+        self.json = output == "json"
+        self.out = out
+
+    def line(self, text: str) -> None:
+        self.out.write(text + "\n")
+        self.out.flush()
+
+    def record(self, record: dict[str, Any]) -> None:
+        self.line(json.dumps(record, ensure_ascii=False, separators=(",", ":")))
+
+    def get(self, result: GetResult) -> None:
+        if self.json:
+            self.record(get_record(result))
+        elif result.kv is None:
+            self.line("(not found)")
+        else:
+            kv = result.kv
+            self.line(format_table(["KEY", "VALUE", "VERSION", "MOD_REVISION", "CREATE_REVISION"],
+                                   [[display(kv.key), display(kv.value), kv.version, kv.mod_revision,
+                                     kv.create_revision]]))
+
+    def put(self, result: PutResult) -> None:
+        if self.json:
+            self.record(put_record(result))
+        else:
+            self.line(format_table(["KEY", "SHARD", "REVISION", "VERSION", "REPLAYED"],
+                                   [[display(result.key), result.shard, result.revision, result.version,
+                                     _yes(result.replayed)]]))
+
+    def delete(self, result: DeleteResult) -> None:
+        if self.json:
+            self.record(delete_record(result))
+        else:
+            self.line(format_table(["KEY", "SHARD", "REVISION", "DELETED", "REPLAYED"],
+                                   [[display(result.key), result.shard, result.revision, _yes(result.deleted),
+                                     _yes(result.replayed)]]))
+
+    def txn(self, result: TxnResult) -> None:
+        if self.json:
+            self.record(txn_record(result))
+            return
+        branch = "then" if result.succeeded else "else"
+        self.line(f"succeeded: {_yes(result.succeeded)} (ran --{branch})  shard: {result.shard}  "
+                  f"revision: {result.revision}  replayed: {_yes(result.replayed)}")
+        rows: list[list[object]] = []
+        for r in result.results:
+            if isinstance(r, PutResult):
+                rows.append(["put", display(r.key), f"version={r.version}"])
+            elif isinstance(r, DeleteResult):
+                rows.append(["del", display(r.key), f"deleted={_yes(r.deleted)}"])
+            elif r.kv is None:
+                rows.append(["get", display(r.key), "(not found)"])
+            else:
+                rows.append(["get", display(r.key), f"{display(r.kv.value)} (version={r.kv.version})"])
+        if rows:
+            self.line(format_table(["OP", "KEY", "RESULT"], rows))
+
+    def kvs(self, kvs: Iterable[KeyValue], keys_only: bool) -> None:
+        if self.json:
+            for kv in kvs:
+                self.record(bytes_field("key", kv.key) if keys_only else kv_record(kv))
+            return
+        if keys_only:
+            rows: list[list[object]] = [[display(kv.key)] for kv in kvs]
+            self.line(format_table(["KEY"], rows))
+        else:
+            rows = [[display(kv.key), display(kv.value), kv.version, kv.mod_revision] for kv in kvs]
+            self.line(format_table(["KEY", "VALUE", "VERSION", "MOD_REVISION"], rows))
+
+    def event_header(self) -> None:
+        if not self.json:
+            self.line(_event_line("TYPE", "MOD_REVISION", "SHARD", "KEY", "VALUE"))
+
+    def event(self, event: WatchEvent) -> None:
+        if self.json:
+            self.record(event_record(event))
+        else:
+            value = display(event.kv.value) if event.type == "put" else ""
+            self.line(_event_line(event.type.upper(), str(event.kv.mod_revision), str(event.shard),
+                                  display(event.kv.key), value))
+
+    def shard_map(self, smap: ShardMap) -> None:
+        if self.json:
+            self.record(shard_map_record(smap))
+            return
+        self.line(f"topic: {smap.topic}  shards: {smap.shard_count}  served by: {smap.served_by}")
+        self.line(format_table(
+            ["SHARD", "LEADER", "TERM", "APPLIED", "END", "LAG", "OPEN_TXN_MS"],
+            [[s.shard, s.leader or "-", s.term, s.applied_offset, s.end_offset, s.lag, s.open_txn_age_ms]
+             for s in smap.shards]))
+
+
+def _event_line(kind: str, rev: str, shard: str, key: str, value: str) -> str:
+    # A watch is a stream: fixed widths instead of a table measured over all rows.
+    return f"{kind:<7} {rev:>12} {shard:>5}  {key}  {value}".rstrip()
+
+
+def _yes(flag: bool) -> str:
+    return "true" if flag else "false"
+
+
+# --------------------------------------------------------------------------------------------
+# Arguments
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be positive: {text!r}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must not be negative: {text!r}")
+    return value
+
+
+def _add_common(parser: argparse.ArgumentParser, defaults: bool) -> None:
+    """The options every command takes. On subcommands they default to SUPPRESS, so that a value
+    given before the command is not overwritten by the subcommand's default."""
+    def default(value: object) -> object:
+        return value if defaults else argparse.SUPPRESS
+
+    parser.add_argument("--endpoints", default=default(os.environ.get(ENDPOINTS_ENV) or DEFAULT_ENDPOINT),
+                        help=f"comma-separated host:port list (default: ${ENDPOINTS_ENV} or {DEFAULT_ENDPOINT})")
+    parser.add_argument("--timeout", type=_positive_float, default=default(5.0), metavar="SECONDS",
+                        help="deadline of each request, retries included (default: 5)")
+    parser.add_argument("--output", "-o", choices=("table", "json"), default=default("table"),
+                        help="table for people, json for scripts: one object per line (default: table)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvstore", description="Client for the kvstore sharded key-value store.",
+        epilog="Txn syntax: `kvstore txn --help`. With --output json every result is one JSON object per line; "
+        "bytes that are not UTF-8 are base64 with a <field>_base64 flag. Exit status: 0 ok, 2 invalid arguments, "
+        "1 other errors.",
+    )
+    _add_common(parser, defaults=True)
+    common = argparse.ArgumentParser(add_help=False)
+    _add_common(common, defaults=False)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    def consistency(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--consistency", choices=CONSISTENCIES, default="linearizable",
+                       help="linearizable (leader + read barrier), leader-local, or stale (any node)")
+
+    p = sub.add_parser("get", parents=[common], help="read one key")
+    p.add_argument("key")
+    consistency(p)
+    p.add_argument("--min-revision", type=_non_negative_int, default=None, metavar="REV",
+                   help="with --consistency stale: wait until the node applied this revision")
+
+    p = sub.add_parser("put", parents=[common], help="write one key")
+    p.add_argument("key")
+    p.add_argument("value")
+    p.add_argument("--request-id", help="idempotency key (default: a fresh one, reused on retries)")
+
+    p = sub.add_parser("del", aliases=["delete"], parents=[common], help="delete one key")
+    p.add_argument("key")
+    p.add_argument("--request-id", help="idempotency key (default: a fresh one, reused on retries)")
+
+    p = sub.add_parser(
+        "txn", parents=[common], help="atomic compare-and-write within one shard",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=TXN_SYNTAX,
+    )
+    p.add_argument("--if", dest="compares", action="append", default=[], metavar="COND",
+                   help="a compare, e.g. 'version(k)=0', 'value(k)!=x', '!exists(k)' (all must hold)")
+    p.add_argument("--then", dest="success", action="append", default=[], metavar="OP",
+                   help="run when every compare holds: 'put K V', 'del K' or 'get K'")
+    p.add_argument("--else", dest="failure", action="append", default=[], metavar="OP",
+                   help="run otherwise")
+    p.add_argument("--request-id", help="idempotency key (default: a fresh one, reused on retries)")
+
+    p = sub.add_parser("scan", parents=[common], help="list keys in order, across shards")
+    p.add_argument("--prefix", default="")
+    p.add_argument("--start", default="", help="first key (inclusive)")
+    p.add_argument("--end", default="", help="end key (exclusive; default: end of the key space)")
+    p.add_argument("--limit", type=_non_negative_int, default=0, help="at most this many keys (default 0 = all)")
+    p.add_argument("--keys-only", action="store_true")
+    consistency(p)
+
+    p = sub.add_parser("watch", parents=[common], help="print changes until Ctrl-C")
+    p.add_argument("key", nargs="?", default="")
+    p.add_argument("--prefix", default="")
+    p.add_argument("--from", dest="start_revision", type=_non_negative_int, default=None, metavar="REV",
+                   help="deliver changes at revisions >= REV (default 0 = from now on)")
+
+    sub.add_parser("shards", parents=[common], help="show the shard map: leaders, terms, lag")
+    sub.add_parser("serve", add_help=False, help="run a server node (all further arguments go to the server)")
+    return parser
+
+
+def serve_argv(argv: Sequence[str]) -> list[str] | None:
+    """The server's arguments when the command is `serve`, else None.
+
+    `serve` is split off before argparse: its arguments belong to `kvstore.server`, whose options
+    this parser does not know (argparse's REMAINDER would still choke on a leading `--option`).
+    """
+    i = 0
+    while i < len(argv):
+        token = argv[i]
+        if token in _GLOBAL_VALUE_OPTIONS or token == "-o":
+            i += 2
+        elif token.split("=", 1)[0] in _GLOBAL_VALUE_OPTIONS:
+            i += 1
+        else:
+            break
+    if i < len(argv) and argv[i] == "serve":
+        return list(argv[i + 1:])
+    return None
+
+
+def parse_endpoints(text: str) -> list[str]:
+    endpoints = [e.strip() for e in text.split(",") if e.strip()]
+    if not endpoints:
+        raise InvalidArgument("--endpoints is empty")
+    return endpoints
+
+
+# --------------------------------------------------------------------------------------------
+# Commands
+
+
+def make_client(endpoints: Sequence[str], timeout_s: float) -> Client:
+    """The client factory (a seam: tests swap it for a fake)."""
+    return Client(endpoints, timeout_s=timeout_s)
+
+
+def _run(args: argparse.Namespace, printer: Printer) -> int:
+    command: str = args.command
+    if command == "txn":  # parse before connecting: a syntax error needs no cluster
+        compares, success, failure = parse_txn(args.compares, args.success, args.failure)
+    if command == "scan" and args.prefix and (args.start or args.end):
+        raise InvalidArgument("scan takes either --prefix or --start/--end, not both")
+    if command == "watch" and bool(args.key) == bool(args.prefix):
+        raise InvalidArgument("watch takes exactly one of KEY or --prefix")
+    endpoints = parse_endpoints(args.endpoints)
+    with make_client(endpoints, args.timeout) as client:
+        if command == "get":
+            printer.get(client.get(args.key, _consistency(args.consistency), args.min_revision))
+        elif command == "put":
+            printer.put(client.put(args.key, args.value, args.request_id))
+        elif command in ("del", "delete"):
+            printer.delete(client.delete(args.key, args.request_id))
+        elif command == "txn":
+            printer.txn(client.txn(compares, success, failure, args.request_id))
+        elif command == "scan":
+            printer.kvs(_scan(client, args), args.keys_only)
+        elif command == "watch":
+            return _watch(client, args, printer)
+        elif command == "shards":
+            printer.shard_map(client.shard_map())
+        else:  # pragma: no cover - argparse only lets known commands through
+            raise InvalidArgument(f"unknown command {command!r}")
+    return EXIT_OK
+
+
+def _consistency(text: str) -> Consistency:
+    if text == "leader-local":
+        return "leader-local"
+    if text == "stale":
+        return "stale"
+    return "linearizable"
+
+
+def _scan(client: Client, args: argparse.Namespace) -> Iterable[KeyValue]:
+    """At most --limit keys (0 = all), fetched in pages no larger than the server allows."""
+    page_size = min(args.limit, MAX_SCAN_LIMIT) if args.limit else 0
+    kvs = client.scan_all(args.start, args.end, args.prefix, page_size, _consistency(args.consistency),
+                          keys_only=args.keys_only)
+    for n, kv in enumerate(kvs, start=1):
+        yield kv
+        if args.limit and n >= args.limit:
+            return
+
+
+def _watch(client: Client, args: argparse.Namespace, printer: Printer) -> int:
+    watch = client.watch(args.key, args.prefix, args.start_revision)
+    printer.event_header()
+    try:
+        for event in watch:
+            printer.event(event)
+    except KeyboardInterrupt:
+        return EXIT_OK  # the normal way to stop watching
+    finally:
+        watch.cancel()
+    return EXIT_OK
+
+
+def _serve(argv: list[str]) -> int:
+    """Run a server node. Imported only here: the server pulls in Kafka and LevelDB, which the
+    client commands never need."""
+    try:
+        server = importlib.import_module("kvstore.server")
+    except ImportError as exc:
+        print(f"kvstore: cannot start the server: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    try:
+        rc = server.main(argv)
+    except SystemExit as exc:  # the server's own argparse: keep main() returning an int
+        rc = exc.code if isinstance(exc.code, int) else EXIT_ERROR if exc.code else EXIT_OK
+    return rc if isinstance(rc, int) else EXIT_OK
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the `kvstore` command; returns the exit status."""
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    rest = serve_argv(args_list)
+    if rest is not None:
+        return _serve(rest)
+    parser = build_parser()
+    try:
+        args = parser.parse_args(args_list)
+    except SystemExit as exc:  # argparse already printed usage or help
+        return exc.code if isinstance(exc.code, int) else EXIT_USAGE
+    if args.command is None:
+        parser.print_usage(sys.stderr)
+        print("kvstore: error: a command is required", file=sys.stderr)
+        return EXIT_USAGE
+    printer = Printer(args.output, sys.stdout)
+    try:
+        return _run(args, printer)
+    except InvalidArgument as exc:
+        print(f"kvstore: invalid argument: {_one_line(str(exc))}", file=sys.stderr)
+        return EXIT_USAGE
+    except KvError as exc:
+        print(f"kvstore: {_error_name(exc)}: {_one_line(str(exc))}", file=sys.stderr)
+        return EXIT_ERROR
+    except KeyboardInterrupt:
+        print("kvstore: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        # The reader went away (`kvstore scan | head`): not an error. Point stdout at devnull so
+        # the interpreter's final flush does not complain.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return EXIT_OK
+
+
+_ERROR_NAMES: dict[str, str] = {
+    "NotLeader": "not leader", "Unavailable": "unavailable", "UnknownOutcome": "outcome unknown",
+    "Overloaded": "overloaded", "DeadlineExceeded": "deadline exceeded", "Cancelled": "cancelled",
+}
+
+
+def _error_name(exc: KvError) -> str:
+    name = _ERROR_NAMES.get(type(exc).__name__, "error")
+    if exc.request_id and type(exc).__name__ in ("UnknownOutcome", "DeadlineExceeded"):
+        # Say how to finish the job safely: the same id makes a retry apply at most once.
+        name += f" (retry with --request-id {exc.request_id})"
+    return name
+
+
+if __name__ == "__main__":
+    sys.exit(main())

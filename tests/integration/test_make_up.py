@@ -1,0 +1,80 @@
+"""`make up` and the CLI as a newcomer uses them: start, put/get/shards via `kvstore`, Ctrl-C, resume."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from tests.integration.helpers import REPO
+
+pytestmark = [pytest.mark.kafka, pytest.mark.slow]
+KVSTORE = str(Path(sys.executable).parent / "kvstore")  # the installed console script
+
+
+def kvstore(endpoint: str, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([KVSTORE, "--endpoints", endpoint, *args], capture_output=True, text=True, timeout=60,
+                          check=False)
+
+
+class DevCluster:
+    def __init__(self, data_dir: Path) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-m", "kvstore.devcluster", "--data-dir", str(data_dir)],
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
+                                     env={**os.environ, "PYTHONPATH": str(REPO)})
+        self.lines: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=self._pump, daemon=True).start()
+
+    def _pump(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.put(line)
+
+    def wait_endpoints(self, timeout_s: float = 180) -> dict[str, object]:
+        while True:
+            line = self.lines.get(timeout=timeout_s)
+            if line.startswith("{"):
+                info: dict[str, object] = json.loads(line)
+                return info
+
+    def interrupt(self) -> int:
+        self.proc.send_signal(signal.SIGINT)  # what Ctrl-C sends
+        return self.proc.wait(90)
+
+
+def test_make_up_serves_round_trips_and_resumes(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    cluster = DevCluster(data)
+    try:
+        endpoint = cluster.wait_endpoints()["endpoints"][0]  # type: ignore[index]
+        assert kvstore(endpoint, "put", "k", "v").returncode == 0
+        got = kvstore(endpoint, "get", "k", "--output", "json")
+        assert got.returncode == 0 and json.loads(got.stdout)["value"] == "v", got
+        shards = kvstore(endpoint, "shards", "--output", "json")
+        assert shards.returncode == 0, shards.stderr
+        shard_map = json.loads(shards.stdout)
+        assert [s["leader"] for s in shard_map["shards"]] == [endpoint] * 4, shard_map
+        assert kvstore(endpoint, "get", "", "--output", "json").returncode == 2  # clear error, no traceback
+        assert cluster.interrupt() == 0
+    finally:
+        if cluster.proc.poll() is None:
+            cluster.proc.kill()
+
+    again = DevCluster(data)  # a second run resumes from the same directory
+    try:
+        endpoint = again.wait_endpoints()["endpoints"][0]  # type: ignore[index]
+        got = kvstore(endpoint, "get", "k", "--output", "json")
+        assert json.loads(got.stdout)["value"] == "v"
+        assert again.interrupt() == 0
+    finally:
+        if again.proc.poll() is None:
+            again.proc.kill()
+    leftovers = subprocess.run(["pgrep", "-f", str(data)], capture_output=True, text=True, check=False).stdout
+    assert leftovers.strip() == "", "processes of the dev cluster survived Ctrl-C"

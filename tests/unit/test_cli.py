@@ -1,0 +1,499 @@
+"""`kvstore.cli`: txn syntax, argument parsing, output formats and exit codes against a fake
+client (no server), and a few commands end to end against the loopback fake of test_client."""
+
+from __future__ import annotations
+
+import base64
+import json
+import sys
+import types
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from kvstore import cli
+from kvstore.cli import TxnSyntaxError, main, parse_compare, parse_op, parse_txn, serve_argv
+from kvstore.client import (
+    Compare,
+    DeleteResult,
+    GetResult,
+    InvalidArgument,
+    KeyValue,
+    Op,
+    PutResult,
+    ReadHeader,
+    ScanPage,
+    ShardInfo,
+    ShardMap,
+    TxnResult,
+    Unavailable,
+    UnknownOutcome,
+    WatchEvent,
+)
+from tests.unit.test_client import FakeCluster, key_on
+
+# ============================================================================================
+# Txn syntax
+
+COMPARES = [
+    ("version(k)=0", Compare(b"k", "version", "==", 0)),
+    ("version(k) == 0", Compare(b"k", "version", "==", 0)),
+    ("  version ( k ) != 3 ", Compare(b"k", "version", "!=", 3)),
+    ("VERSION(k)>2", Compare(b"k", "version", ">", 2)),
+    ("mod(k) > 12", Compare(b"k", "mod_revision", ">", 12)),
+    ("mod_revision(k)<3", Compare(b"k", "mod_revision", "<", 3)),
+    ("value(k)=x", Compare(b"k", "value", "==", b"x")),
+    ("value(k) = hello world ", Compare(b"k", "value", "==", b"hello world")),
+    ('value(k) != "a b "', Compare(b"k", "value", "!=", b"a b ")),
+    ("value('a)b') = ''", Compare(b"a)b", "value", "==", b"")),
+    (r'value("say \"hi\"")="x=y"', Compare(b'say "hi"', "value", "==", b"x=y")),
+    ("value(k) < m", Compare(b"k", "value", "<", b"m")),
+    ("value(ключ)=значение", Compare("ключ".encode(), "value", "==", "значение".encode())),
+    ("exists(k)", Compare(b"k", "exists", "==", True)),
+    ("!exists(k)", Compare(b"k", "exists", "==", False)),
+    ("! exists(k)", Compare(b"k", "exists", "==", False)),
+    ("exists(k)=false", Compare(b"k", "exists", "==", False)),
+    ("exists(k) != true", Compare(b"k", "exists", "==", False)),
+    ("exists(k) == 1", Compare(b"k", "exists", "==", True)),
+    ("!exists(k) = false", Compare(b"k", "exists", "==", True)),
+]
+
+
+@pytest.mark.parametrize(("text", "expected"), COMPARES, ids=[c[0] for c in COMPARES])
+def test_parse_compare(text: str, expected: Compare) -> None:
+    assert parse_compare(text) == expected
+
+
+BAD_COMPARES = [
+    ("version(k)>=1", "operator"),
+    ("version(k)=<1", "integer"),
+    ("version(k)=x", "integer"),
+    ("foo(k)=1", "unknown target"),
+    ("version k = 0", "expected TARGET"),
+    ("version(k)", "missing operator"),
+    ("version()=0", "empty key"),
+    ("version(k=0", "missing ')'"),
+    ("value(k)=", "missing value"),
+    ('value("k)=x', "unterminated quote"),
+    ('value("k"x)=x', "expected ')'"),
+    ("!version(k)=0", "only applies to exists"),
+    ("exists(k)=maybe", "true or false"),
+    ("exists(k) > true", "true or false"),
+    ('value(k) = "a" b', "after the quoted value"),
+]
+
+
+@pytest.mark.parametrize(("text", "message"), BAD_COMPARES, ids=[c[0] for c in BAD_COMPARES])
+def test_parse_compare_errors(text: str, message: str) -> None:
+    with pytest.raises(TxnSyntaxError, match=message.replace("(", r"\(").replace(")", r"\)")) as info:
+        parse_compare(text)
+    assert isinstance(info.value, InvalidArgument) and text in str(info.value)
+
+
+OPS = [
+    ("put k v", Op.put("k", "v")),
+    ("PUT k v", Op.put("k", "v")),
+    ('put "a b" "c d"', Op.put("a b", "c d")),
+    ("put k ''", Op.put("k", "")),
+    ("del k", Op.delete("k")),
+    ("delete k", Op.delete("k")),
+    ("get k", Op.get("k")),
+    ("get #notacomment", Op.get("#notacomment")),
+]
+
+
+@pytest.mark.parametrize(("text", "expected"), OPS, ids=[o[0] for o in OPS])
+def test_parse_op(text: str, expected: Op) -> None:
+    assert parse_op(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "put k", "put k v w", "get", "del a b", "frob k", 'put "k v'])
+def test_parse_op_errors(text: str) -> None:
+    with pytest.raises(TxnSyntaxError):
+        parse_op(text)
+
+
+def test_parse_txn() -> None:
+    compares, success, failure = parse_txn(["version(k)=0"], ["put k v"], ["get k"])
+    assert compares == [Compare.version("k", "==", 0)] and success == [Op.put("k", "v")] and failure == [Op.get("k")]
+    with pytest.raises(TxnSyntaxError, match="at least one"):
+        parse_txn([], [], [])
+
+
+# ============================================================================================
+# Arguments
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["serve"], []),
+        (["serve", "--listen", "0.0.0.0:1", "--shards", "4"], ["--listen", "0.0.0.0:1", "--shards", "4"]),
+        (["--endpoints", "x:1", "serve", "-h"], ["-h"]),
+        (["--output=json", "-o", "table", "--timeout", "3", "serve", "a"], ["a"]),
+        (["get", "serve"], None),
+        (["put", "serve", "x"], None),
+        ([], None),
+        (["--help"], None),
+    ],
+)
+def test_serve_argv(argv: list[str], expected: list[str] | None) -> None:
+    assert serve_argv(argv) == expected
+
+
+def test_common_options_before_or_after_the_command(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(cli.ENDPOINTS_ENV, raising=False)
+    parser = cli.build_parser()
+    args = parser.parse_args(["get", "k"])
+    assert (args.endpoints, args.timeout, args.output) == ("127.0.0.1:50051", 5.0, "table")
+    args = parser.parse_args(["--endpoints", "a:1", "-o", "json", "get", "k"])
+    assert (args.endpoints, args.output) == ("a:1", "json")
+    args = parser.parse_args(["get", "k", "--endpoints", "b:2", "--timeout", "0.5", "--output", "json"])
+    assert (args.endpoints, args.timeout, args.output) == ("b:2", 0.5, "json")
+    args = parser.parse_args(["--endpoints", "a:1", "get", "--output", "json", "k"])
+    assert (args.endpoints, args.output) == ("a:1", "json")  # the subcommand does not reset it
+
+
+def test_endpoints_default_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(cli.ENDPOINTS_ENV, "n1:1,n2:2")
+    assert cli.build_parser().parse_args(["shards"]).endpoints == "n1:1,n2:2"
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        [],
+        ["frob"],
+        ["get"],
+        ["get", "k", "--consistency", "eventual"],
+        ["get", "k", "--min-revision", "-1"],
+        ["put", "k"],
+        ["--timeout", "0", "get", "k"],
+        ["--timeout", "abc", "get", "k"],
+        ["scan", "--limit", "x"],
+        ["--output", "yaml", "shards"],
+    ],
+)
+def test_usage_errors_exit_2(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "usage:" in err and "Traceback" not in err
+
+
+def test_help_exits_0(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["txn", "--help"]) == 0
+    assert "version(KEY)" in capsys.readouterr().out
+
+
+# ============================================================================================
+# Commands against a fake client
+
+
+class FakeWatch:
+    def __init__(self, events: list[WatchEvent], then: BaseException | None) -> None:
+        self.events, self.then, self.cancelled = events, then, False
+
+    def __iter__(self) -> Iterator[WatchEvent]:
+        yield from self.events
+        if self.then is not None:
+            raise self.then
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class FakeClient:
+    """Records calls; answers with canned results or raises `error`."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, tuple[Any, ...], dict[str, Any]]] = []
+        self.error: Exception | None = None
+        self.closed = False
+        self.get_result = GetResult(b"k", True, KeyValue(b"k", b"v", 2, 11, 7), ReadHeader(0, 12, "n1:1"))
+        self.pages: list[ScanPage] = []
+        self.watch_obj = FakeWatch([], KeyboardInterrupt())
+        self.endpoints: list[str] = []
+        self.timeout = 0.0
+
+    def __enter__(self) -> FakeClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.closed = True
+
+    def _record(self, name: str, *args: Any, **kwargs: Any) -> None:
+        self.calls.append((name, args, kwargs))
+        if self.error is not None:
+            raise self.error
+
+    def get(self, key: str, consistency: str = "linearizable", min_revision: int = 0) -> GetResult:
+        self._record("get", key, consistency, min_revision)
+        return self.get_result
+
+    def put(self, key: str, value: str, request_id: str | None = None) -> PutResult:
+        self._record("put", key, value, request_id)
+        return PutResult(key.encode(), 1, 42, 3, False, request_id or "generated")
+
+    def delete(self, key: str, request_id: str | None = None) -> DeleteResult:
+        self._record("delete", key, request_id)
+        return DeleteResult(key.encode(), 1, 43, True, False, request_id or "generated")
+
+    def txn(self, compares: list[Compare], success: list[Op], failure: list[Op], request_id: str | None) -> TxnResult:
+        self._record("txn", compares, success, failure, request_id)
+        results = (PutResult(b"k", 0, 44, 1, False, "t"), DeleteResult(b"d", 0, 44, False, False, "t"),
+                   GetResult(b"g", False, None, None))
+        return TxnResult(True, 0, 44, False, results, request_id or "t")
+
+    def scan_all(self, start: str, end: str, prefix: str, limit: int, consistency: str,
+                 *, keys_only: bool) -> Iterator[KeyValue]:
+        self._record("scan_all", start, end, prefix, limit, consistency, keys_only=keys_only)
+        for page in self.pages:
+            yield from page.kvs
+
+    def watch(self, key: str, prefix: str, start_revision: int) -> FakeWatch:
+        self._record("watch", key, prefix, start_revision)
+        return self.watch_obj
+
+    def shard_map(self) -> ShardMap:
+        self._record("shard_map")
+        return ShardMap(2, "wal", "n1:1", (ShardInfo(0, "n1:1", 3, 10, 12, 2, 0), ShardInfo(1, "", 0, 5, 5, 0, 0)))
+
+
+@pytest.fixture
+def fake(monkeypatch: pytest.MonkeyPatch) -> FakeClient:
+    client = FakeClient()
+
+    def make(endpoints: list[str], timeout_s: float) -> FakeClient:
+        client.endpoints, client.timeout = list(endpoints), timeout_s
+        return client
+
+    monkeypatch.setattr(cli, "make_client", make)
+    return client
+
+
+def run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    rc = main(argv)
+    captured = capsys.readouterr()
+    return rc, captured.out, captured.err
+
+
+def json_lines(out: str) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in out.splitlines()]
+
+
+def test_get_table(fake: FakeClient, capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, err = run(["get", "k", "--endpoints", "a:1, b:2", "--timeout", "2"], capsys)
+    assert rc == 0 and err == ""
+    assert out.splitlines() == [
+        "KEY  VALUE  VERSION  MOD_REVISION  CREATE_REVISION",
+        "k    v      2        11            7",
+    ]
+    assert fake.endpoints == ["a:1", "b:2"] and fake.timeout == 2.0 and fake.closed
+    assert fake.calls == [("get", ("k", "linearizable", None), {})]
+
+
+def test_get_options_are_passed(fake: FakeClient, capsys: pytest.CaptureFixture[str]) -> None:
+    run(["get", "k", "--consistency", "stale", "--min-revision", "9"], capsys)
+    assert fake.calls == [("get", ("k", "stale", 9), {})]
+
+
+def test_get_json(fake: FakeClient, capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, _ = run(["get", "k", "-o", "json"], capsys)
+    assert rc == 0
+    assert json_lines(out) == [{"key": "k", "found": True, "value": "v", "version": 2, "mod_revision": 11,
+                                "create_revision": 7, "shard": 0, "applied_revision": 12, "served_by": "n1:1"}]
+
+
+def test_get_not_found(fake: FakeClient, capsys: pytest.CaptureFixture[str]) -> None:
+    fake.get_result = GetResult(b"k", False, None, ReadHeader(0, 12, "n1:1"))
+    assert run(["get", "k"], capsys)[:2] == (0, "(not found)\n")
+    rc, out, _ = run(["get", "k", "--output", "json"], capsys)
+    assert rc == 0 and json_lines(out)[0]["found"] is False and "value" not in json_lines(out)[0]
+
+
+def test_binary_values_are_base64_in_json_and_escaped_in_tables(
+    fake: FakeClient, capsys: pytest.CaptureFixture[str]
+) -> None:
+    fake.get_result = GetResult(b"k\xff", True, KeyValue(b"k\xff", b"\x00\x01\xfe", 1, 1, 1), None)
+    record = json_lines(run(["get", "x", "-o", "json"], capsys)[1])[0]
+    assert record["key_base64"] is True and base64.b64decode(record["key"]) == b"k\xff"
+    assert record["value_base64"] is True and base64.b64decode(record["value"]) == b"\x00\x01\xfe"
+    out = run(["get", "x"], capsys)[1]
+    assert "k\\xff" in out and "\\x00\\x01\\xfe" in out and "\x00" not in out
+    assert cli.display("a\nb\u200b".encode()) == "a\\nb\\u200b" and cli.display("ok ключ".encode()) == "ok ключ"
+
+
+def test_utf8_values_are_text_in_json(fake: FakeClient, capsys: pytest.CaptureFixture[str]) -> None:
+    fake.get_result = GetResult("ключ".encode(), True, KeyValue("ключ".encode(), "значение".encode(), 1, 1, 1), None)
+    record = json_lines(run(["get", "ключ", "-o", "json"], capsys)[1])[0]
+    assert record["key"] == "ключ" and record["value"] == "значение" and "value_base64" not in record
+
+
+def test_put_and_del(fake: FakeClient, capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, _ = run(["put", "k", "v", "--request-id", "r1"], capsys)
+    assert rc == 0 and out.splitlines()[1].split() == ["k", "1", "42", "3", "false"]
+    assert fake.calls[-1] == ("put", ("k", "v", "r1"), {})
+    rc, out, _ = run(["-o", "json", "del", "k"], capsys)
+    assert rc == 0 and json_lines(out) == [{"key": "k", "shard": 1, "revision": 43, "deleted": True,
+                                            "replayed": False, "request_id": "generated"}]
+    assert fake.calls[-1] == ("delete", ("k", None), {})
+
+
+def test_txn_passes_parsed_arguments_and_prints(fake: FakeClient, capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, _ = run(["txn", "--if", "version(k)=0", "--if", "value(j) != x", "--then", "put k v",
+                      "--then", "del d", "--else", "get g"], capsys)
+    assert rc == 0
+    (name, (compares, success, failure, rid), _), = fake.calls
+    assert name == "txn" and rid is None
+    assert compares == [Compare.version("k", "==", 0), Compare.value("j", "!=", "x")]
+    assert success == [Op.put("k", "v"), Op.delete("d")] and failure == [Op.get("g")]
+    lines = out.splitlines()
+    assert lines[0].startswith("succeeded: true (ran --then)")
+    assert [line.split()[:2] for line in lines[1:]] == [["OP", "KEY"], ["put", "k"], ["del", "d"], ["get", "g"]]
+    record = json_lines(run(["txn", "--then", "put k v", "-o", "json"], capsys)[1])[0]
+    assert record["succeeded"] is True and [r["op"] for r in record["results"]] == ["put", "delete", "get"]
+
+
+def test_txn_syntax_error_exits_2_without_connecting(fake: FakeClient, capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, err = run(["txn", "--if", "version(k)>=1", "--then", "put k v"], capsys)
+    assert rc == 2 and out == "" and fake.calls == []
+    assert err.startswith("kvstore: invalid argument: bad condition") and err.count("\n") == 1
+
+
+def test_scan_limits_total_keys_and_pages(fake: FakeClient, capsys: pytest.CaptureFixture[str]) -> None:
+    kvs = tuple(KeyValue(f"p{i}".encode(), b"x" * i, 1, i, i) for i in range(5))
+    fake.pages = [ScanPage(kvs[:2], b"t", ()), ScanPage(kvs[2:], b"", ())]
+    rc, out, _ = run(["scan", "--prefix", "p", "--limit", "3"], capsys)
+    assert rc == 0
+    assert out.splitlines() == ["KEY  VALUE  VERSION  MOD_REVISION", "p0          1        0",
+                                "p1   x      1        1", "p2   xx     1        2"]
+    assert fake.calls[-1] == ("scan_all", ("", "", "p", 3, "linearizable"), {"keys_only": False})
+    rc, out, _ = run(["scan", "--start", "a", "--end", "z", "--keys-only", "-o", "json"], capsys)
+    assert json_lines(out) == [{"key": f"p{i}"} for i in range(5)]
+    assert fake.calls[-1] == ("scan_all", ("a", "z", "", 0, "linearizable"), {"keys_only": True})
+
+
+def test_scan_large_limit_uses_server_max_page(fake: FakeClient, capsys: pytest.CaptureFixture[str]) -> None:
+    run(["scan", "--limit", "5000"], capsys)
+    assert fake.calls[-1][1][3] == 1000
+
+
+def test_scan_prefix_and_range_conflict(fake: FakeClient, capsys: pytest.CaptureFixture[str]) -> None:
+    rc, _, err = run(["scan", "--prefix", "p", "--start", "a"], capsys)
+    assert rc == 2 and "either --prefix or --start/--end" in err and fake.calls == []
+
+
+def test_watch_prints_events_and_ctrl_c_exits_0(fake: FakeClient, capsys: pytest.CaptureFixture[str]) -> None:
+    events = [WatchEvent("put", KeyValue(b"w", b"1", 1, 5, 5), 1),
+              WatchEvent("delete", KeyValue(b"w", b"", 0, 6, 0), 1)]
+    fake.watch_obj = FakeWatch(events, KeyboardInterrupt())
+    rc, out, err = run(["watch", "--prefix", "w", "--from", "3", "-o", "json"], capsys)
+    assert rc == 0 and err == "" and fake.watch_obj.cancelled
+    assert fake.calls == [("watch", ("", "w", 3), {})]
+    assert [(r["type"], r["key"], r["mod_revision"]) for r in json_lines(out)] == [("put", "w", 5), ("delete", "w", 6)]
+    fake.watch_obj = FakeWatch(events, KeyboardInterrupt())
+    rc, out, _ = run(["watch", "w"], capsys)
+    lines = out.splitlines()
+    assert rc == 0 and lines[0].split() == ["TYPE", "MOD_REVISION", "SHARD", "KEY", "VALUE"]
+    assert lines[1].split() == ["PUT", "5", "1", "w", "1"] and lines[2].split() == ["DELETE", "6", "1", "w"]
+
+
+def test_watch_error_after_events_exits_1(fake: FakeClient, capsys: pytest.CaptureFixture[str]) -> None:
+    fake.watch_obj = FakeWatch([], Unavailable("node went away"))
+    rc, _, err = run(["watch", "w"], capsys)
+    assert rc == 1 and err == "kvstore: unavailable: node went away\n" and fake.watch_obj.cancelled
+
+
+@pytest.mark.parametrize("argv", [["watch"], ["watch", "k", "--prefix", "p"]])
+def test_watch_needs_key_or_prefix(argv: list[str], fake: FakeClient, capsys: pytest.CaptureFixture[str]) -> None:
+    assert run(argv, capsys)[0] == 2
+
+
+def test_shards(fake: FakeClient, capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, _ = run(["shards"], capsys)
+    lines = out.splitlines()
+    assert rc == 0 and lines[0] == "topic: wal  shards: 2  served by: n1:1"
+    assert lines[1].split() == ["SHARD", "LEADER", "TERM", "APPLIED", "END", "LAG", "OPEN_TXN_MS"]
+    assert lines[3].split() == ["1", "-", "0", "5", "5", "0", "0"]
+    (record,) = json_lines(run(["shards", "-o", "json"], capsys)[1])
+    assert record["shard_count"] == 2 and record["shards"][0]["leader"] == "n1:1"
+
+
+@pytest.mark.parametrize(
+    ("error", "rc", "stderr"),
+    [
+        (Unavailable("failed to connect to all addresses", attempts=6), 1,
+         "kvstore: unavailable: failed to connect to all addresses (after 6 attempts)\n"),
+        (InvalidArgument("key is 5000 bytes;\nlimit MAX_KEY_BYTES is 4096"), 2,
+         "kvstore: invalid argument: key is 5000 bytes; limit MAX_KEY_BYTES is 4096\n"),
+        (UnknownOutcome("commit outcome unknown", request_id="abc"), 1,
+         "kvstore: outcome unknown (retry with --request-id abc): commit outcome unknown\n"),
+    ],
+)
+def test_errors_are_one_line_on_stderr(
+    error: Exception, rc: int, stderr: str, fake: FakeClient, capsys: pytest.CaptureFixture[str]
+) -> None:
+    fake.error = error
+    assert run(["put", "k", "v"], capsys) == (rc, "", stderr)
+
+
+def test_ctrl_c_outside_watch_exits_130(fake: FakeClient, capsys: pytest.CaptureFixture[str]) -> None:
+    fake.error = KeyboardInterrupt()
+    assert run(["get", "k"], capsys) == (130, "", "kvstore: interrupted\n")
+
+
+def test_serve_calls_the_server_lazily(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[list[str]] = []
+
+    def fake_main(argv: list[str]) -> int:
+        seen.append(argv)
+        return 3
+
+    monkeypatch.setitem(sys.modules, "kvstore.server", types.SimpleNamespace(main=fake_main))
+    assert main(["--endpoints", "x:1", "serve", "--listen", "127.0.0.1:0", "--help"]) == 3
+    assert seen == [["--listen", "127.0.0.1:0", "--help"]]
+
+    def exits(argv: list[str]) -> int:
+        raise SystemExit(2)
+
+    monkeypatch.setitem(sys.modules, "kvstore.server", types.SimpleNamespace(main=exits))
+    assert main(["serve", "--bogus"]) == 2
+
+
+# ============================================================================================
+# End to end against the loopback fake cluster
+
+
+@pytest.fixture
+def fake_cluster() -> Iterator[FakeCluster]:
+    fc = FakeCluster(nodes=2, shard_count=2)
+    try:
+        yield fc
+    finally:
+        fc.stop()
+
+
+def test_cli_against_fake_cluster(fake_cluster: FakeCluster, capsys: pytest.CaptureFixture[str]) -> None:
+    endpoints = ["--endpoints", fake_cluster.addresses[1]]
+    k0 = key_on(0, 2).decode()
+    rc, out, err = run(["put", k0, "hello", "-o", "json", *endpoints], capsys)
+    assert (rc, err) == (0, "")
+    put = json_lines(out)[0]
+    assert put["version"] == 1 and fake_cluster.calls_to("Put")[0].node == fake_cluster.leaders[0]
+    rc, out, _ = run(["get", k0, "-o", "json", *endpoints], capsys)
+    assert json_lines(out)[0]["value"] == "hello"
+    rc, out, _ = run(["txn", "--if", f"version({k0})=1", "--then", f"put {k0} bye", "-o", "json", *endpoints],
+                     capsys)
+    assert json_lines(out)[0]["succeeded"] is True
+    rc, out, _ = run(["scan", "-o", "json", *endpoints], capsys)
+    assert [(r["key"], r["value"]) for r in json_lines(out)] == [(k0, "bye")]
+    rc, out, _ = run(["shards", *endpoints], capsys)
+    assert rc == 0 and fake_cluster.addresses[0] in out
+
+
+def test_cli_unreachable_cluster_exits_1(capsys: pytest.CaptureFixture[str]) -> None:
+    from tests.unit.test_client import _free_address
+
+    rc, out, err = run(["get", "k", "--endpoints", _free_address(), "--timeout", "2"], capsys)
+    assert rc == 1 and out == "" and err.startswith("kvstore: unavailable: ") and err.count("\n") == 1

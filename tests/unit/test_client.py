@@ -1,0 +1,759 @@
+"""`kvstore.client`: the pure policy (errors, retries, txn shard check) without any server, then
+routing and retries over loopback against a small in-process fake of the KV and Cluster services.
+
+The fake is only a scripted stand-in to observe what the client sends where; the real server is
+tested end to end elsewhere.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from concurrent import futures
+from typing import Any
+
+import grpc
+import pytest
+from google.protobuf.message import Message
+
+from kvstore.client import (
+    Client,
+    Compare,
+    CrossShardTxn,
+    DeadlineExceeded,
+    DeleteResult,
+    GetResult,
+    InvalidArgument,
+    KeyValue,
+    KvError,
+    NotLeader,
+    Op,
+    Overloaded,
+    PutResult,
+    RetryAction,
+    Unavailable,
+    UnknownOutcome,
+    backoff_delay,
+    error_from_status,
+    retry_action,
+    to_bytes,
+    txn_keys,
+    txn_shard,
+)
+from kvstore.errors import LEADER_HINT_KEY, OUTCOME_KEY, SHARD_KEY
+from kvstore.sharding import shard_of
+from kvstore.v1 import cluster_pb2, cluster_pb2_grpc, kv_pb2, kv_pb2_grpc
+
+SC = grpc.StatusCode
+
+
+def key_on(shard: int, shard_count: int, prefix: str = "k") -> bytes:
+    """The first key `<prefix><n>` that lands on `shard`."""
+    for n in range(10_000):
+        key = f"{prefix}{n}".encode()
+        if shard_of(key, shard_count) == shard:
+            return key
+    raise AssertionError("no key found")
+
+
+# ============================================================================================
+# Pure: error mapping and retry classification
+
+
+class FakeRpcError(grpc.RpcError):
+    """What grpc raises for a failed unary call: code, details, trailing metadata."""
+
+    def __init__(self, code: grpc.StatusCode, details: str = "", metadata: Sequence[tuple[str, str]] = ()) -> None:
+        super().__init__(details)
+        self._code, self._details, self._metadata = code, details, tuple(metadata)
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+    def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
+        return self._metadata
+
+
+HINT = {LEADER_HINT_KEY: "10.0.0.2:50051", SHARD_KEY: "3"}
+UNKNOWN_OUTCOME = {OUTCOME_KEY: "unknown"}
+
+# (code, metadata, details, exception class, action)
+CLASSIFY_TABLE = [
+    pytest.param(SC.INVALID_ARGUMENT, {}, "key too long", InvalidArgument, RetryAction.FAIL, id="invalid"),
+    pytest.param(SC.INVALID_ARGUMENT, UNKNOWN_OUTCOME, "x", InvalidArgument, RetryAction.FAIL, id="invalid-even-w-md"),
+    pytest.param(SC.FAILED_PRECONDITION, HINT, "not leader", NotLeader, RetryAction.REDIRECT, id="not-leader-hint"),
+    pytest.param(SC.FAILED_PRECONDITION, {SHARD_KEY: "3"}, "no leader", NotLeader, RetryAction.REROUTE,
+                 id="not-leader-no-hint"),
+    pytest.param(SC.FAILED_PRECONDITION, {}, "other", KvError, RetryAction.FAIL, id="precondition-not-ours"),
+    pytest.param(SC.UNAVAILABLE, {}, "connection refused", Unavailable, RetryAction.REROUTE, id="unavailable"),
+    pytest.param(SC.UNKNOWN, UNKNOWN_OUTCOME, "commit timed out", UnknownOutcome, RetryAction.REROUTE,
+                 id="unknown-outcome-w7"),
+    pytest.param(SC.UNKNOWN, {}, "Exception calling application", KvError, RetryAction.FAIL, id="unknown-bare"),
+    pytest.param(SC.UNKNOWN, {OUTCOME_KEY: "committed"}, "x", KvError, RetryAction.FAIL, id="unknown-other-md"),
+    pytest.param(SC.RESOURCE_EXHAUSTED, {}, "queue full", Overloaded, RetryAction.BACKOFF, id="overloaded"),
+    pytest.param(SC.RESOURCE_EXHAUSTED, {}, "Sent message larger than max (3000000 vs. 2097152)", InvalidArgument,
+                 RetryAction.FAIL, id="grpc-message-too-large"),
+    pytest.param(SC.DEADLINE_EXCEEDED, {}, "Deadline Exceeded", DeadlineExceeded, RetryAction.FAIL, id="deadline"),
+    pytest.param(SC.INTERNAL, {}, "boom", KvError, RetryAction.FAIL, id="internal"),
+    pytest.param(SC.PERMISSION_DENIED, {}, "no", KvError, RetryAction.FAIL, id="permission-denied"),
+]
+
+
+@pytest.mark.parametrize(("code", "metadata", "details", "cls", "action"), CLASSIFY_TABLE)
+def test_error_mapping_and_retry_action(
+    code: grpc.StatusCode, metadata: dict[str, str], details: str, cls: type[KvError], action: RetryAction
+) -> None:
+    error = error_from_status(code, details, metadata, target="n1:1", request_id="rid")
+    assert type(error) is cls
+    assert retry_action(error) is action
+    assert error.message == details  # the server's own text is kept
+    assert error.code == code and error.target == "n1:1" and error.request_id == "rid"
+
+
+def test_not_leader_exposes_hint_and_shard() -> None:
+    error = error_from_status(SC.FAILED_PRECONDITION, "this node does not lead shard 3", HINT)
+    assert isinstance(error, NotLeader)
+    assert error.leader_hint == "10.0.0.2:50051" and error.shard == 3
+
+
+def test_invalid_argument_is_also_a_value_error() -> None:
+    assert issubclass(InvalidArgument, ValueError) and issubclass(CrossShardTxn, InvalidArgument)
+
+
+@pytest.mark.parametrize("attempt", range(1, 12))
+def test_backoff_is_exponential_capped_and_jittered(attempt: int) -> None:
+    base, cap = 0.05, 1.0
+    ceiling = min(cap, base * 2 ** (attempt - 1))
+    delays = [backoff_delay(attempt, base, cap) for _ in range(200)]
+    assert all(ceiling / 2 <= d <= ceiling for d in delays)
+    assert len(set(delays)) > 1  # jitter
+
+
+def test_to_bytes() -> None:
+    assert to_bytes("ключ") == "ключ".encode()
+    assert to_bytes(b"\xff") == b"\xff"
+    with pytest.raises(InvalidArgument):
+        to_bytes(3)  # type: ignore[arg-type]
+
+
+# ============================================================================================
+# Pure: txn building blocks and the single-shard check
+
+
+def test_compare_and_op_to_protobuf() -> None:
+    c = Compare.version("k", "==", 0).to_pb()
+    assert (c.key, c.target, c.op, c.version) == (b"k", kv_pb2.Compare.TARGET_VERSION, kv_pb2.Compare.OP_EQUAL, 0)
+    c = Compare.value(b"k", "!=", "v").to_pb()
+    assert (c.target, c.op, c.value) == (kv_pb2.Compare.TARGET_VALUE, kv_pb2.Compare.OP_NOT_EQUAL, b"v")
+    c = Compare.exists("k", False).to_pb()
+    assert (c.target, c.op, c.exists, c.WhichOneof("operand")) == (
+        kv_pb2.Compare.TARGET_EXISTS, kv_pb2.Compare.OP_EQUAL, False, "exists")
+    c = Compare.mod_revision("k", ">", 7).to_pb()
+    assert (c.target, c.op, c.mod_revision) == (kv_pb2.Compare.TARGET_MOD_REVISION, kv_pb2.Compare.OP_GREATER, 7)
+    assert Op.put("k", "v").to_pb().put == kv_pb2.PutRequest(key=b"k", value=b"v")
+    assert Op.delete("k").to_pb().WhichOneof("op") == "delete"
+    assert Op.get("k").to_pb().get.key == b"k"
+    with pytest.raises(InvalidArgument):
+        Compare.version("k", ">=", 1)  # type: ignore[arg-type]
+
+
+def test_txn_shard_single_shard() -> None:
+    a, b = key_on(1, 4, "a"), key_on(1, 4, "b")
+    assert txn_shard([Compare.version(a, "==", 0)], [Op.put(a, "1"), Op.put(b, "2")], [Op.get(b)], 4) == 1
+    assert txn_shard([], [], [], 4) is None
+    assert txn_keys([Compare.exists(a)], [Op.put(b, "x"), Op.get(a)], [Op.delete(b)]) == [a, b]
+
+
+def test_txn_shard_refuses_keys_on_two_shards_and_names_them() -> None:
+    a, b = key_on(0, 4, "a"), key_on(2, 4, "b")
+    with pytest.raises(CrossShardTxn) as info:
+        txn_shard([Compare.version(a, "==", 0)], [Op.put(b, "x")], [], 4)
+    message = str(info.value)
+    assert a.decode() in message and b.decode() in message and "shard 0" in message and "shard 2" in message
+
+
+# ============================================================================================
+# Without a server: the retry loop, driven through the client's one-attempt seam
+
+
+@dataclasses.dataclass
+class Attempt:
+    target: str
+    method: str
+    request: Message
+    timeout: float
+
+
+class Scripted:
+    """Replaces `Client._invoke`: answers ShardMap from a fixed map and replays a script of
+    outcomes (an exception to raise or a response to return) for every other method."""
+
+    def __init__(self, client: Client, shard_count: int, leaders: dict[int, str], script: list[Any]) -> None:
+        self.shard_count, self.leaders, self.script = shard_count, leaders, list(script)
+        self.attempts: list[Attempt] = []
+        client._invoke = self  # type: ignore[method-assign]
+        client._sleep = self.sleep
+        self.slept: list[float] = []
+
+    def sleep(self, seconds: float) -> None:
+        self.slept.append(seconds)
+
+    def __call__(self, target: str, method: str, request: Message, timeout: float) -> Message:
+        self.attempts.append(Attempt(target, method, request, timeout))
+        if method == "ShardMap":
+            shards = [cluster_pb2.ShardInfo(shard=s, leader=self.leaders.get(s, "")) for s in range(self.shard_count)]
+            return cluster_pb2.ShardMapResponse(shard_count=self.shard_count, served_by=target, shards=shards)
+        outcome = self.script.pop(0)
+        if isinstance(outcome, BaseException):
+            raise outcome
+        assert isinstance(outcome, Message)
+        return outcome
+
+    def calls(self, method: str) -> list[Attempt]:
+        return [a for a in self.attempts if a.method == method]
+
+
+def put_ok(revision: int = 10, replayed: bool = False) -> kv_pb2.PutResponse:
+    return kv_pb2.PutResponse(result=kv_pb2.WriteResult(shard=0, revision=revision, replayed=replayed), version=1)
+
+
+def test_write_retries_reuse_one_request_id() -> None:
+    client = Client(["n1:1"], max_attempts=5)
+    s = Scripted(client, 1, {0: "n1:1"}, [
+        FakeRpcError(SC.UNKNOWN, "commit outcome unknown", [(OUTCOME_KEY, "unknown")]),
+        FakeRpcError(SC.UNAVAILABLE, "batch aborted"),
+        FakeRpcError(SC.RESOURCE_EXHAUSTED, "queue full"),
+        put_ok(replayed=True),
+    ])
+    result = client.put("k", "v")
+    puts = s.calls("Put")
+    assert len(puts) == 4
+    ids = {p.request.request_id for p in puts}  # type: ignore[attr-defined]
+    assert len(ids) == 1 and len(ids.pop()) == 32  # uuid4 hex, the same on every attempt
+    assert result.request_id == puts[0].request.request_id  # type: ignore[attr-defined]
+    assert result.replayed and result.revision == 10
+    assert len(s.slept) == 3  # a backoff between attempts
+
+
+def test_caller_request_id_is_kept_for_delete_and_txn() -> None:
+    client = Client(["n1:1"])
+    s = Scripted(client, 1, {0: "n1:1"}, [
+        FakeRpcError(SC.UNAVAILABLE, "x"),
+        kv_pb2.DeleteResponse(result=kv_pb2.WriteResult(revision=3), deleted=True),
+        FakeRpcError(SC.UNKNOWN, "?", [(OUTCOME_KEY, "unknown")]),
+        kv_pb2.TxnResponse(succeeded=True, result=kv_pb2.WriteResult(revision=4)),
+    ])
+    assert client.delete("k", request_id="my-del").request_id == "my-del"
+    assert client.txn([], [Op.put("k", "v")], request_id="my-txn").request_id == "my-txn"
+    assert [a.request.request_id for a in s.calls("Delete")] == ["my-del", "my-del"]  # type: ignore[attr-defined]
+    assert [a.request.request_id for a in s.calls("Txn")] == ["my-txn", "my-txn"]  # type: ignore[attr-defined]
+
+
+def test_each_write_gets_a_fresh_request_id() -> None:
+    client = Client(["n1:1"])
+    s = Scripted(client, 1, {}, [put_ok(), put_ok()])
+    client.put("a", "1")
+    client.put("a", "1")
+    assert len({a.request.request_id for a in s.calls("Put")}) == 2  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        pytest.param(FakeRpcError(SC.INVALID_ARGUMENT, "value is 2000000 bytes; limit MAX_VALUE_BYTES"), id="invalid"),
+        pytest.param(FakeRpcError(SC.UNKNOWN, "Exception calling application"), id="unknown-without-outcome"),
+        pytest.param(FakeRpcError(SC.INTERNAL, "bug"), id="internal"),
+        pytest.param(FakeRpcError(SC.FAILED_PRECONDITION, "something else"), id="precondition-without-shard"),
+    ],
+)
+def test_not_retried(error: FakeRpcError) -> None:
+    client = Client(["n1:1"])
+    s = Scripted(client, 1, {}, [error, put_ok()])
+    with pytest.raises(KvError) as info:
+        client.put("k", "v")
+    assert len(s.calls("Put")) == 1 and not s.slept
+    assert info.value.message == error.details()
+    assert info.value.request_id == s.calls("Put")[0].request.request_id  # type: ignore[attr-defined]
+
+
+def test_unknown_outcome_is_not_hidden_by_later_failures() -> None:
+    """After an attempt whose commit outcome is unknown, running out of retries on "nothing was
+    done" errors must still report an unknown outcome (W7), with the id to retry with."""
+    client = Client(["n1:1"], max_attempts=3)
+    s = Scripted(client, 1, {}, [
+        FakeRpcError(SC.UNKNOWN, "commit outcome unknown", [(OUTCOME_KEY, "unknown")]),
+        FakeRpcError(SC.UNAVAILABLE, "leader changing"),
+        FakeRpcError(SC.UNAVAILABLE, "leader changing"),
+    ])
+    with pytest.raises(UnknownOutcome) as info:
+        client.put("k", "v")
+    assert info.value.request_id == s.calls("Put")[0].request.request_id  # type: ignore[attr-defined]
+    assert "commit outcome unknown" in str(info.value) and "leader changing" in str(info.value)
+    assert info.value.attempts == 3
+
+
+def test_invalid_argument_keeps_server_message_and_class() -> None:
+    client = Client(["n1:1"])
+    Scripted(client, 1, {}, [FakeRpcError(SC.INVALID_ARGUMENT, "key is 5000 bytes; limit MAX_KEY_BYTES is 4096")])
+    with pytest.raises(InvalidArgument, match="MAX_KEY_BYTES"):
+        client.put("k", "v")
+
+
+def test_attempts_are_bounded() -> None:
+    client = Client(["n1:1", "n2:2"], max_attempts=4)
+    s = Scripted(client, 1, {}, [FakeRpcError(SC.UNAVAILABLE, f"down {i}") for i in range(10)])
+    with pytest.raises(Unavailable) as info:
+        client.get("k")
+    assert len(s.calls("Get")) == 4
+    assert info.value.attempts == 4 and "after 4 attempts" in str(info.value)
+    assert info.value.message == "down 3"  # the last error
+
+
+def test_unavailable_tries_the_next_endpoint() -> None:
+    client = Client(["n1:1", "n2:2", "n3:3"])
+    s = Scripted(client, 1, {}, [FakeRpcError(SC.UNAVAILABLE, "refused"), FakeRpcError(SC.UNAVAILABLE, "refused"),
+                                 kv_pb2.GetResponse(found=False)])
+    client.get("k", consistency="stale")
+    assert [a.target for a in s.calls("Get")] == ["n1:1", "n2:2", "n3:3"]
+
+
+def test_redirect_follows_hint_without_waiting_and_refreshes_map() -> None:
+    client = Client(["n1:1"])
+    s = Scripted(client, 1, {0: "n1:1"}, [
+        FakeRpcError(SC.FAILED_PRECONDITION, "not leader", [(SHARD_KEY, "0"), (LEADER_HINT_KEY, "n2:2")]),
+        put_ok(),
+        put_ok(),
+    ])
+    client.put("k", "v")
+    assert [a.target for a in s.calls("Put")] == ["n1:1", "n2:2"] and not s.slept
+    maps_before = len(s.calls("ShardMap"))
+    client.put("k", "v")
+    assert len(s.calls("ShardMap")) == maps_before + 1  # the hint invalidated the cached map
+
+
+def test_deadline_bounds_the_whole_call_and_each_attempt_gets_the_rest() -> None:
+    client = Client(["n1:1"], timeout_s=0.3, max_attempts=1000, backoff_s=0.02, max_backoff_s=0.02)
+    s = Scripted(client, 1, {}, [FakeRpcError(SC.UNAVAILABLE, "down")] * 1000)
+    client._sleep = time.sleep  # real time, so that the deadline passes
+    started = time.monotonic()
+    with pytest.raises(DeadlineExceeded) as info:
+        client.get("k", consistency="stale")
+    assert time.monotonic() - started < 1.0
+    assert "down" in str(info.value)
+    timeouts = [a.timeout for a in s.calls("Get")]
+    assert timeouts[0] <= 0.3 and timeouts == sorted(timeouts, reverse=True)
+
+
+def test_txn_spanning_shards_is_refused_before_sending() -> None:
+    client = Client(["n1:1"])
+    s = Scripted(client, 4, {}, [kv_pb2.TxnResponse()])
+    a, b = key_on(0, 4), key_on(3, 4)
+    with pytest.raises(CrossShardTxn):
+        client.txn([Compare.version(a, "==", 0)], [Op.put(b, "x")])
+    assert s.calls("Txn") == []
+
+
+def test_txn_is_routed_to_the_leader_of_its_shard_and_results_are_parsed() -> None:
+    client = Client(["n1:1"])
+    a = key_on(2, 4)
+    response = kv_pb2.TxnResponse(
+        succeeded=False, result=kv_pb2.WriteResult(shard=2),  # a gets-only branch writes nothing
+        results=[kv_pb2.TxnOpResult(get=kv_pb2.GetResponse(found=True, kv=kv_pb2.KeyValue(key=a, value=b"v",
+                                                                                           version=2)))],
+    )
+    s = Scripted(client, 4, {2: "n3:3"}, [response])
+    result = client.txn([Compare.version(a, "==", 0)], [Op.put(a, "x")], [Op.get(a)])
+    assert s.calls("Txn")[0].target == "n3:3"
+    assert not result.succeeded and result.revision is None
+    (get,) = result.results
+    assert isinstance(get, GetResult) and get.found and get.value == b"v" and get.header is None
+
+
+def test_client_side_argument_errors() -> None:
+    with pytest.raises(InvalidArgument):
+        Client([])
+    client = Client("n1:1, n2:2")  # a comma-separated string is accepted too
+    assert client.endpoints == ("n1:1", "n2:2")
+    with pytest.raises(InvalidArgument):
+        client.get("k", consistency="eventual")  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgument):
+        client.scan(prefix="p", start="a")
+    with pytest.raises(InvalidArgument):
+        client.watch()
+    with pytest.raises(InvalidArgument):
+        client.put("k", "v", request_id="")
+
+
+# ============================================================================================
+# Over loopback: a fake cluster of in-process gRPC servers
+
+
+@dataclasses.dataclass
+class Failure:
+    code: grpc.StatusCode
+    details: str
+    metadata: tuple[tuple[str, str], ...] = ()
+    apply_first: bool = False  # the write happens, then the answer is lost (W7)
+
+
+@dataclasses.dataclass
+class Call:
+    node: str
+    method: str
+    request: Any
+
+
+class FakeCluster:
+    """Nodes sharing one store. `leaders` is the truth (a non-leader answers with a hint);
+    `advertised` is what ShardMap says (stale maps are set up by making them differ)."""
+
+    def __init__(self, nodes: int = 2, shard_count: int = 2) -> None:
+        self.shard_count = shard_count
+        self.lock = threading.Lock()
+        self.calls: list[Call] = []
+        self.failures: dict[tuple[str, str], list[Failure]] = {}
+        self.store: dict[bytes, kv_pb2.KeyValue] = {}
+        self.responses: dict[str, Message] = {}  # request id -> first answer
+        self.revision = 0
+        self.hints = True
+        self.watch_events: list[kv_pb2.WatchEvent] = []
+        self.servers: list[grpc.Server] = []
+        self.addresses: list[str] = []
+        for _ in range(nodes):
+            server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
+            node = FakeNode(self, server)
+            kv_pb2_grpc.add_KVServicer_to_server(node, server)
+            cluster_pb2_grpc.add_ClusterServicer_to_server(node, server)
+            port = server.add_insecure_port("127.0.0.1:0")
+            node.address = f"127.0.0.1:{port}"
+            server.start()
+            self.servers.append(server)
+            self.addresses.append(node.address)
+        self.leaders = {s: self.addresses[s % nodes] for s in range(shard_count)}
+        self.advertised: dict[int, str] | None = None
+
+    def stop(self) -> None:
+        for server in self.servers:
+            server.stop(0)
+
+    def fail(self, node: str, method: str, *failures: Failure) -> None:
+        self.failures.setdefault((node, method), []).extend(failures)
+
+    def calls_to(self, method: str, node: str | None = None) -> list[Call]:
+        with self.lock:
+            return [c for c in self.calls if c.method == method and (node is None or c.node == node)]
+
+
+class FakeNode(kv_pb2_grpc.KVServicer, cluster_pb2_grpc.ClusterServicer):
+    def __init__(self, cluster: FakeCluster, server: grpc.Server) -> None:
+        self.cluster, self.server, self.address = cluster, server, ""
+
+    def _enter(self, method: str, request: Any, context: grpc.ServicerContext, key: bytes | None) -> Failure | None:
+        c = self.cluster
+        with c.lock:
+            c.calls.append(Call(self.address, method, request))
+            script = c.failures.get((self.address, method))
+            failure = script.pop(0) if script else None
+        if failure is not None and not failure.apply_first:
+            self._abort(context, failure)
+        if key is not None:
+            shard = shard_of(key, c.shard_count)
+            leader = c.leaders[shard]
+            if leader != self.address:
+                md = [(SHARD_KEY, str(shard))] + ([(LEADER_HINT_KEY, leader)] if c.hints else [])
+                self._abort(context, Failure(SC.FAILED_PRECONDITION, f"this node does not lead shard {shard}",
+                                             tuple(md)))
+        return failure
+
+    @staticmethod
+    def _abort(context: grpc.ServicerContext, failure: Failure) -> None:
+        context.set_trailing_metadata(failure.metadata)
+        context.abort(failure.code, failure.details)
+
+    def _write(self, request_id: str, apply: Callable[[int], Message]) -> Message:
+        c = self.cluster
+        with c.lock:
+            if request_id in c.responses:
+                first = c.responses[request_id]
+                replay = type(first)()
+                replay.CopyFrom(first)
+                replay.result.replayed = True  # type: ignore[attr-defined]
+                return replay
+            c.revision += 1
+            response = apply(c.revision)
+            c.responses[request_id] = response
+            return response
+
+    def _put(self, key: bytes, value: bytes, revision: int) -> kv_pb2.PutResponse:
+        old = self.cluster.store.get(key)
+        kv = kv_pb2.KeyValue(key=key, value=value, version=(old.version if old else 0) + 1, mod_revision=revision,
+                             create_revision=old.create_revision if old else revision)
+        self.cluster.store[key] = kv
+        shard = shard_of(key, self.cluster.shard_count)
+        return kv_pb2.PutResponse(result=kv_pb2.WriteResult(shard=shard, revision=revision), version=kv.version)
+
+    def Put(self, request: kv_pb2.PutRequest, context: grpc.ServicerContext) -> kv_pb2.PutResponse:
+        failure = self._enter("Put", request, context, request.key)
+        if request.key == b"":
+            self._abort(context, Failure(SC.INVALID_ARGUMENT, "key must not be empty"))
+        response = self._write(request.request_id, lambda rev: self._put(request.key, request.value, rev))
+        if failure is not None:
+            self._abort(context, failure)
+        assert isinstance(response, kv_pb2.PutResponse)
+        return response
+
+    def Delete(self, request: kv_pb2.DeleteRequest, context: grpc.ServicerContext) -> kv_pb2.DeleteResponse:
+        self._enter("Delete", request, context, request.key)
+
+        def apply(rev: int) -> kv_pb2.DeleteResponse:
+            existed = self.cluster.store.pop(request.key, None) is not None
+            shard = shard_of(request.key, self.cluster.shard_count)
+            return kv_pb2.DeleteResponse(result=kv_pb2.WriteResult(shard=shard, revision=rev), deleted=existed)
+
+        response = self._write(request.request_id, apply)
+        assert isinstance(response, kv_pb2.DeleteResponse)
+        return response
+
+    def Get(self, request: kv_pb2.GetRequest, context: grpc.ServicerContext) -> kv_pb2.GetResponse:
+        stale = request.read.consistency == kv_pb2.CONSISTENCY_STALE
+        self._enter("Get", request, context, None if stale else request.key)
+        with self.cluster.lock:
+            kv = self.cluster.store.get(request.key)
+            header = kv_pb2.ReadHeader(shard=shard_of(request.key, self.cluster.shard_count),
+                                       applied_revision=self.cluster.revision + 1, served_by=self.address)
+        return kv_pb2.GetResponse(header=header, found=kv is not None, kv=kv)
+
+    def Txn(self, request: kv_pb2.TxnRequest, context: grpc.ServicerContext) -> kv_pb2.TxnResponse:
+        keys = [c.key for c in request.compares] + [getattr(o, o.WhichOneof("op")).key for o in request.success]
+        self._enter("Txn", request, context, keys[0] if keys else None)
+
+        def apply(rev: int) -> kv_pb2.TxnResponse:
+            store = self.cluster.store
+            ok = all((store[c.key].version if c.key in store else 0) == c.version for c in request.compares)
+            results = []
+            for op in request.success if ok else request.failure:
+                if op.HasField("put"):
+                    results.append(kv_pb2.TxnOpResult(put=self._put(op.put.key, op.put.value, rev)))
+                elif op.HasField("get"):
+                    kv = store.get(op.get.key)
+                    results.append(kv_pb2.TxnOpResult(get=kv_pb2.GetResponse(found=kv is not None, kv=kv)))
+            return kv_pb2.TxnResponse(succeeded=ok, results=results, result=kv_pb2.WriteResult(revision=rev))
+
+        response = self._write(request.request_id, apply)
+        assert isinstance(response, kv_pb2.TxnResponse)
+        return response
+
+    def Scan(self, request: kv_pb2.ScanRequest, context: grpc.ServicerContext) -> kv_pb2.ScanResponse:
+        self._enter("Scan", request, context, None)
+        limit = request.limit or 2
+        with self.cluster.lock:
+            keys = sorted(k for k in self.cluster.store if k.startswith(request.prefix) and k >= request.page_token)
+            page = [self.cluster.store[k] for k in keys[:limit]]
+        token = page[-1].key + b"\x00" if len(keys) > limit else b""
+        return kv_pb2.ScanResponse(kvs=page, next_page_token=token)
+
+    def Watch(self, request: kv_pb2.WatchRequest, context: grpc.ServicerContext) -> Iterator[kv_pb2.WatchEvent]:
+        self._enter("Watch", request, context, None)
+        yield from self.cluster.watch_events
+        while context.is_active():  # until the client cancels
+            time.sleep(0.01)
+
+    def ShardMap(self, request: cluster_pb2.ShardMapRequest, context: grpc.ServicerContext) -> Any:
+        self._enter("ShardMap", request, context, None)
+        leaders = self.cluster.advertised if self.cluster.advertised is not None else self.cluster.leaders
+        return cluster_pb2.ShardMapResponse(
+            shard_count=self.cluster.shard_count, topic="wal", served_by=self.address,
+            shards=[cluster_pb2.ShardInfo(shard=s, leader=leaders.get(s, "")) for s in range(self.cluster.shard_count)])
+
+
+@pytest.fixture
+def cluster() -> Iterator[FakeCluster]:
+    fake = FakeCluster(nodes=2, shard_count=2)
+    try:
+        yield fake
+    finally:
+        fake.stop()
+
+
+@pytest.fixture
+def client(cluster: FakeCluster) -> Iterator[Client]:
+    with Client([cluster.addresses[0]], timeout_s=5.0, backoff_s=0.01) as c:
+        yield c
+
+
+def test_routes_each_key_to_its_shard_leader(cluster: FakeCluster, client: Client) -> None:
+    a, b = cluster.addresses
+    k0, k1 = key_on(0, 2), key_on(1, 2)
+    assert client.put(k0, "v0").shard == 0
+    assert client.put(k1, "v1").shard == 1
+    assert [c.request.key for c in cluster.calls_to("Put", a)] == [k0]
+    assert [c.request.key for c in cluster.calls_to("Put", b)] == [k1]
+    got = client.get(k1)
+    assert got.found and got.value == b"v1" and got.header is not None and got.header.served_by == b
+    assert len(cluster.calls_to("ShardMap")) == 1  # cached
+
+
+def test_follows_leader_hint_and_refreshes_map(cluster: FakeCluster, client: Client) -> None:
+    a, b = cluster.addresses
+    k1 = key_on(1, 2)
+    cluster.advertised = {0: a, 1: a}  # stale: b leads shard 1
+    assert client.put(k1, "v").revision > 0
+    assert [c.node for c in cluster.calls_to("Put")] == [a, b]
+    cluster.advertised = None  # the map caught up
+    client.put(k1, "w")
+    assert [c.node for c in cluster.calls_to("Put")] == [a, b, b]
+    assert len(cluster.calls_to("ShardMap")) == 2  # refreshed after the hint
+
+
+def test_not_leader_without_hint_refreshes_map_and_retries(cluster: FakeCluster, client: Client) -> None:
+    a, b = cluster.addresses
+    k1 = key_on(1, 2)
+    cluster.advertised = {0: a, 1: a}
+    cluster.hints = False  # "no leader known right now": the client must look again by itself
+
+    def heal() -> None:  # the map catches up once the client was refused
+        while not cluster.calls_to("Put"):
+            time.sleep(0.001)
+        cluster.advertised = None
+
+    healer = threading.Thread(target=heal)
+    healer.start()
+    client.put(k1, "v")
+    healer.join()
+    puts = cluster.calls_to("Put")
+    assert puts[0].node == a and puts[-1].node == b
+    assert len({p.request.request_id for p in puts}) == 1
+
+
+def test_unknown_outcome_is_retried_with_the_same_request_id(cluster: FakeCluster, client: Client) -> None:
+    k0 = key_on(0, 2)
+    leader = cluster.leaders[0]
+    lost = Failure(SC.UNKNOWN, "commit outcome unknown", ((OUTCOME_KEY, "unknown"),), apply_first=True)
+    cluster.fail(leader, "Put", lost, lost)
+    result = client.put(k0, "v")
+    puts = cluster.calls_to("Put", leader)
+    assert len(puts) == 3
+    assert {p.request.request_id for p in puts} == {result.request_id}
+    assert result.replayed and result.version == 1  # applied once, whatever the retries
+    assert client.get(k0).kv == KeyValue(k0, b"v", 1, result.revision, result.revision)
+
+
+def test_unknown_without_outcome_metadata_is_not_retried(cluster: FakeCluster, client: Client) -> None:
+    k0 = key_on(0, 2)
+    cluster.fail(cluster.leaders[0], "Put", Failure(SC.UNKNOWN, "Exception calling application"))
+    with pytest.raises(KvError) as info:
+        client.put(k0, "v")
+    assert type(info.value) is KvError and len(cluster.calls_to("Put")) == 1
+
+
+def test_invalid_argument_is_not_retried(cluster: FakeCluster, client: Client) -> None:
+    cluster.leaders = {0: cluster.addresses[0], 1: cluster.addresses[0]}
+    with pytest.raises(InvalidArgument, match="key must not be empty") as info:
+        client.put(b"", "v")
+    assert len(cluster.calls_to("Put")) == 1
+    assert info.value.code == SC.INVALID_ARGUMENT and info.value.attempts == 1
+
+
+def test_overloaded_then_unavailable_then_success(cluster: FakeCluster, client: Client) -> None:
+    k0 = key_on(0, 2)
+    leader = cluster.leaders[0]
+    cluster.fail(leader, "Delete", Failure(SC.RESOURCE_EXHAUSTED, "queue full"),
+                 Failure(SC.UNAVAILABLE, "shard 0 bootstrapping"))
+    result = client.delete(k0)
+    assert isinstance(result, DeleteResult) and not result.deleted
+    assert len({c.request.request_id for c in cluster.calls_to("Delete")}) == 1
+    assert len(cluster.calls_to("Delete")) == 3
+
+
+def test_dead_endpoint_is_skipped(cluster: FakeCluster) -> None:
+    dead = _free_address()
+    with Client([dead, cluster.addresses[0]], timeout_s=5.0, backoff_s=0.01) as c:
+        assert c.shard_map().shard_count == 2
+        assert c.put(key_on(0, 2), "v").revision > 0
+        assert c.get(key_on(0, 2), consistency="stale").found
+
+
+def test_all_endpoints_dead_gives_unavailable() -> None:
+    with Client([_free_address(), _free_address()], timeout_s=3.0, max_attempts=3, backoff_s=0.01) as c, \
+            pytest.raises(Unavailable):
+        c.put("k", "v")
+
+
+def test_stale_read_goes_to_any_endpoint(cluster: FakeCluster, client: Client) -> None:
+    k1 = key_on(1, 2)
+    client.put(k1, "v")
+    result = client.get(k1, consistency="stale", min_revision=1)
+    assert result.header is not None and result.header.served_by == cluster.addresses[0]
+    (call,) = cluster.calls_to("Get")
+    assert call.request.read.consistency == kv_pb2.CONSISTENCY_STALE and call.request.read.min_revision == 1
+
+
+def test_txn_over_the_wire(cluster: FakeCluster, client: Client) -> None:
+    a = key_on(1, 2, "lock")
+    first = client.txn([Compare.version(a, "==", 0)], [Op.put(a, "me")], [Op.get(a)])
+    assert first.succeeded and isinstance(first.results[0], PutResult) and first.results[0].version == 1
+    second = client.txn([Compare.version(a, "==", 0)], [Op.put(a, "you")], [Op.get(a)])
+    assert not second.succeeded
+    (got,) = second.results
+    assert isinstance(got, GetResult) and got.value == b"me"
+    assert cluster.calls_to("Txn")[0].node == cluster.leaders[1]
+
+
+def test_scan_all_follows_page_tokens(cluster: FakeCluster, client: Client) -> None:
+    keys = [f"p/{i:02d}".encode() for i in range(7)]
+    for key in keys:
+        client.put(key, key)
+    client.put("q", "other")
+    page = client.scan(prefix="p/", limit=3)
+    assert [kv.key for kv in page.kvs] == keys[:3] and page.more
+    assert [kv.key for kv in client.scan_all(prefix="p/", limit=3)] == keys
+    assert len(cluster.calls_to("Scan")) == 1 + 3
+
+
+def test_watch_delivers_events_and_cancels(cluster: FakeCluster, client: Client) -> None:
+    kv = kv_pb2.KeyValue(key=b"w", value=b"1", version=1, mod_revision=5)
+    cluster.watch_events = [
+        kv_pb2.WatchEvent(type=kv_pb2.WatchEvent.TYPE_PUT, kv=kv, shard=1),
+        kv_pb2.WatchEvent(type=kv_pb2.WatchEvent.TYPE_DELETE, kv=kv_pb2.KeyValue(key=b"w", mod_revision=6), shard=1),
+    ]
+    with client.watch(prefix="w", start_revision=3) as watch:
+        first, second = next(watch), next(watch)
+        assert (first.type, first.kv.value, first.kv.mod_revision) == ("put", b"1", 5)
+        assert (second.type, second.kv.key, second.kv.mod_revision) == ("delete", b"w", 6)
+        threading.Timer(0.1, watch.cancel).start()  # from another thread, while next() blocks
+        assert list(watch) == []
+    (call,) = cluster.calls_to("Watch")
+    assert call.request.prefix == b"w" and call.request.start_revision == 3
+
+
+def test_watch_retries_before_the_first_event(cluster: FakeCluster, client: Client) -> None:
+    cluster.watch_events = [kv_pb2.WatchEvent(type=kv_pb2.WatchEvent.TYPE_PUT, kv=kv_pb2.KeyValue(key=b"w"))]
+    cluster.fail(cluster.addresses[0], "Watch", Failure(SC.UNAVAILABLE, "starting"))
+    with client.watch(prefix="w") as watch:
+        assert next(watch).kv.key == b"w"
+    assert len(cluster.calls_to("Watch")) == 2
+
+
+def test_close_closes_channels(cluster: FakeCluster) -> None:
+    c = Client(cluster.addresses, max_channels=1)
+    c.put(key_on(0, 2), "v")
+    c.put(key_on(1, 2), "v")  # a second address: the first channel is evicted
+    assert len(c._conns) == 1
+    c.close()
+    assert not c._conns
+    with pytest.raises(KvError, match="closed"):
+        c.get("k")
+
+
+def _free_address() -> str:
+    """A loopback address nobody listens on (connection refused, fast)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{s.getsockname()[1]}"
