@@ -16,6 +16,7 @@ from pathlib import Path
 from confluent_kafka import KafkaException
 from confluent_kafka.admin import AdminClient, NewTopic
 
+from kvstore import limits
 from kvstore.metrics import Metrics
 from kvstore.replica import ReplicaConfig, Role, ShardReplica
 from kvstore.sharding import shard_of
@@ -36,6 +37,7 @@ class NodeConfig:
     metrics_port: int = 0  # 0 = no metrics endpoint
     transaction_timeout_ms: int = 60_000
     replication_factor: int = 0  # 0 = min(3, number of brokers)
+    max_pending_writes: int = limits.MAX_PENDING_WRITES_PER_SHARD
 
     @property
     def wal_topic(self) -> str:
@@ -65,6 +67,8 @@ class NodeConfig:
             raise ValueError(f"--cluster must be non-empty and contain no dot, got {self.cluster!r}")
         if self.transaction_timeout_ms < 1000:
             raise ValueError("--transaction-timeout-ms must be at least 1000")
+        if not 1 <= self.max_pending_writes <= 1_000_000:
+            raise ValueError(f"--max-pending-writes must be within 1..1000000, got {self.max_pending_writes}")
 
 
 def _convert(kind: object, raw: str) -> object:
@@ -87,7 +91,8 @@ class Node:
             replica = ShardReplica(ReplicaConfig(
                 cluster=self.config.cluster, topic=self.config.wal_topic, shard=shard,
                 bootstrap_servers=self.config.kafka, node_id=self.config.node_id,
-                data_dir=self.config.data_dir, transaction_timeout_ms=self.config.transaction_timeout_ms),
+                data_dir=self.config.data_dir, transaction_timeout_ms=self.config.transaction_timeout_ms,
+                max_pending_writes=self.config.max_pending_writes),
                 self.metrics)
             self.replicas[shard] = replica
             replica.start(lead=True)

@@ -334,6 +334,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--topic", help="WAL topic (default <cluster>.wal)")
     parser.add_argument("--metrics-port", type=int, help="Prometheus port on 127.0.0.1 (0 = off)")
     parser.add_argument("--transaction-timeout-ms", type=int)
+    parser.add_argument("--max-pending-writes", type=int,
+                        help="writes queued per shard before RESOURCE_EXHAUSTED "
+                             f"(default {limits.MAX_PENDING_WRITES_PER_SHARD})")
     parser.add_argument("--log-format", choices=("json", "text"), default="json")
     args = parser.parse_args(argv)
     handler = logging.StreamHandler(sys.stderr)
@@ -344,7 +347,8 @@ def main(argv: list[str] | None = None) -> int:
         config = NodeConfig.from_env(node_id=args.node_id, listen=args.listen, advertise=args.advertise,
                                      data_dir=args.data_dir, kafka=args.kafka, cluster=args.cluster,
                                      shards=args.shards, topic=args.topic, metrics_port=args.metrics_port,
-                                     transaction_timeout_ms=args.transaction_timeout_ms)
+                                     transaction_timeout_ms=args.transaction_timeout_ms,
+                                     max_pending_writes=args.max_pending_writes)
     except (ValueError, TypeError) as exc:
         print(f"kvstore serve: {exc}", file=sys.stderr)
         return 2

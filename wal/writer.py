@@ -240,7 +240,9 @@ class ShardWriter:
             return _failed(Op.PRODUCE, clients.error_of(exc))
         except SystemError as exc:
             # confluent-kafka raises a fatal error from flush() as SystemError when a delivery
-            # callback ran in the same poll; the KafkaException is its cause.
+            # callback ran in the same poll; the KafkaException is its cause. A signal (Ctrl-C)
+            # arrives the same way and must not be swallowed as a failed batch.
+            _reraise_interrupts(exc)
             return _failed(Op.PRODUCE, _cause(exc))
         except BufferError as exc:  # local queue full: bounded by max_batch_records
             return Failed(Op.PRODUCE, ErrorClass.ABORTABLE, f"producer queue full: {exc}")
@@ -259,6 +261,8 @@ class ShardWriter:
         try:
             call()
         except (KafkaException, SystemError) as exc:
+            if isinstance(exc, SystemError):
+                _reraise_interrupts(exc)
             err = clients.error_of(exc) if isinstance(exc, KafkaException) else _cause(exc)
             event = _failed(op, err)
             log.info("shard %s: %s after %.0f ms: %s", self.config.transactional_id, op.value,
@@ -292,6 +296,12 @@ def _failed(op: Op, err: KafkaError) -> Failed:
     cls = classify(err.name(), fatal=err.fatal(), retriable=err.retriable(),
                    txn_requires_abort=err.txn_requires_abort())
     return Failed(op, cls, f"{err.name()}: {err.str()}")
+
+
+def _reraise_interrupts(exc: SystemError) -> None:
+    cause = exc.__cause__ or exc.__context__
+    if isinstance(cause, (KeyboardInterrupt, SystemExit)):
+        raise cause
 
 
 def _cause(exc: SystemError) -> KafkaError:

@@ -19,7 +19,9 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 class StoreProcess:
-    def __init__(self, kafka: str, data_dir: Path, cluster: str, shards: int = 4, port: int | None = None) -> None:
+    def __init__(self, kafka: str, data_dir: Path, cluster: str, shards: int = 4, port: int | None = None,
+                 extra_args: tuple[str, ...] = ()) -> None:
+        self.extra_args = extra_args
         self.kafka = kafka
         self.data_dir = data_dir
         self.cluster = cluster
@@ -34,7 +36,7 @@ class StoreProcess:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         cmd = [sys.executable, "-m", "kvstore.server", "--kafka", self.kafka, "--data-dir", str(self.data_dir),
                "--listen", self.address, "--cluster", self.cluster, "--shards", str(self.shards),
-               "--transaction-timeout-ms", "20000"]
+               "--transaction-timeout-ms", "20000", *self.extra_args]
         self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
                                      env={**os.environ, "PYTHONPATH": str(REPO)})
         log.close()

@@ -275,3 +275,26 @@ def test_graceful_shutdown_loses_no_acknowledged_write(store: StoreProcess) -> N
     store.start()
     missing = [key for key, value in acked.items() if get(store, key).kv.value != value]
     assert missing == []
+
+
+def test_full_write_queue_answers_resource_exhausted(kafka: LocalKafka, tmp_path: Path) -> None:
+    node = StoreProcess(kafka.bootstrap_servers, tmp_path / "tiny", unique("kvq").replace("-", ""), shards=1,
+                        extra_args=("--max-pending-writes", "1"))
+    node.start()
+    try:
+        futures = [node.kv.Put.future(kv_pb2.PutRequest(key=f"q{i}".encode(), value=b"v"), timeout=TIMEOUT)
+                   for i in range(60)]
+        codes = []
+        for future in futures:
+            try:
+                future.result()
+                codes.append(grpc.StatusCode.OK)
+            except grpc.RpcError as error:
+                codes.append(error.code())
+                if error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    assert "MAX_PENDING_WRITES_PER_SHARD" in (error.details() or "")
+        assert grpc.StatusCode.RESOURCE_EXHAUSTED in codes and grpc.StatusCode.OK in codes, codes
+        assert set(codes) <= {grpc.StatusCode.OK, grpc.StatusCode.RESOURCE_EXHAUSTED}
+        assert put(node, b"after", b"ok").version == 1  # back to normal once the burst is over
+    finally:
+        node.stop()

@@ -159,3 +159,16 @@ def test_header_expected_offset(headers: Headers | None, expected: int | None) -
 )
 def test_accepts(actual: int, expected: int, accepted: bool) -> None:
     assert accepts(actual, expected) is accepted
+
+
+@pytest.mark.parametrize("offset", [0, 1, 127, 128, 16_383, 16_384, 2**31, 2**62])
+@pytest.mark.parametrize("payload", [b"", b"x", bytes(range(256)) * 3], ids=["empty", "one", "768"])
+@pytest.mark.parametrize(
+    "writer", [WriterIdentity("", 0), WriterIdentity("node-1", 7), WriterIdentity("é" * 70, 2**40)],
+    ids=["default", "plain", "long-unicode"])
+def test_hand_written_envelope_is_byte_identical_to_protobuf(offset: int, payload: bytes,
+                                                             writer: WriterIdentity) -> None:
+    body, _ = encode(offset, writer, payload)
+    reference = record_pb2.Record(expected_offset=offset, writer=record_pb2.Writer(id=writer.id, term=writer.term),
+                                  payload=payload).SerializeToString()
+    assert body == reference
