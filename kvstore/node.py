@@ -38,6 +38,8 @@ class NodeConfig:
     transaction_timeout_ms: int = 60_000
     replication_factor: int = 0  # 0 = min(3, number of brokers)
     max_pending_writes: int = limits.MAX_PENDING_WRITES_PER_SHARD
+    # False: a read replica that only follows (stale reads, scans, watches); writes are refused.
+    lead: bool = True
 
     @property
     def wal_topic(self) -> str:
@@ -76,6 +78,8 @@ def _convert(kind: object, raw: str) -> object:
         return int(raw)
     if kind in (Path, "Path"):
         return Path(raw)
+    if kind in (bool, "bool"):
+        return raw.strip().lower() in ("1", "true", "yes", "on")
     return raw
 
 
@@ -95,7 +99,7 @@ class Node:
                 max_pending_writes=self.config.max_pending_writes),
                 self.metrics)
             self.replicas[shard] = replica
-            replica.start(lead=True)
+            replica.start(lead=self.config.lead)
 
     async def stop(self) -> None:
         await asyncio.gather(*(replica.stop() for replica in self.replicas.values()))
@@ -107,8 +111,12 @@ class Node:
         return self.replicas[shard]
 
     def serving(self) -> bool:
-        """Healthy once every shard this node leads has bootstrapped."""
-        return bool(self.replicas) and all(r.role is Role.LEADER for r in self.replicas.values())
+        """Healthy once every shard has bootstrapped (leader) or caught up (follower)."""
+        if not self.replicas:
+            return False
+        if self.config.lead:
+            return all(r.role is Role.LEADER for r in self.replicas.values())
+        return all(r.caught_up for r in self.replicas.values())
 
     def leader_address(self, shard: int) -> str:
         return self.config.address if self.replicas[shard].role is Role.LEADER else ""

@@ -112,6 +112,7 @@ class ShardReplica:
         self.metrics = metrics
         self.store = ShardStore(config.data_dir / f"shard-{config.shard}", topic=config.topic, shard=config.shard)
         self.role = Role.FOLLOWER
+        self.caught_up = False  # a follower reached the partition end seen when it started
         self.term = 0
         self.end_offset = 0  # last known high watermark
         self.watchers: set[Watcher] = set()
@@ -128,8 +129,12 @@ class ShardReplica:
         self._round_task: asyncio.Task[None] | None = None
         self._ends = wal.clients.PartitionEnds(config.bootstrap_servers, config.call_timeout_s)
         self._seen_rejected = 0
+        label = str(self.shard)
+        for family in (metrics.w3_rejections, metrics.fencings, metrics.leader_changes, metrics.rebuilds):
+            family.labels(shard=label)  # export zeros from the start, so rates and alerts work
+        metrics.applied_offset.labels(shard=label).set(self.store.applied_offset)
         if self.store.rebuilt_reason:
-            metrics.rebuilds.labels(shard=str(self.shard)).inc()
+            metrics.rebuilds.labels(shard=label).inc()
 
     # ---- lifecycle ---------------------------------------------------------------------------
 
@@ -178,12 +183,19 @@ class ShardReplica:
     # ---- follower ------------------------------------------------------------------------------
 
     async def _follow(self) -> None:
+        """Tail the partition read_committed and apply, with the same function as bootstrap."""
         self.role = Role.FOLLOWER
         replayer = await asyncio.to_thread(self._replayer)
         try:
+            end = await asyncio.to_thread(replayer.end_offset)
+            if self.store.applied_offset > end:
+                self.store.wipe(f"checkpoint {self.store.applied_offset} beyond WAL end {end}")
+                replayer.seek(0)
             while not self._stopping and not self._want_lead:
                 records = await asyncio.to_thread(replayer.poll_once, 0.5)
                 self._apply_replayed(records, replayer)
+                if replayer.position >= end:
+                    self.caught_up = True
         finally:
             await asyncio.to_thread(replayer.close)
 

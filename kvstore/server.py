@@ -337,6 +337,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-pending-writes", type=int,
                         help="writes queued per shard before RESOURCE_EXHAUSTED "
                              f"(default {limits.MAX_PENDING_WRITES_PER_SHARD})")
+    parser.add_argument("--follower", action="store_true",
+                        help="only follow the shards (a read replica: stale reads, scans, watches)")
     parser.add_argument("--log-format", choices=("json", "text"), default="json")
     args = parser.parse_args(argv)
     handler = logging.StreamHandler(sys.stderr)
@@ -348,7 +350,8 @@ def main(argv: list[str] | None = None) -> int:
                                      data_dir=args.data_dir, kafka=args.kafka, cluster=args.cluster,
                                      shards=args.shards, topic=args.topic, metrics_port=args.metrics_port,
                                      transaction_timeout_ms=args.transaction_timeout_ms,
-                                     max_pending_writes=args.max_pending_writes)
+                                     max_pending_writes=args.max_pending_writes,
+                                     lead=False if args.follower else None)
     except (ValueError, TypeError) as exc:
         print(f"kvstore serve: {exc}", file=sys.stderr)
         return 2

@@ -298,3 +298,57 @@ def test_full_write_queue_answers_resource_exhausted(kafka: LocalKafka, tmp_path
         assert put(node, b"after", b"ok").version == 1  # back to normal once the burst is over
     finally:
         node.stop()
+
+
+def test_follower_replica_tails_the_wal_and_serves_stale_reads(store: StoreProcess, tmp_path: Path) -> None:
+    for i in range(5):
+        put(store, f"f{i}".encode(), b"before")
+    follower = StoreProcess(store.kafka, tmp_path / "follower", store.cluster, extra_args=("--follower",))
+    follower.start()
+    try:
+        written = put(store, b"f-new", b"after")
+        stale = kv_pb2.ReadOptions(consistency=kv_pb2.CONSISTENCY_STALE, min_revision=written.result.revision)
+        reply = follower.kv.Get(kv_pb2.GetRequest(key=b"f-new", read=stale), timeout=TIMEOUT)
+        assert reply.kv.value == b"after" and reply.header.served_by  # read-your-writes on a replica
+        assert get(follower, b"f0", kv_pb2.CONSISTENCY_STALE).kv.value == b"before"
+        with pytest.raises(grpc.RpcError) as refused:
+            put(follower, b"x", b"y")
+        assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION  # not the leader
+        with pytest.raises(grpc.RpcError) as linear:
+            get(follower, b"f0")
+        assert linear.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        # The replicas agree key by key.
+        scan = kv_pb2.ScanRequest(prefix=b"f", read=kv_pb2.ReadOptions(consistency=kv_pb2.CONSISTENCY_STALE))
+        leader_rows = [(kv.key, kv.value, kv.version) for kv in store.kv.Scan(scan, timeout=TIMEOUT).kvs]
+        follower_rows = [(kv.key, kv.value, kv.version) for kv in follower.kv.Scan(scan, timeout=TIMEOUT).kvs]
+        assert follower_rows == leader_rows and len(leader_rows) == 6
+    finally:
+        follower.stop()
+
+
+def test_reflection_and_metrics(kafka: LocalKafka, tmp_path: Path) -> None:
+    from urllib.request import urlopen
+
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    from wal.broker import free_port
+
+    metrics_port = free_port()
+    node = StoreProcess(kafka.bootstrap_servers, tmp_path / "m", unique("kvm").replace("-", ""),
+                        extra_args=("--metrics-port", str(metrics_port)))
+    node.start()
+    try:
+        put(node, b"metric", b"1")
+        assert node.channel is not None
+        stub = reflection_pb2_grpc.ServerReflectionStub(node.channel)
+        replies = stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]),
+                                            timeout=TIMEOUT)
+        services = {s.name for reply in replies for s in reply.list_services_response.service}
+        assert {"kvstore.v1.KV", "kvstore.v1.Cluster", "grpc.health.v1.Health"} <= services
+        text = urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=TIMEOUT).read().decode()
+        for name in ("kvstore_commit_latency_seconds_count", "kvstore_batch_records_bucket", "kvstore_applied_offset",
+                     "kvstore_lag_records", "kvstore_w3_rejections_total", "kvstore_fencings_total",
+                     "kvstore_open_txn_age_seconds", 'kvstore_requests_total{code="OK",method="Put"}'):
+            assert name in text, name
+    finally:
+        node.stop()
