@@ -37,7 +37,9 @@ kafka: venv
 	$(PY) -m wal.broker fetch
 
 bench-quick: venv proto kafka
+	$(PY) -m pip install -q -e '.[dev,bench]'
 	$(PY) bench/wal_append.py --quick
+	$(PY) bench/kv.py --quick
 
 clean:
 	rm -rf $(VENV) .data build *.egg-info
