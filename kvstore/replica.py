@@ -28,6 +28,7 @@ from typing import Any
 
 import wal
 import wal.clients
+import wal.writer
 from kvstore import errors, limits
 from kvstore.evaluate import Evaluation, Response
 from kvstore.metrics import Metrics
@@ -319,6 +320,12 @@ class ShardReplica:
                 evaluation = pending.build(lookup, revision + len(payloads))
             except ValueError as exc:
                 answers.append((pending, errors.InvalidRequestError(str(exc))))
+                continue
+            if evaluation.entry is not None and evaluation.entry.ByteSize() > wal.writer.MAX_RECORD_BYTES_DEFAULT:
+                # e.g. a Txn whose answer (stored with it for retries) carries large gets.
+                answers.append((pending, errors.InvalidRequestError(
+                    f"WAL record of {evaluation.entry.ByteSize()} bytes exceeds the record limit "
+                    f"{wal.writer.MAX_RECORD_BYTES_DEFAULT}; split the Txn")))
                 continue
             if evaluation.entry is not None:
                 record_revision = revision + len(payloads)
