@@ -34,7 +34,7 @@ from kvstore.evaluate import Evaluation, Response
 from kvstore.metrics import Metrics
 from kvstore.state import Change, KeyState, Lookup, decode_entry, effect_key, next_key_state
 from kvstore.storage import ShardStore
-from kvstore.v1 import kv_pb2
+from kvstore.v1 import kv_pb2, wal_entry_pb2
 
 log = logging.getLogger(__name__)
 
@@ -128,6 +128,7 @@ class ShardReplica:
         self._want_lead = False
         self._round: asyncio.Future[int] | None = None
         self._round_task: asyncio.Task[None] | None = None
+        self._probing = False
         self._ends = wal.clients.PartitionEnds(config.bootstrap_servers, config.call_timeout_s)
         self._seen_rejected = 0
         label = str(self.shard)
@@ -440,10 +441,31 @@ class ShardReplica:
         end = await asyncio.shield(self._round)
         written = self._written_end if self._written_end is not None else self._upcoming
         if written is None or end > written:
-            # Someone else wrote beyond everything we wrote: we may not be the leader any more.
-            self.role = Role.FOLLOWER if written is not None else self.role
+            # Someone else wrote beyond everything we wrote: this leader's view is stale. Queue a
+            # probe (an empty entry at our upcoming offset): if the log moved, W2 aborts it and
+            # the leader bootstraps again; if we are fenced, it steps down. Either way it settles.
+            self._probe()
             raise errors.UnavailableError(f"shard {self.shard}: high watermark {end} beyond our writes; retry")
         await self.wait_applied(end, self.config.barrier_timeout_s)
+
+    def _probe(self) -> None:
+        if self._probing:
+            return
+        self._probing = True
+        future: asyncio.Future[Response] = asyncio.get_running_loop().create_future()
+
+        def done(f: asyncio.Future[Response]) -> None:
+            self._probing = False
+            if not f.cancelled():
+                f.exception()  # retrieved: the probe's outcome only matters through the replica's state
+
+        future.add_done_callback(done)
+        probe = _Pending(lambda lookup, rev: Evaluation(wal_entry_pb2.WalEntry(), kv_pb2.PutResponse()), "", 0,
+                         kv_pb2.PutResponse, future)
+        try:
+            self._queue.put_nowait(probe)
+        except asyncio.QueueFull:
+            self._probing = False  # writes are flowing anyway: they will hit W2 themselves
 
     async def _run_round(self, round_: asyncio.Future[int]) -> None:
         await asyncio.sleep(0)  # let reads that arrived in this same tick join

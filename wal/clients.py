@@ -125,6 +125,12 @@ class PartitionEnds:
             # restart (FENCED_LEADER_EPOCH forever): start over with fresh metadata.
             self._admin = self._new_admin()
             raise
+        if info.offset < 0:
+            # Seen while partition leadership moves: the request "succeeds" with OFFSET_INVALID
+            # (-1001). It is not an end; make it a retriable error so callers try again.
+            self._admin = self._new_admin()
+            raise KafkaException(KafkaError(KafkaError._STATE, f"list_offsets {topic}[{partition}] returned no "
+                                            f"offset ({info.offset}) during a leader change", retriable=True))
         return int(info.offset)
 
     def settled_end(self, topic: str, partition: int, timeout_s: float) -> int:

@@ -6,8 +6,9 @@ import shutil
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TypeVar
 
 import grpc
 import pytest
@@ -21,6 +22,8 @@ from wal.broker import LocalKafka
 
 pytestmark = pytest.mark.kafka
 TIMEOUT = 20
+
+T = TypeVar("T")
 
 
 @pytest.fixture
@@ -365,3 +368,34 @@ def test_txn_whose_wal_record_would_be_too_large_is_refused(store: StoreProcess)
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "record limit" in (error.details() or "")
     assert get(store, same[0]).kv.value == b"v" * 600_000  # nothing applied, shard still leading
     assert put(store, same[1], b"ok").version == 2
+
+
+def test_foreign_write_into_the_wal_is_detected_and_the_leader_settles(store: StoreProcess) -> None:
+    """An unguarded producer appends to a shard's partition: the read barrier sees a high
+    watermark beyond the leader's writes, refuses (UNAVAILABLE), the leader re-bootstraps by
+    itself, the foreign record has no effect (W3), and reads and writes work again. While it
+    settles, every refusal is UNAVAILABLE (retry), never a wrong answer."""
+    from confluent_kafka import Producer
+
+    key = b"foreign"
+    shard = shard_of(key, 4)
+    put(store, key, b"mine")
+    producer = Producer({"bootstrap.servers": store.kafka})
+    producer.produce(f"{store.cluster}.wal", b"garbage", partition=shard)
+    assert producer.flush(10) == 0
+    codes: list[grpc.StatusCode] = []
+
+    def until_ok(call: Callable[[], T]) -> T:
+        for _ in range(50):  # bounded: the probe settles within a few batches
+            try:
+                return call()
+            except grpc.RpcError as error:
+                codes.append(error.code())
+                time.sleep(0.2)
+        pytest.fail(f"the leader never settled: {codes}")
+
+    assert until_ok(lambda: get(store, key)).kv.value == b"mine"
+    request_id = unique("again")  # the same id on every retry: applied at most once
+    assert until_ok(lambda: put(store, key, b"again", request_id)).version == 2
+    assert set(codes) <= {grpc.StatusCode.UNAVAILABLE}
+    assert get(store, key).kv.value == b"again"
