@@ -1,5 +1,5 @@
 # Everything a fresh clone needs: Python 3.11+, Java 17+ and Maven on the machine.
-#   make up    - start a local Kafka (KRaft) and a store node; print endpoints and examples
+#   make up    - start a local Kafka (KRaft) and three store nodes on loopback; print endpoints and examples
 #   make test  - virtualenv, project + dev tools, Kafka jars, lint, the whole test suite
 PYTHON ?= python3
 VENV   := .venv

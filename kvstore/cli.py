@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import dataclasses
 import importlib
 import json
 import os
@@ -44,6 +45,7 @@ from kvstore.client import (
     CompareOp,
     Consistency,
     DeleteResult,
+    FenceResult,
     GetResult,
     InvalidArgument,
     KeyValue,
@@ -51,6 +53,7 @@ from kvstore.client import (
     Op,
     PutResult,
     ShardMap,
+    TransactionInfo,
     TxnResult,
     WatchEvent,
 )
@@ -293,9 +296,12 @@ def event_record(event: WatchEvent) -> dict[str, Any]:
 
 def shard_map_record(smap: ShardMap) -> dict[str, Any]:
     return {"shard_count": smap.shard_count, "topic": smap.topic, "served_by": smap.served_by,
-            "shards": [{"shard": s.shard, "leader": s.leader, "term": s.term, "applied_offset": s.applied_offset,
-                        "end_offset": s.end_offset, "lag": s.lag, "open_txn_age_ms": s.open_txn_age_ms}
-                       for s in smap.shards]}
+            "shards": [{"shard": s.shard, "leader": s.leader, "leader_id": s.leader_id, "leader_ready": s.leader_ready,
+                        "term": s.term, "applied_offset": s.applied_offset, "end_offset": s.end_offset, "lag": s.lag,
+                        "open_txn_age_ms": s.open_txn_age_ms}
+                       for s in smap.shards],
+            "nodes": [{"node_id": n.node_id, "address": n.address, "leads": list(n.leads), "pid": n.pid,
+                       "can_lead": n.can_lead} for n in smap.nodes]}
 
 
 class Printer:
@@ -389,9 +395,40 @@ class Printer:
             return
         self.line(f"topic: {smap.topic}  shards: {smap.shard_count}  served by: {smap.served_by}")
         self.line(format_table(
-            ["SHARD", "LEADER", "TERM", "APPLIED", "END", "LAG", "OPEN_TXN_MS"],
-            [[s.shard, s.leader or "-", s.term, s.applied_offset, s.end_offset, s.lag, s.open_txn_age_ms]
+            ["SHARD", "LEADER", "NODE", "TERM", "APPLIED", "END", "LAG", "OPEN_TXN_MS"],
+            [[s.shard, s.leader or "-", _leader_node(s.leader_id, s.leader_ready), s.term, s.applied_offset,
+              s.end_offset, s.lag, s.open_txn_age_ms]
              for s in smap.shards]))
+        if smap.nodes:
+            self.line("")
+            self.line(format_table(
+                ["NODE", "ADDRESS", "LEADS", "PID", "ROLE"],
+                [[n.node_id, n.address, ",".join(map(str, n.leads)) or "-", n.pid,
+                  "leader-capable" if n.can_lead else "read replica"] for n in smap.nodes]))
+
+    def transactions(self, txns: list[TransactionInfo]) -> None:
+        if self.json:
+            for t in txns:
+                self.record(dataclasses.asdict(t))
+            return
+        if not txns:
+            self.line("(no open transaction)")
+            return
+        self.line(format_table(["SHARD", "FIRST_OFFSET", "END", "AGE_MS", "LEADER"],
+                               [[t.shard, t.first_offset, t.end_offset, t.age_ms, t.leader_id or "-"] for t in txns]))
+
+    def fenced(self, result: FenceResult) -> None:
+        if self.json:
+            self.record(dataclasses.asdict(result))
+            return
+        told = f"; leader {result.notified} told to check" if result.notified else "; no leader was reachable"
+        self.line(f"shard {result.shard} fenced at offset {result.end_offset}{told}")
+
+
+def _leader_node(node_id: str, ready: bool) -> str:
+    if not node_id:
+        return "-"
+    return node_id if ready else f"{node_id} (taking over)"
 
 
 def _event_line(kind: str, rev: str, shard: str, key: str, value: str) -> str:
@@ -473,10 +510,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--request-id", help="idempotency key (default: a fresh one, reused on retries)")
 
     p = sub.add_parser(
-        "txn", parents=[common], help="atomic compare-and-write within one shard",
+        "txn", parents=[common], help="atomic compare-and-write within one shard; `txn list`: open WAL transactions",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description=TXN_SYNTAX,
     )
+    p.add_argument("action", nargs="?", choices=["list"], default=None,
+                   help="`list`: shards whose WAL transaction is open (see --older-than) instead of a Txn")
+    p.add_argument("--older-than", type=parse_duration_ms, default=0, metavar="DURATION",
+                   help="with `list`: only transactions open at least this long (e.g. 500ms, 30s, 2m)")
     p.add_argument("--if", dest="compares", action="append", default=[], metavar="COND",
                    help="a compare, e.g. 'version(k)=0', 'value(k)!=x', '!exists(k)' (all must hold)")
     p.add_argument("--then", dest="success", action="append", default=[], metavar="OP",
@@ -499,7 +540,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--from", dest="start_revision", type=_non_negative_int, default=None, metavar="REV",
                    help="deliver changes at revisions >= REV (default 0 = from now on)")
 
-    sub.add_parser("shards", parents=[common], help="show the shard map: leaders, terms, lag")
+    sub.add_parser("shards", parents=[common], help="show the shard map: leaders, terms, lag, nodes")
+
+    p = sub.add_parser("fence", parents=[common],
+                       help="force-terminate a shard's WAL transaction (fresh init_transactions on its id)")
+    p.add_argument("shard", type=_non_negative_int)
+
+    p = sub.add_parser("demo", parents=[common], help="demos against the running local cluster (`make up`)")
+    p.add_argument("scenario", choices=["failover"])
+    p.add_argument("--clean", action="store_true", help="stop the leader with SIGTERM (handover) instead of SIGKILL")
+    p.add_argument("--shard", type=_non_negative_int, default=0, help="whose leader to stop (default 0)")
+    p.add_argument("--warmup", type=float, default=3.0, metavar="S", help="seconds of writes before (default 3)")
+    p.add_argument("--after", type=float, default=5.0, metavar="S", help="seconds of writes after the takeover")
+    p.add_argument("--writers-per-shard", type=_non_negative_int, default=2)
     sub.add_parser("serve", add_help=False, help="run a server node (all further arguments go to the server)")
     return parser
 
@@ -542,7 +595,13 @@ def make_client(endpoints: Sequence[str], timeout_s: float) -> Client:
 
 def _run(args: argparse.Namespace, printer: Printer) -> int:
     command: str = args.command
-    if command == "txn":  # parse before connecting: a syntax error needs no cluster
+    if command == "demo":
+        return _demo(args, printer)
+    if command == "txn" and args.action == "list":
+        if args.compares or args.success or args.failure:
+            raise InvalidArgument("`txn list` takes no --if/--then/--else")
+        command = "txn-list"
+    elif command == "txn":  # parse before connecting: a syntax error needs no cluster
         compares, success, failure = parse_txn(args.compares, args.success, args.failure)
     if command == "scan" and args.prefix and (args.start or args.end):
         raise InvalidArgument("scan takes either --prefix or --start/--end, not both")
@@ -564,9 +623,52 @@ def _run(args: argparse.Namespace, printer: Printer) -> int:
             return _watch(client, args, printer)
         elif command == "shards":
             printer.shard_map(client.shard_map())
+        elif command == "txn-list":
+            printer.transactions(client.list_transactions(args.older_than))
+        elif command == "fence":
+            printer.fenced(client.fence(args.shard))
         else:  # pragma: no cover - argparse only lets known commands through
             raise InvalidArgument(f"unknown command {command!r}")
     return EXIT_OK
+
+
+def _demo(args: argparse.Namespace, printer: Printer) -> int:
+    from kvstore import demo  # the demo's threads and checks are not needed by other commands
+
+    try:
+        result = demo.failover(parse_endpoints(args.endpoints), clean=args.clean, shard=args.shard,
+                               warmup_s=args.warmup, after_s=args.after,
+                               writers_per_shard=max(1, args.writers_per_shard))
+    except (RuntimeError, TimeoutError, ValueError, ProcessLookupError, PermissionError) as exc:
+        print(f"kvstore: demo failed: {_one_line(str(exc))}", file=sys.stderr)
+        return EXIT_ERROR
+    if printer.json:
+        printer.record(result)
+    else:
+        printer.line(demo.report_table(result))
+    ok = result["acked_lost"] == 0 and result["duplicates"] == 0 and result["replicas_equal"]
+    return EXIT_OK if ok else EXIT_ERROR
+
+
+_DURATION_UNITS_MS = {"ms": 1, "s": 1000, "m": 60_000, "h": 3_600_000}
+
+
+def parse_duration_ms(text: str) -> int:
+    """'500ms', '30s', '2m', '1h', or a plain number of seconds -> milliseconds."""
+    raw = text.strip().lower()
+    for unit in ("ms", "s", "m", "h"):
+        if raw.endswith(unit):
+            number, scale = raw[: -len(unit)], _DURATION_UNITS_MS[unit]
+            break
+    else:
+        number, scale = raw, 1000
+    try:
+        value = float(number)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a duration: {text!r} (e.g. 500ms, 30s, 2m)") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"a duration cannot be negative: {text!r}")
+    return int(value * scale)
 
 
 def _consistency(text: str) -> Consistency:

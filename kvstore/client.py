@@ -94,6 +94,11 @@ DEFAULT_MAX_CHANNELS = 64
 # One endpoint may be black-holed; fetching the map from it must not eat the whole deadline
 # before the next endpoint is tried. ShardMap is answered locally by any node, so this is ample.
 MAP_FETCH_TIMEOUT_S = 2.0
+MAX_ENDPOINTS = 64  # seeds plus the nodes learned from shard maps
+# A healthy node answers well within this (a commit takes milliseconds; a takeover answers
+# UNAVAILABLE at once). Longer means it is paused or cut off: try another one.
+DEFAULT_ATTEMPT_TIMEOUT_S = 5.0
+_CLUSTER_METHODS = frozenset({"ShardMap", "ListTransactions", "FenceShard"})
 _JITTER = random.Random()
 
 _CONSISTENCY_PB: dict[str, kv_pb2.Consistency] = {
@@ -416,6 +421,17 @@ class ShardInfo:
     end_offset: int
     lag: int
     open_txn_age_ms: int
+    leader_id: str = ""  # node id of the leader (or of the node taking over)
+    leader_ready: bool = False  # False while the assigned node fences and bootstraps
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class NodeInfo:
+    node_id: str
+    address: str
+    leads: tuple[int, ...]
+    pid: int
+    can_lead: bool
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -424,6 +440,10 @@ class ShardMap:
     topic: str
     served_by: str
     shards: tuple[ShardInfo, ...]
+    nodes: tuple[NodeInfo, ...] = ()
+
+    def node(self, node_id: str) -> NodeInfo | None:
+        return next((n for n in self.nodes if n.node_id == node_id), None)
 
     def leader_of(self, shard: int) -> str:
         """The leader's address, or "" when unknown."""
@@ -435,10 +455,28 @@ class ShardMap:
     @classmethod
     def from_pb(cls, resp: cluster_pb2.ShardMapResponse) -> ShardMap:
         shards = tuple(
-            ShardInfo(s.shard, s.leader, s.term, s.applied_offset, s.end_offset, s.lag, s.open_txn_age_ms)
+            ShardInfo(s.shard, s.leader, s.term, s.applied_offset, s.end_offset, s.lag, s.open_txn_age_ms,
+                      s.leader_id, s.leader_ready)
             for s in resp.shards
         )
-        return cls(resp.shard_count, resp.topic, resp.served_by, shards)
+        nodes = tuple(NodeInfo(n.node_id, n.address, tuple(n.leads), n.pid, n.can_lead) for n in resp.nodes)
+        return cls(resp.shard_count, resp.topic, resp.served_by, shards, nodes)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TransactionInfo:
+    shard: int
+    first_offset: int
+    end_offset: int
+    age_ms: int
+    leader_id: str
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class FenceResult:
+    shard: int
+    end_offset: int
+    notified: str  # the leader node told to check, "" if none
 
 
 # --------------------------------------------------------------------------------------------
@@ -570,7 +608,9 @@ class Client:
     `endpoints` are seed addresses ("host:port"); the client learns the leaders from the shard
     map. `timeout_s` is the default deadline of every call (retries included), overridable per
     call; `max_attempts` bounds the tries of one call; `backoff_s` is the first backoff, doubled
-    per attempt up to `max_backoff_s`.
+    per attempt up to `max_backoff_s`. `attempt_timeout_s` caps one attempt, so a node that
+    stopped answering (a paused process, a black hole) costs that much, not the whole deadline:
+    the attempt counts as "outcome unknown" and is retried elsewhere with the same request id.
     """
 
     def __init__(
@@ -582,6 +622,7 @@ class Client:
         backoff_s: float = 0.05,
         max_backoff_s: float = DEFAULT_MAX_BACKOFF_S,
         max_channels: int = DEFAULT_MAX_CHANNELS,
+        attempt_timeout_s: float = DEFAULT_ATTEMPT_TIMEOUT_S,
     ) -> None:
         if isinstance(endpoints, str):  # a str is a Sequence[str] of characters: accept "a:1,b:2"
             endpoints = endpoints.split(",")
@@ -595,6 +636,9 @@ class Client:
         self._backoff_s = backoff_s
         self._max_backoff_s = max_backoff_s
         self._max_channels = max_channels
+        if attempt_timeout_s <= 0:
+            raise InvalidArgument(f"attempt_timeout_s must be > 0: {attempt_timeout_s}")
+        self._attempt_timeout_s = attempt_timeout_s
         self._lock = threading.Lock()
         self._conns: collections.OrderedDict[str, _Conn] = collections.OrderedDict()
         self._map: ShardMap | None = None
@@ -782,16 +826,35 @@ class Client:
                     break
                 attempts += 1
                 try:
-                    return self._fetch_map(self._any_endpoint(), deadline, cap_s)
+                    return self._fetch_map(self._any_endpoint(), deadline, cap_s, full=True)
                 except KvError as error:
                     last = error
-                    if retry_action(error) is RetryAction.FAIL:
-                        raise
                     self._rotate()
+                    # A deadline here is the per-endpoint cap (a node not answering): next one.
+                    if retry_action(error) is RetryAction.FAIL and not isinstance(error, DeadlineExceeded):
+                        raise
             if attempts >= self._max_attempts or deadline - time.monotonic() <= 0:
                 break
             self._sleep_backoff(attempts, deadline)
         raise self._give_up(last, attempts, None)
+
+    def list_transactions(self, older_than_ms: int = 0, *, timeout_s: float | None = None) -> list[TransactionInfo]:
+        """Shards whose WAL transaction has been open at least `older_than_ms` (seed 004)."""
+        if older_than_ms < 0:
+            raise InvalidArgument(f"older_than_ms must be >= 0: {older_than_ms}")
+        resp = self._call("ListTransactions", cluster_pb2.ListTransactionsRequest(older_than_ms=older_than_ms),
+                          cluster_pb2.ListTransactionsResponse, key=None, timeout_s=timeout_s)
+        return [TransactionInfo(t.shard, t.first_offset, t.end_offset, t.age_ms, t.leader_id)
+                for t in resp.transactions]
+
+    def fence(self, shard: int, *, timeout_s: float | None = None) -> FenceResult:
+        """Force-terminate `shard`'s transaction (a fresh init_transactions on its id). The live
+        leader finds itself fenced, steps down, and leadership settles again by itself."""
+        if shard < 0:
+            raise InvalidArgument(f"shard must be >= 0: {shard}")
+        resp = self._call("FenceShard", cluster_pb2.FenceShardRequest(shard=shard), cluster_pb2.FenceShardResponse,
+                          key=None, timeout_s=timeout_s)
+        return FenceResult(resp.shard, resp.end_offset, resp.notified)
 
     # -- internals: routing ------------------------------------------------------------------
 
@@ -816,11 +879,14 @@ class Client:
         with self._lock:
             self._map = None
 
-    def _fetch_map(self, target: str, deadline: float, cap_s: float | None) -> ShardMap:
+    def _fetch_map(self, target: str, deadline: float, cap_s: float | None, *, full: bool = False) -> ShardMap:
+        """`full`: the merged map (every node asked: terms, offsets, nodes). Routing needs only
+        the answering node's own view (leaders from the consumer group), which is cheap."""
         remaining = deadline - time.monotonic()
         timeout = min(remaining, cap_s) if cap_s is not None else remaining
         try:
-            resp = self._invoke(target, "ShardMap", cluster_pb2.ShardMapRequest(), max(timeout, 0.001))
+            resp = self._invoke(target, "ShardMap", cluster_pb2.ShardMapRequest(local_only=not full),
+                                max(timeout, 0.001))
         except grpc.RpcError as exc:
             raise error_from_rpc(exc, target=target) from None
         if not isinstance(resp, cluster_pb2.ShardMapResponse):
@@ -830,6 +896,13 @@ class Client:
             with self._lock:
                 self._map = smap
                 self._shard_count = smap.shard_count
+                # Learn the other nodes, so that losing every seed endpoint does not lose the
+                # cluster (bounded: a map cannot grow the list without limit).
+                seen = [n.address for n in smap.nodes] + [s.leader for s in smap.shards]
+                learned = list(dict.fromkeys(a for a in seen if a and a not in self._endpoints))
+                room = MAX_ENDPOINTS - len(self._endpoints)
+                if learned and room > 0:
+                    self._endpoints = self._endpoints + tuple(learned[:room])
         return smap
 
     def _cached_map(self, deadline: float) -> ShardMap | None:
@@ -894,7 +967,7 @@ class Client:
     def _invoke(self, target: str, method: str, request: Message, timeout: float) -> Message:
         """One attempt: one RPC to one node. Raises `grpc.RpcError`. (The seam unit tests replace.)"""
         conn = self._conn(target)
-        stub = conn.cluster if method == "ShardMap" else conn.kv
+        stub = conn.cluster if method in _CLUSTER_METHODS else conn.kv
         response: Message = getattr(stub, method)(request, timeout=timeout)
         return response
 
@@ -937,10 +1010,17 @@ class Client:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 break
+            capped = remaining > self._attempt_timeout_s
             try:
-                response = self._invoke(target, method, request, remaining)
+                response = self._invoke(target, method, request, min(remaining, self._attempt_timeout_s))
             except grpc.RpcError as exc:
                 error = error_from_rpc(exc, target=target, request_id=request_id)
+                if capped and isinstance(error, DeadlineExceeded):
+                    # Our per-attempt cap, not the caller's deadline: the node is not answering.
+                    # A write may have committed there (W7); the retry carries the same id.
+                    error = UnknownOutcome(f"{target} did not answer within {self._attempt_timeout_s}s",
+                                           code=grpc.StatusCode.DEADLINE_EXCEEDED, target=target,
+                                           request_id=request_id)
             else:
                 if not isinstance(response, response_type):
                     raise KvError(f"unexpected response from {target}: {type(response).__name__}", target=target)

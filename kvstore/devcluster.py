@@ -1,16 +1,20 @@
-"""`make up`: a local Kafka broker plus a store node on loopback, in the foreground.
+"""`make up`: a local Kafka broker plus three store nodes on loopback, in the foreground.
 
 Data lives in a visible directory (default `.data/`) and a second run resumes it: the broker
-keeps its ports and log, the node its LevelDB checkpoint. Ctrl-C stops the node gracefully
-(in-flight batches finish and are answered), then the broker.
+keeps its ports and log, each node its LevelDB checkpoint and its port (50051, 50052, 50053
+when free). A node that dies (say, killed by `kvstore demo failover`) is restarted after a
+moment, like a process supervisor would, and takes shards again. Ctrl-C stops the nodes
+gracefully (batches in flight finish and are answered), then the broker.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -20,6 +24,9 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from wal.broker import KAFKA_VERSION, LocalKafka, free_port
+
+RESTART_DELAY_S = 2.0
+FIRST_PORT = 50051
 
 
 def _wait_serving(address: str, proc: subprocess.Popen[bytes], timeout_s: float) -> None:
@@ -42,11 +49,65 @@ def _wait_serving(address: str, proc: subprocess.Popen[bytes], timeout_s: float)
         channel.close()
 
 
+def _port_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
+def _ports(data_dir: Path, nodes: int) -> list[int]:
+    """Each node's port, kept across runs (clients and the README's examples keep working)."""
+    port_file = data_dir / "ports.json"
+    saved: list[int] = json.loads(port_file.read_text()) if port_file.exists() else []
+    ports = saved[:nodes]
+    for i in range(len(ports), nodes):
+        preferred = FIRST_PORT + i
+        ports.append(preferred if _port_free(preferred) and preferred not in ports else free_port())
+    port_file.write_text(json.dumps(ports) + "\n")
+    return ports
+
+
+class _Node:
+    def __init__(self, node_id: str, address: str, data_dir: Path, kafka: str, args: argparse.Namespace) -> None:
+        self.node_id = node_id
+        self.address = address
+        self.log_path = data_dir / f"{node_id}.log"
+        self.cmd = [sys.executable, "-m", "kvstore.server", "--node-id", node_id, "--listen", address,
+                    "--data-dir", str(data_dir / node_id), "--kafka", kafka, "--cluster", args.cluster,
+                    "--shards", str(args.shards), "--session-timeout-ms", str(args.session_timeout_ms)]
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.died_at: float | None = None
+
+    def start(self) -> None:
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.died_at = None
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+
+    def wait(self, timeout_s: float) -> None:
+        if self.proc is None:
+            return
+        try:
+            self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(10)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvstore.devcluster", description=__doc__.split("\n")[0])
     parser.add_argument("--data-dir", type=Path, default=Path(".data"))
+    parser.add_argument("--nodes", type=int, default=3, choices=range(1, 10), metavar="N")
     parser.add_argument("--shards", type=int, default=4)
     parser.add_argument("--cluster", default="dev")
+    parser.add_argument("--session-timeout-ms", type=int, default=1500,
+                        help="leadership group session timeout: SIGKILL failover takes about this + ~1 s")
     args = parser.parse_args(argv)
     data_dir: Path = args.data_dir.resolve()
     data_dir.mkdir(parents=True, exist_ok=True)
@@ -61,50 +122,64 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, on_signal)
 
     kafka = LocalKafka(data_dir / "kafka", nodes=1)
-    node: subprocess.Popen[bytes] | None = None
-    port_file = data_dir / "node-1.port"
-    port = int(port_file.read_text()) if port_file.exists() else free_port()
-    port_file.write_text(f"{port}\n")
-    address = f"127.0.0.1:{port}"
+    ports = _ports(data_dir, args.nodes)
+    nodes: list[_Node] = []
     try:
         print(f"starting Kafka {KAFKA_VERSION} (KRaft) in {data_dir / 'kafka'} ...", flush=True)
         kafka.start()
-        log_path = data_dir / "node-1.log"
-        with open(log_path, "ab") as log:
-            node = subprocess.Popen(
-                [sys.executable, "-m", "kvstore.server", "--node-id", "node-1", "--listen", address,
-                 "--data-dir", str(data_dir / "node-1"), "--kafka", kafka.bootstrap_servers,
-                 "--cluster", args.cluster, "--shards", str(args.shards)],
-                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        print(f"starting store node-1 on {address} (log: {log_path}) ...", flush=True)
-        _wait_serving(address, node, timeout_s=120)
-        print(json.dumps({"kafka": kafka.bootstrap_servers, "endpoints": [address], "data_dir": str(data_dir)}))
+        for i, port in enumerate(ports, start=1):
+            node = _Node(f"node-{i}", f"127.0.0.1:{port}", data_dir, kafka.bootstrap_servers, args)
+            node.start()
+            nodes.append(node)
+            print(f"starting {node.node_id} on {node.address} (log: {node.log_path}) ...", flush=True)
+        for node in nodes:
+            assert node.proc is not None
+            _wait_serving(node.address, node.proc, timeout_s=120)
+        endpoints = ",".join(n.address for n in nodes)
+        print(json.dumps({"kafka": kafka.bootstrap_servers, "endpoints": [n.address for n in nodes],
+                          "data_dir": str(data_dir)}))
         print(f"""
-The store is up: {args.shards} shards, WAL topic {args.cluster}.wal on {kafka.bootstrap_servers}.
+The store is up: {len(nodes)} nodes, {args.shards} shards, WAL topic {args.cluster}.wal on {kafka.bootstrap_servers}.
 
-  export KVSTORE_ENDPOINTS={address}
+  export KVSTORE_ENDPOINTS={endpoints}
   .venv/bin/kvstore put greeting hello
   .venv/bin/kvstore get greeting
   .venv/bin/kvstore scan --prefix gr
-  .venv/bin/kvstore shards --output json
-  grpcurl -plaintext {address} list
+  .venv/bin/kvstore shards                        # who leads what, terms, lag, nodes
+  .venv/bin/kvstore demo failover --output json   # SIGKILL a leader under load, then verify
+  .venv/bin/kvstore txn list --older-than 5s
+  grpcurl -plaintext {nodes[0].address} list
 
-Ctrl-C stops the node and the broker; `make up` again resumes from {data_dir}.""", flush=True)
+A node that dies is restarted after {RESTART_DELAY_S:.0f}s. Ctrl-C stops everything; `make up` again resumes
+from {data_dir}.""", flush=True)
         while not stop:
-            if node.poll() is not None:
-                print(f"store node exited with {node.returncode}; see {log_path}", file=sys.stderr)
-                return 1
-            time.sleep(0.3)
+            for node in nodes:
+                assert node.proc is not None
+                if node.proc.poll() is None:
+                    continue
+                if node.died_at is None:
+                    node.died_at = time.monotonic()
+                    print(f"{node.node_id} exited ({_how(node.proc.returncode)}); restarting it in "
+                          f"{RESTART_DELAY_S:.0f}s (log: {node.log_path})", flush=True)
+                elif time.monotonic() - node.died_at >= RESTART_DELAY_S:
+                    node.start()
+                    print(f"{node.node_id} restarted on {node.address}", flush=True)
+            time.sleep(0.2)
         return 0
     finally:
-        if node is not None and node.poll() is None:
-            node.send_signal(signal.SIGTERM)
-            try:
-                node.wait(30)
-            except subprocess.TimeoutExpired:
-                node.kill()
+        for node in nodes:
+            node.stop()
+        for node in nodes:
+            node.wait(30)
         kafka.stop()
         print("stopped.", flush=True)
+
+
+def _how(returncode: int) -> str:
+    if returncode < 0:
+        with contextlib.suppress(ValueError):
+            return f"killed by {signal.Signals(-returncode).name}"
+    return f"exit status {returncode}"
 
 
 if __name__ == "__main__":

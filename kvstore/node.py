@@ -1,14 +1,16 @@
-"""A store node: its configuration, the WAL topic, and one replica per shard.
+"""A store node: its configuration, the WAL topic, one replica per shard, and its leadership.
 
-In this version every node leads every shard it is configured to lead (one node per cluster);
-leadership through a consumer group comes with the cluster issue. The node owns no protocol
-logic: replicas do (kvstore.replica), the WAL does (wal/).
+Every node holds a replica of every shard. The consumer group (kvstore.leadership) tells which
+shards this node leads; the other replicas follow as standbys (`standby`), so a takeover
+replays only a short tail. The node owns no protocol logic: replicas do (kvstore.replica),
+the WAL does (wal/).
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import os
 from pathlib import Path
@@ -17,11 +19,15 @@ from confluent_kafka import KafkaException
 from confluent_kafka.admin import AdminClient, NewTopic
 
 from kvstore import limits
+from kvstore.leadership import Leadership
 from kvstore.metrics import Metrics
 from kvstore.replica import ReplicaConfig, Role, ShardReplica
 from kvstore.sharding import shard_of
 
 log = logging.getLogger(__name__)
+
+ENDS_REFRESH_S = 1.0
+RESIGN_TIMEOUT_S = 15.0  # a batch in flight gets this long to finish when a shard is handed over
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,12 +44,24 @@ class NodeConfig:
     transaction_timeout_ms: int = 60_000
     replication_factor: int = 0  # 0 = min(3, number of brokers)
     max_pending_writes: int = limits.MAX_PENDING_WRITES_PER_SHARD
-    # False: a read replica that only follows (stale reads, scans, watches); writes are refused.
+    # False: a read replica that never joins the leadership group; it only follows (stale
+    # reads, scans, watches) and refuses writes.
     lead: bool = True
+    # Follow the shards this node does not lead (standby replicas: short takeovers). False
+    # keeps them idle at their checkpoint; a takeover then replays everything since.
+    standby: bool = True
+    # Consumer-group session timeout: how long a crashed or paused node keeps its shards
+    # before the group gives them away (the SIGKILL failover time is about this plus ~0.5 s).
+    session_timeout_ms: int = 1500
+    group: str = ""  # defaults to "<cluster>.leaders"
 
     @property
     def wal_topic(self) -> str:
         return self.topic or f"{self.cluster}.wal"
+
+    @property
+    def leader_group(self) -> str:
+        return self.group or f"{self.cluster}.leaders"
 
     @property
     def address(self) -> str:
@@ -69,6 +87,11 @@ class NodeConfig:
             raise ValueError(f"--cluster must be non-empty and contain no dot, got {self.cluster!r}")
         if self.transaction_timeout_ms < 1000:
             raise ValueError("--transaction-timeout-ms must be at least 1000")
+        if not 1000 <= self.session_timeout_ms <= 300_000:
+            raise ValueError(f"--session-timeout-ms must be within 1000..300000 (and at least the broker's "
+                             f"group.min.session.timeout.ms), got {self.session_timeout_ms}")
+        if "@" in self.node_id or not self.node_id:
+            raise ValueError(f"--node-id must be non-empty and contain no '@', got {self.node_id!r}")
         if not 1 <= self.max_pending_writes <= 1_000_000:
             raise ValueError(f"--max-pending-writes must be within 1..1000000, got {self.max_pending_writes}")
 
@@ -88,8 +111,14 @@ class Node:
         self.config = config
         self.metrics = Metrics()
         self.replicas: dict[int, ShardReplica] = {}
+        self.leadership: Leadership | None = None
+        self._ends_task: asyncio.Task[None] | None = None
+        self.address = config.address
 
-    async def start(self) -> None:
+    async def start(self, address: str | None = None) -> None:
+        """Start the replicas (all following), then join the leadership group, advertising
+        `address` (the bound one when the configured port was 0)."""
+        self.address = self.config.advertise or address or self.config.listen
         await asyncio.to_thread(self._ensure_topic)
         for shard in range(self.config.shards):
             replica = ShardReplica(ReplicaConfig(
@@ -99,9 +128,36 @@ class Node:
                 max_pending_writes=self.config.max_pending_writes),
                 self.metrics)
             self.replicas[shard] = replica
-            replica.start(lead=self.config.lead)
+            replica.leader_hint = functools.partial(self.leader_address, shard)
+            replica.start(lead=False, standby=self.config.standby or not self.config.lead)
+        if self.config.lead:
+            self.leadership = Leadership(
+                bootstrap_servers=self.config.kafka, group=self.config.leader_group, topic=self.config.wal_topic,
+                node_id=self.config.node_id, address=self.address, session_timeout_ms=self.config.session_timeout_ms,
+                replicas=self.replicas, resign_timeout_s=RESIGN_TIMEOUT_S)
+            self.leadership.start()
+        self._ends_task = asyncio.create_task(self._refresh_ends(), name="partition-ends")
+
+    async def _refresh_ends(self) -> None:
+        """Keep every replica's last known high watermark fresh (for lag, metrics and the shard
+        map), one query at a time so a slow broker cannot tie up the worker threads."""
+        while True:
+            for shard, replica in list(self.replicas.items()):
+                try:
+                    end = await asyncio.to_thread(replica.ends.high_watermark, self.config.wal_topic, shard)
+                except Exception as exc:  # a broker is down or moving: keep the last value
+                    log.debug("shard %d: high watermark: %s", shard, exc)
+                    continue
+                replica.end_offset = max(replica.end_offset, end)
+            await asyncio.sleep(ENDS_REFRESH_S)
 
     async def stop(self) -> None:
+        """Hand leadership over first (batches in flight finish, the group reassigns at once),
+        then stop the replicas."""
+        if self._ends_task is not None:
+            self._ends_task.cancel()
+        if self.leadership is not None:
+            await self.leadership.leave()
         await asyncio.gather(*(replica.stop() for replica in self.replicas.values()))
 
     def shard_for(self, key: bytes) -> int:
@@ -111,15 +167,23 @@ class Node:
         return self.replicas[shard]
 
     def serving(self) -> bool:
-        """Healthy once every shard has bootstrapped (leader) or caught up (follower)."""
-        if not self.replicas:
+        """Healthy once every replica caught up and every shard the group gave us leads."""
+        if not self.replicas or not all(r.caught_up for r in self.replicas.values()):
             return False
-        if self.config.lead:
-            return all(r.role is Role.LEADER for r in self.replicas.values())
-        return all(r.caught_up for r in self.replicas.values())
+        if self.leadership is None:
+            return True
+        if not self.leadership.joined:
+            return False
+        return all(self.replicas[s].role is Role.LEADER for s in self.leadership.assigned if s in self.replicas)
 
     def leader_address(self, shard: int) -> str:
-        return self.config.address if self.replicas[shard].role is Role.LEADER else ""
+        """Where shard's leader is, as far as this node knows ("" if nobody right now)."""
+        if self.replicas[shard].role is Role.LEADER:
+            return self.address
+        if self.leadership is None:
+            return ""
+        owner = self.leadership.owner(shard)
+        return owner.address if owner is not None and owner.address != self.address else ""
 
     def _ensure_topic(self) -> None:
         """Create the WAL topic with one partition per shard, or check that it has that many."""

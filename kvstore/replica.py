@@ -18,6 +18,7 @@ Leader life (DESIGN.md §3-4):
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import enum
 import logging
@@ -37,6 +38,12 @@ from kvstore.storage import ShardStore
 from kvstore.v1 import kv_pb2, wal_entry_pb2
 
 log = logging.getLogger(__name__)
+
+FOLLOW_POLL_S = 0.1  # a follower notices "lead now" within this (it cannot interrupt a poll)
+CATCH_UP_POLL_S = 0.02  # a takeover waits for the tail (often one batch and its marker): poll briskly
+REFENCE_PAUSE_S = 1.0
+# How long a checkpoint beyond the partition end must persist before the replica is rebuilt.
+BEYOND_END_GRACE_S = 15.0  # after being fenced while still assigned the shard, before fencing back
 
 
 class Role(enum.Enum):
@@ -126,11 +133,18 @@ class ShardReplica:
         self._tasks: list[asyncio.Task[None]] = []
         self._stopping = False
         self._want_lead = False
+        self._standby = True
+        # Wakes the replica loop: a write was queued, leadership was gained or given up, stop.
+        self._work = asyncio.Event()
+        self._lead_task: asyncio.Task[None] | None = None
+        self._tail: wal.Replayer | None = None  # the standby's reader, handed to a takeover
         self._round: asyncio.Future[int] | None = None
         self._round_task: asyncio.Task[None] | None = None
         self._probing = False
-        self._ends = wal.clients.PartitionEnds(config.bootstrap_servers, config.call_timeout_s)
+        self.ends = wal.clients.PartitionEnds(config.bootstrap_servers, config.call_timeout_s)
         self._seen_rejected = 0
+        # Where the leader is, for "not the leader" answers; the node sets it (group view).
+        self.leader_hint: Callable[[], str] = lambda: ""
         label = str(self.shard)
         for family in (metrics.w3_rejections, metrics.fencings, metrics.leader_changes, metrics.rebuilds):
             family.labels(shard=label)  # export zeros from the start, so rates and alerts work
@@ -140,21 +154,46 @@ class ShardReplica:
 
     # ---- lifecycle ---------------------------------------------------------------------------
 
-    def start(self, lead: bool) -> None:
-        """Follow the shard, and lead it whenever possible if `lead`."""
+    def start(self, lead: bool, standby: bool = True) -> None:
+        """Run the replica: lead while `lead` (see `set_lead`), otherwise follow the shard if
+        `standby` (so a takeover replays only a short tail) or stay idle at its checkpoint."""
         self._want_lead = lead
+        self._standby = standby
         self._tasks.append(asyncio.create_task(self._run(), name=f"shard-{self.shard}"))
+
+    @property
+    def wants_lead(self) -> bool:
+        return self._want_lead
+
+    def set_lead(self, lead: bool) -> None:
+        """Gain (or drop, without waiting) leadership; the replica loop acts on it."""
+        self._want_lead = lead
+        self._work.set()
+
+    async def resign(self, timeout_s: float) -> None:
+        """Stop leading: the batch in flight finishes and is answered, queued writes are refused
+        (UNAVAILABLE, retriable elsewhere), and nothing more is written. Bounded by `timeout_s`."""
+        self._want_lead = False
+        self._work.set()
+        task = self._lead_task
+        if task is not None and not task.done():
+            done, _ = await asyncio.wait({task}, timeout=timeout_s)
+            if not done:
+                log.warning("shard %d: still leading %.1fs after resigning", self.shard, timeout_s)
 
     async def stop(self) -> None:
         """Graceful: stop taking writes, let the batch in flight finish and answer its clients."""
         self._stopping = True
-        deadline = time.monotonic() + self.config.call_timeout_s * 2
-        while self._txn_started is not None and time.monotonic() < deadline:
-            await asyncio.sleep(0.01)
+        self._work.set()
+        bound_s = self.config.call_timeout_s * 2
+        _done, pending = await asyncio.wait(self._tasks, timeout=bound_s) if self._tasks else (set(), set())
+        if pending:  # wedged in a WAL call past its own timeouts: cut it off
+            log.warning("shard %d: replica loop did not stop within %.1fs; cancelling", self.shard, bound_s)
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
         self._fail_queued(errors.UnavailableError(f"shard {self.shard}: node shutting down"))
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._close_tail()
         self.role = Role.STOPPED
         for watcher in list(self.watchers):
             watcher.close()
@@ -167,39 +206,69 @@ class ShardReplica:
         while not self._stopping:
             try:
                 if self._want_lead:
-                    await self._lead()
-                    # Lost leadership (fenced): give whoever fenced us a moment before taking the
-                    # shard back, so two nodes do not fence each other in a tight loop.
-                    await asyncio.sleep(1.0)
-                else:
+                    self._lead_task = asyncio.create_task(self._lead(), name=f"shard-{self.shard}-lead")
+                    try:
+                        await self._lead_task
+                    finally:
+                        self._lead_task = None
+                    # Fenced while still asked to lead: someone else (a zombie, `kvstore fence`)
+                    # took the shard. Pause before taking it back, so two nodes that both
+                    # believe they lead do not fence each other in a tight loop.
+                    pause_until = time.monotonic() + REFENCE_PAUSE_S
+                    while self._want_lead and not self._stopping and time.monotonic() < pause_until:
+                        await asyncio.sleep(0.05)
+                elif self._standby:
                     await self._follow()
+                else:
+                    self.role = Role.FOLLOWER
+                    self.caught_up = True  # idle at its checkpoint: catches up when it leads
+                    await self._wait_work(1.0)
                 backoff = 0.2
             except asyncio.CancelledError:
                 raise
+            except (wal.WalError, errors.StoreError) as exc:  # expected now and then: say it in a line
+                log.warning("shard %d: %s; retrying in %.1fs", self.shard, exc, backoff)
+                self.role = Role.FOLLOWER
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 5.0)
             except Exception:
                 log.exception("shard %d: replica loop failed; retrying in %.1fs", self.shard, backoff)
                 self.role = Role.FOLLOWER
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 5.0)
 
+    async def _wait_work(self, timeout_s: float) -> None:
+        """Until something changed (see `_work`) or `timeout_s` passed."""
+        self._work.clear()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._work.wait(), timeout_s)
+
     # ---- follower ------------------------------------------------------------------------------
 
     async def _follow(self) -> None:
         """Tail the partition read_committed and apply, with the same function as bootstrap."""
         self.role = Role.FOLLOWER
-        replayer = await asyncio.to_thread(self._replayer)
+        replayer: wal.Replayer | None = await asyncio.to_thread(self._replayer)
+        assert replayer is not None
         try:
             end = await asyncio.to_thread(replayer.end_offset)
             if self.store.applied_offset > end:
-                self.store.wipe(f"checkpoint {self.store.applied_offset} beyond WAL end {end}")
-                replayer.seek(0)
+                end = await self._confirm_beyond_end(end, replayer.end_offset)
+                if self.store.applied_offset > end:
+                    self._wipe_beyond_end(end)
+                    replayer.seek(0)
             while not self._stopping and not self._want_lead:
-                records = await asyncio.to_thread(replayer.poll_once, 0.5)
+                records = await asyncio.to_thread(replayer.poll_once, FOLLOW_POLL_S)
                 self._apply_replayed(records, replayer)
                 if replayer.position >= end:
                     self.caught_up = True
+            if self._want_lead and not self._stopping:
+                # Hand the warm reader to the takeover: its bootstrap continues from here
+                # instead of opening a new consumer (saves a close, a connect and a first fetch).
+                self._tail, replayer = replayer, None
         finally:
-            await asyncio.to_thread(replayer.close)
+            if replayer is not None:
+                await asyncio.to_thread(replayer.close)
 
     def _replayer(self) -> wal.Replayer:
         return wal.Replayer(self.config.bootstrap_servers, self.config.topic, self.shard, self.store.applied_offset,
@@ -226,57 +295,113 @@ class ShardReplica:
 
     # ---- leader --------------------------------------------------------------------------------
 
-    async def _lead(self) -> None:
-        self.role = Role.BOOTSTRAPPING
-        writer = wal.ShardWriter(wal.WriterConfig(
+    def writer_config(self) -> wal.WriterConfig:
+        """The shard's writer: one transactional id per shard, whoever writes (W4)."""
+        return wal.WriterConfig(
             bootstrap_servers=self.config.bootstrap_servers, topic=self.config.topic, partition=self.shard,
             transactional_id=wal.shard_transactional_id(self.config.cluster, self.shard),
             writer=wal.WriterIdentity(self.config.node_id, 0),
             transaction_timeout_ms=self.config.transaction_timeout_ms, call_timeout_s=self.config.call_timeout_s,
-            max_batch_records=self.config.max_batch_records, max_batch_bytes=self.config.max_batch_bytes * 2))
+            max_batch_records=self.config.max_batch_records, max_batch_bytes=self.config.max_batch_bytes * 2)
+
+    def check_fenced(self) -> bool:
+        """Told that someone may have fenced us: write an empty probe entry; if we were fenced
+        it fails and the leader steps down (and takes the shard back if still assigned).
+        False if this replica does not lead."""
+        if self.role is not Role.LEADER:
+            return False
+        self._probe()
+        return True
+
+    async def _lead(self) -> None:
+        self.role = Role.BOOTSTRAPPING
+        writer = wal.ShardWriter(self.writer_config())
         self._writer = writer
+        started = time.monotonic()
         try:
             end = await asyncio.to_thread(writer.fence)  # W4
+            fenced = time.monotonic()
+            if not self._want_lead or self._stopping:
+                return  # resigned while fencing: the next owner fences us in turn
             self.metrics.leader_changes.labels(shard=str(self.shard)).inc()
             # The term: the partition end when this leader fenced in, plus one. It never goes
             # back across takeovers because every takeover sees at least the previous one's end.
             self.term = end + 1
             writer.identity = wal.WriterIdentity(self.config.node_id, self.term)
             await self._catch_up(end)  # W6
+            if not self._want_lead or self._stopping:
+                return
             self._upcoming = end
             self.role = Role.LEADER
-            log.info("shard %d: leading at offset %d (term %d)", self.shard, end, self.term)
+            self.caught_up = True
+            log.info("shard %d: leading at offset %d (term %d) after fencing %d ms, bootstrap %d ms", self.shard,
+                     end, self.term, (fenced - started) * 1000, (time.monotonic() - fenced) * 1000)
             await self._commit_loop(writer)
         finally:
             self.role = Role.FOLLOWER if not self._stopping else Role.STOPPED
             self._upcoming = None
             self._fail_queued(errors.UnavailableError(f"shard {self.shard}: leadership lost; retry"))
             self._writer = None
+            await self._close_tail()
             await asyncio.to_thread(writer.close)
 
     async def _catch_up(self, end: int) -> None:
         """Replay read_committed from the checkpoint up to `end` (bounded by bootstrap_timeout_s)."""
         if self.store.applied_offset > end:
-            # Our checkpoint is beyond the partition: the WAL was recreated. Never trust it.
-            self.store.wipe(f"checkpoint {self.store.applied_offset} beyond WAL end {end}")
-            self.metrics.rebuilds.labels(shard=str(self.shard)).inc()
+            later = await self._confirm_beyond_end(
+                end, lambda: self.ends.high_watermark(self.config.topic, self.shard))
+            if self.store.applied_offset <= later:  # the end was stale; ours (the upcoming offset) too
+                raise errors.UnavailableError(f"shard {self.shard}: partition end moved from {end} to {later} "
+                                              "while taking over; taking over again")
+            self._wipe_beyond_end(end)
         if self.store.applied_offset >= end:
+            await self._close_tail()
             return
-        replayer = await asyncio.to_thread(self._replayer)
+        replayer, self._tail = self._tail, None
+        if replayer is None or replayer.position != self.store.applied_offset:
+            if replayer is not None:
+                await asyncio.to_thread(replayer.close)
+            replayer = await asyncio.to_thread(self._replayer)
         deadline = time.monotonic() + self.config.bootstrap_timeout_s
         try:
-            while replayer.position < end:
+            while replayer.position < end and self._want_lead and not self._stopping:
                 if time.monotonic() > deadline:
                     raise errors.UnavailableError(
                         f"shard {self.shard}: bootstrap stuck at {replayer.position} of {end}")
-                records = await asyncio.to_thread(replayer.poll_once, 0.5)
+                records = await asyncio.to_thread(replayer.poll_once, CATCH_UP_POLL_S)
                 self._apply_replayed(records, replayer)
         finally:
             await asyncio.to_thread(replayer.close)
 
+    async def _confirm_beyond_end(self, end: int, read_end: Callable[[], int]) -> int:
+        """A checkpoint beyond the partition's end means the WAL was recreated, or that a
+        restarted broker reports a stale high watermark for a moment (it reloads it from a
+        periodic checkpoint). Wait, bounded, for the end to catch up before concluding."""
+        deadline = time.monotonic() + BEYOND_END_GRACE_S
+        while self.store.applied_offset > end and time.monotonic() < deadline and not self._stopping:
+            await asyncio.sleep(0.5)
+            try:
+                end = await asyncio.to_thread(read_end)
+            except Exception as exc:  # the broker is coming back: keep the last value, ask again
+                log.debug("shard %d: reading the partition end: %s", self.shard, exc)
+        return end
+
+    def _wipe_beyond_end(self, end: int) -> None:
+        # Our checkpoint is beyond the partition: the WAL was recreated. Never trust it.
+        self.store.wipe(f"checkpoint {self.store.applied_offset} beyond WAL end {end}")
+        self.metrics.rebuilds.labels(shard=str(self.shard)).inc()
+
+    async def _close_tail(self) -> None:
+        tail, self._tail = self._tail, None
+        if tail is not None:
+            await asyncio.to_thread(tail.close)
+
     async def _commit_loop(self, writer: wal.ShardWriter) -> None:
-        while not self._stopping:
-            first = await self._queue.get()
+        while self._want_lead and not self._stopping:
+            if self._queue.empty():
+                await self._wait_work(1.0)
+                continue
+            first = self._queue.get_nowait()
             batch = [first]
             size = first.size
             try:
@@ -287,12 +412,16 @@ class ShardReplica:
                     item = self._queue.get_nowait()
                     batch.append(item)
                     size += item.size
+                if not self._want_lead or self._stopping:
+                    return  # resigned while lingering: the finally below refuses the batch
                 if not await self._commit_batch(writer, batch):
                     return  # leadership lost: _run decides what next
             finally:
-                # Cancelled (shutdown) before the batch was appended: say so instead of hanging.
+                # Left (resigned, stopping, cancelled) before the batch was appended: say so
+                # instead of hanging. Nothing of it was written, so a retry anywhere is safe.
                 for pending in batch:
-                    _settle(pending.future, errors.UnavailableError(f"shard {self.shard}: node stopping; retry"))
+                    _settle(pending.future, errors.UnavailableError(
+                        f"shard {self.shard}: leadership moving or node stopping; retry"))
 
     async def _commit_batch(self, writer: wal.ShardWriter, batch: list[_Pending]) -> bool:
         """Evaluate, append, apply, answer. False when this node must stop leading."""
@@ -412,9 +541,9 @@ class ShardReplica:
 
     def require_leader(self) -> None:
         if self.role is not Role.LEADER or self._stopping:
-            if self.role is Role.BOOTSTRAPPING:
-                raise errors.UnavailableError(f"shard {self.shard} is bootstrapping; retry")
-            raise errors.NotLeaderError(self.shard, None)
+            if self.role is Role.BOOTSTRAPPING or (self._want_lead and not self._stopping):
+                raise errors.UnavailableError(f"shard {self.shard}: this node is taking over; retry")
+            raise errors.NotLeaderError(self.shard, self.leader_hint() or None)
 
     async def write(self, build: Build, request_id: str, size: int, response_type: type[Any]) -> Response:
         """Queue a write for the next batch and wait for its answer (after commit)."""
@@ -426,6 +555,7 @@ class ShardReplica:
         future: asyncio.Future[Response] = asyncio.get_running_loop().create_future()
         try:
             self._queue.put_nowait(_Pending(build, request_id, size, response_type, future))
+            self._work.set()
         except asyncio.QueueFull:
             raise errors.OverloadedError(
                 f"shard {self.shard}: {self.config.max_pending_writes} writes pending "
@@ -464,6 +594,7 @@ class ShardReplica:
                          kv_pb2.PutResponse, future)
         try:
             self._queue.put_nowait(probe)
+            self._work.set()
         except asyncio.QueueFull:
             self._probing = False  # writes are flowing anyway: they will hit W2 themselves
 
@@ -471,7 +602,7 @@ class ShardReplica:
         await asyncio.sleep(0)  # let reads that arrived in this same tick join
         self._round = None  # reads arriving from now on need a later query
         try:
-            end = await asyncio.to_thread(self._ends.high_watermark, self.config.topic, self.shard)
+            end = await asyncio.to_thread(self.ends.high_watermark, self.config.topic, self.shard)
         except Exception as exc:
             round_.set_exception(errors.UnavailableError(f"shard {self.shard}: read barrier failed: {exc}"))
             return

@@ -14,6 +14,7 @@ import contextlib
 import functools
 import json
 import logging
+import os
 import signal
 import sys
 import time
@@ -28,9 +29,11 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
 import wal
-from kvstore import errors, limits, validation
+import wal.transactions
+from kvstore import errors, limits, shardmap, validation
 from kvstore.evaluate import evaluate_delete, evaluate_put, evaluate_txn, key_value
 from kvstore.node import Node, NodeConfig
+from kvstore.peers import Peers
 from kvstore.replica import Role, ShardReplica, Watcher, decode_changes
 from kvstore.state import ChangeType
 from kvstore.v1 import cluster_pb2, cluster_pb2_grpc, kv_pb2, kv_pb2_grpc
@@ -39,6 +42,8 @@ log = logging.getLogger("kvstore.server")
 
 T = TypeVar("T")
 STALE_WAIT_DEFAULT_S = 5.0
+PEER_TIMEOUT_S = 0.5  # ShardMap fan-out: a node that does not answer within this is left out
+FORWARD_TIMEOUT_S = 10.0  # a forwarded scan part, when the caller set no shorter deadline
 
 
 def _handler(method: str) -> Callable[[Callable[..., Awaitable[T]]], Callable[..., Awaitable[T]]]:
@@ -68,8 +73,9 @@ def _deadline_s(context: grpc.aio.ServicerContext[Any, Any], default: float) -> 
 
 
 class KVService(kv_pb2_grpc.KVServicer):
-    def __init__(self, node: Node) -> None:
+    def __init__(self, node: Node, peers: Peers) -> None:
         self.node = node
+        self.peers = peers
 
     def _leader(self, shard: int) -> ShardReplica:
         replica = self.node.replica(shard)
@@ -141,22 +147,68 @@ class KVService(kv_pb2_grpc.KVServicer):
             if request.page_token <= start and not request.page_token.startswith(start):
                 raise errors.InvalidRequestError("page_token does not belong to this scan")
             start = max(start, request.page_token)
-        replicas = [await self._read_ready(shard, request.read, context) for shard in range(self.node.config.shards)]
-        # Scatter-gather: every shard's first `limit + 1` keys, merged in byte order.
-        rows = []
+        shards = sorted(set(request.shards)) or list(range(self.node.config.shards))
+        if shards[-1] >= self.node.config.shards:
+            raise errors.InvalidRequestError(f"shard {shards[-1]} out of range ({self.node.config.shards} shards)")
+        local, remote = self._scan_plan(shards, request.read.consistency)
+        replicas = [await self._read_ready(shard, request.read, context) for shard in local]
+        forwarded = await asyncio.gather(*(self._forward_scan(address, group, request, context)
+                                           for address, group in remote.items()))
+        # Scatter-gather: every shard's first `limit + 1` keys (a forwarded part: its first page
+        # and whether it has more), merged in byte order.
+        rows: list[tuple[bytes, kv_pb2.KeyValue]] = []
         for replica in replicas:
-            rows.extend(replica.store.scan(start, end, limit + 1))
+            rows.extend((key, key_value(key, state)) for key, state in replica.store.scan(start, end, limit + 1))
+        more_elsewhere = False
+        for part in forwarded:
+            rows.extend((kv.key, kv) for kv in part.kvs)
+            more_elsewhere = more_elsewhere or bool(part.next_page_token)
         rows.sort(key=lambda row: row[0])
         page = rows[:limit]
         response = kv_pb2.ScanResponse(headers=[self._header(r) for r in replicas])
-        for key, state in page:
-            kv = key_value(key, state)
+        for part in forwarded:
+            response.headers.extend(part.headers)
+        for _key, kv in page:
             if request.keys_only:
                 kv.value = b""
             response.kvs.append(kv)
-        if len(rows) > limit:
+        if page and (len(rows) > limit or more_elsewhere):
             response.next_page_token = page[-1][0] + b"\x00"
         return response
+
+    def _scan_plan(self, shards: list[int], consistency: int) -> tuple[list[int], dict[str, list[int]]]:
+        """Which shards this node reads itself, and which it forwards to which leader. Stale
+        reads are served by any replica; the others need each shard's leader."""
+        if consistency == kv_pb2.CONSISTENCY_STALE:
+            return shards, {}
+        local: list[int] = []
+        remote: dict[str, list[int]] = {}
+        for shard in shards:
+            if self.node.replica(shard).role is Role.LEADER or self.node.leadership is None:
+                local.append(shard)
+                continue
+            leader = self.node.leader_address(shard)
+            if not leader:
+                raise errors.UnavailableError(f"shard {shard} has no leader right now; retry")
+            remote.setdefault(leader, []).append(shard)
+        return local, remote
+
+    async def _forward_scan(self, address: str, shards: list[int], request: kv_pb2.ScanRequest,
+                            context: grpc.aio.ServicerContext[Any, Any]) -> kv_pb2.ScanResponse:
+        forwarded = kv_pb2.ScanRequest()
+        forwarded.CopyFrom(request)
+        del forwarded.shards[:]
+        forwarded.shards.extend(shards)
+        try:
+            reply = await self.peers.kv(address).Scan(forwarded, timeout=_deadline_s(context, FORWARD_TIMEOUT_S))
+        except grpc.RpcError as exc:
+            # Whatever went wrong there (leader moving, node gone), the scan as a whole is
+            # retriable: nothing was changed.
+            raise errors.UnavailableError(
+                f"shards {shards}: forwarding the scan to their leader {address} failed "
+                f"({exc.code().name}: {exc.details()}); retry") from exc
+        assert isinstance(reply, kv_pb2.ScanResponse)
+        return reply
 
     async def Watch(self, request: kv_pb2.WatchRequest,
                     context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[kv_pb2.WatchEvent]:
@@ -224,28 +276,120 @@ def _event(shard: int, change: Any) -> kv_pb2.WatchEvent:
 
 
 class ClusterService(cluster_pb2_grpc.ClusterServicer):
-    def __init__(self, node: Node) -> None:
+    def __init__(self, node: Node, peers: Peers) -> None:
         self.node = node
+        self.peers = peers
 
     @_handler("ShardMap")
     async def ShardMap(self, request: cluster_pb2.ShardMapRequest,
                        context: Any) -> cluster_pb2.ShardMapResponse:
+        local = await self._local_view()
+        leadership = self.node.leadership
+        if request.local_only or leadership is None:
+            return local
+        members = [m for m in leadership.members if m.address and m.member_id != self.node.config.node_id]
+        answers = await asyncio.gather(*(self._peer_view(m.address) for m in members))
+        assigned = {shard: (m.member_id, m.address) for shard in self.node.replicas
+                    if (m := leadership.owner(shard)) is not None}
+        return shardmap.merge(local, [a for a in answers if a is not None], assigned)
+
+    @_handler("ShardDigest")
+    async def ShardDigest(self, request: cluster_pb2.ShardDigestRequest,
+                          context: Any) -> cluster_pb2.ShardDigestResponse:
+        if request.shard >= self.node.config.shards:
+            raise errors.InvalidRequestError(
+                f"shard {request.shard} out of range: the cluster has {self.node.config.shards} shards")
+        replica = self.node.replica(request.shard)
+        # Digest and checkpoint in one loop step: apply runs on this loop, so they cannot disagree.
+        applied = replica.store.applied_offset
+        sha, keys = replica.store.digest()
+        return cluster_pb2.ShardDigestResponse(node_id=self.node.config.node_id, shard=request.shard,
+                                               applied_offset=applied, sha256=sha, keys=keys)
+
+    @_handler("ListTransactions")
+    async def ListTransactions(self, request: cluster_pb2.ListTransactionsRequest,
+                               context: Any) -> cluster_pb2.ListTransactionsResponse:
+        if request.older_than_ms < 0:
+            raise errors.InvalidRequestError(f"older_than_ms must be >= 0, got {request.older_than_ms}")
+        config = self.node.config
+
+        def inspect(replica: ShardReplica) -> wal.transactions.OpenTransaction | None:
+            return wal.transactions.open_transaction(replica.ends, config.kafka, config.wal_topic, replica.shard,
+                                                     timeout_s=2.0)
+
+        response = cluster_pb2.ListTransactionsResponse()
+        for shard, replica in sorted(self.node.replicas.items()):
+            try:
+                txn = await asyncio.to_thread(inspect, replica)
+            except Exception as exc:
+                raise errors.UnavailableError(f"shard {shard}: cannot read the partition's offsets: {exc}") from exc
+            if txn is None or txn.age_ms() < request.older_than_ms:
+                continue
+            owner = self.node.leadership.owner(shard) if self.node.leadership else None
+            response.transactions.append(cluster_pb2.TransactionInfo(
+                shard=shard, first_offset=txn.first_offset, end_offset=txn.end_offset, age_ms=txn.age_ms(),
+                leader_id=owner.member_id if owner else ""))
+        return response
+
+    @_handler("FenceShard")
+    async def FenceShard(self, request: cluster_pb2.FenceShardRequest,
+                         context: Any) -> cluster_pb2.FenceShardResponse:
+        if request.shard >= self.node.config.shards:
+            raise errors.InvalidRequestError(
+                f"shard {request.shard} out of range: the cluster has {self.node.config.shards} shards")
+        replica = self.node.replica(request.shard)
+        response = cluster_pb2.FenceShardResponse(shard=request.shard)
+        if not request.notify_only:
+            try:
+                response.end_offset = await asyncio.to_thread(wal.transactions.force_fence, replica.writer_config())
+            except wal.WalError as exc:
+                raise errors.UnavailableError(f"shard {request.shard}: fencing failed: {exc}") from exc
+            log.warning("shard %d fenced by an operator at offset %d", request.shard, response.end_offset)
+        if replica.check_fenced():
+            response.notified = self.node.config.node_id
+        elif not request.notify_only:
+            leader = self.node.leader_address(request.shard)
+            if leader:
+                stub = self.peers.cluster(leader)
+                with contextlib.suppress(grpc.RpcError):
+                    reply = await stub.FenceShard(cluster_pb2.FenceShardRequest(shard=request.shard, notify_only=True),
+                                                  timeout=PEER_TIMEOUT_S * 2)
+                    response.notified = reply.notified
+        return response
+
+    async def _local_view(self) -> cluster_pb2.ShardMapResponse:
         config = self.node.config
         response = cluster_pb2.ShardMapResponse(shard_count=config.shards, topic=config.wal_topic,
                                                 served_by=config.node_id)
+        me = cluster_pb2.NodeInfo(node_id=config.node_id, address=self.node.address, pid=os.getpid(),
+                                  can_lead=config.lead)
         for shard, replica in sorted(self.node.replicas.items()):
-            try:
-                end = await asyncio.to_thread(replica._ends.high_watermark, config.wal_topic, shard)
-                replica.end_offset = max(replica.end_offset, end)
-            except Exception:
-                end = replica.end_offset
+            # The last known high watermark (refreshed every second by the node): a map must
+            # answer at once, also while a broker is down and offset queries hang.
+            end = replica.end_offset
             applied = replica.store.applied_offset
             leading = replica.role is Role.LEADER
+            if leading:
+                me.leads.append(shard)
+            # Not leading: who the group assigned the shard to (enough to route a request).
+            owner = self.node.leadership.owner(shard) if self.node.leadership and not leading else None
             response.shards.append(cluster_pb2.ShardInfo(
                 shard=shard, leader=self.node.leader_address(shard), term=replica.term if leading else 0,
                 applied_offset=applied, end_offset=end, lag=max(0, end - applied),
-                open_txn_age_ms=replica.open_txn_age_ms()))
+                open_txn_age_ms=replica.open_txn_age_ms(),
+                leader_id=config.node_id if leading else owner.member_id if owner else "", leader_ready=leading))
+        response.nodes.append(me)
         return response
+
+    async def _peer_view(self, address: str) -> cluster_pb2.ShardMapResponse | None:
+        stub = self.peers.cluster(address)
+        try:
+            reply = await stub.ShardMap(cluster_pb2.ShardMapRequest(local_only=True), timeout=PEER_TIMEOUT_S)
+        except grpc.RpcError as exc:
+            log.debug("peer %s did not describe itself: %s", address, exc)
+            return None
+        assert isinstance(reply, cluster_pb2.ShardMapResponse)
+        return reply
 
 
 async def _health_loop(node: Node, servicer: health.HealthServicer, stop: asyncio.Event) -> None:
@@ -271,8 +415,9 @@ async def serve(config: NodeConfig, ready: Callable[[str], None] | None = None) 
     node = Node(config)
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", limits.GRPC_MAX_MESSAGE_BYTES),
                                       ("grpc.max_send_message_length", limits.GRPC_MAX_MESSAGE_BYTES)])
-    kv_pb2_grpc.add_KVServicer_to_server(KVService(node), server)  # type: ignore[no-untyped-call]
-    cluster_pb2_grpc.add_ClusterServicer_to_server(ClusterService(node), server)  # type: ignore[no-untyped-call]
+    peers = Peers()
+    kv_pb2_grpc.add_KVServicer_to_server(KVService(node, peers), server)  # type: ignore[no-untyped-call]
+    cluster_pb2_grpc.add_ClusterServicer_to_server(ClusterService(node, peers), server)  # type: ignore[no-untyped-call]
     health_servicer = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((
@@ -289,23 +434,24 @@ async def serve(config: NodeConfig, ready: Callable[[str], None] | None = None) 
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    await server.start()
-    await node.start()
-    health_task = asyncio.create_task(_health_loop(node, health_servicer, stop))
     host = config.listen.rsplit(":", 1)[0]
     address = f"{host}:{port}"
+    await server.start()
+    await node.start(address)
+    health_task = asyncio.create_task(_health_loop(node, health_servicer, stop))
     log.info("serving", extra={"event": "serving", "address": address, "node": config.node_id,
                                "shards": config.shards, "topic": config.wal_topic})
     if ready is not None:
         ready(address)
     await stop.wait()
     log.info("shutting down", extra={"event": "shutdown"})
-    # Stop taking new RPCs; in-flight ones (waiting on commits) get the grace period.
+    # Stop taking new RPCs (in-flight ones, waiting on commits, get the grace period) and at the
+    # same time hand the shards over: the other nodes take them while this one drains.
     stopping = asyncio.create_task(server.stop(grace=10))
-    await asyncio.sleep(0.1)
     await node.stop()
     await stopping
     await health_task
+    await peers.close()
 
 
 class JsonFormatter(logging.Formatter):
@@ -339,6 +485,11 @@ def main(argv: list[str] | None = None) -> int:
                              f"(default {limits.MAX_PENDING_WRITES_PER_SHARD})")
     parser.add_argument("--follower", action="store_true",
                         help="only follow the shards (a read replica: stale reads, scans, watches)")
+    parser.add_argument("--no-standby", dest="standby", action="store_false", default=None,
+                        help="do not follow the shards this node does not lead (slower takeovers)")
+    parser.add_argument("--session-timeout-ms", type=int,
+                        help="leadership group session timeout: how long a dead node keeps its shards "
+                             "(env KVSTORE_SESSION_TIMEOUT_MS, default 1500)")
     parser.add_argument("--log-format", choices=("json", "text"), default="json")
     args = parser.parse_args(argv)
     handler = logging.StreamHandler(sys.stderr)
@@ -351,7 +502,8 @@ def main(argv: list[str] | None = None) -> int:
                                      shards=args.shards, topic=args.topic, metrics_port=args.metrics_port,
                                      transaction_timeout_ms=args.transaction_timeout_ms,
                                      max_pending_writes=args.max_pending_writes,
-                                     lead=False if args.follower else None)
+                                     lead=False if args.follower else None, standby=args.standby,
+                                     session_timeout_ms=args.session_timeout_ms)
     except (ValueError, TypeError) as exc:
         print(f"kvstore serve: {exc}", file=sys.stderr)
         return 2

@@ -15,6 +15,7 @@ rebuilt from the WAL by the replica (`needs_rebuild` tells it so), never trusted
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import shutil
 import struct
@@ -154,6 +155,16 @@ class ShardStore:
         """Every key, in order (for audits and replica comparisons)."""
         for raw_key, raw_value in self._db.iterator(prefix=_DATA):
             yield raw_key[len(_DATA):], KeyState.decode(raw_value)
+
+    def digest(self) -> tuple[str, int]:
+        """(SHA-256 hex, key count) over every key with its full state, in key order: two
+        replicas at the same checkpoint must agree (W5 + one shared apply function)."""
+        h = hashlib.sha256()
+        count = 0
+        for raw_key, raw_value in self._db.iterator(prefix=_DATA):
+            h.update(_U64.pack(len(raw_key)) + raw_key + _U64.pack(len(raw_value)) + raw_value)
+            count += 1
+        return h.hexdigest(), count
 
     # ---- apply -------------------------------------------------------------------------------------
 

@@ -20,8 +20,9 @@ REPO = Path(__file__).resolve().parents[2]
 
 class StoreProcess:
     def __init__(self, kafka: str, data_dir: Path, cluster: str, shards: int = 4, port: int | None = None,
-                 extra_args: tuple[str, ...] = ()) -> None:
+                 extra_args: tuple[str, ...] = (), node_id: str = "node-1") -> None:
         self.extra_args = extra_args
+        self.node_id = node_id
         self.kafka = kafka
         self.data_dir = data_dir
         self.cluster = cluster
@@ -32,11 +33,11 @@ class StoreProcess:
         self.channel: grpc.Channel | None = None
 
     def start(self, timeout_s: float = 60.0) -> StoreProcess:
-        log = open(self.data_dir.parent / f"{self.cluster}-node.log", "ab")  # noqa: SIM115
         self.data_dir.mkdir(parents=True, exist_ok=True)
+        log = open(self.data_dir.parent / f"{self.cluster}-{self.node_id}.log", "ab")  # noqa: SIM115
         cmd = [sys.executable, "-m", "kvstore.server", "--kafka", self.kafka, "--data-dir", str(self.data_dir),
                "--listen", self.address, "--cluster", self.cluster, "--shards", str(self.shards),
-               "--transaction-timeout-ms", "20000", *self.extra_args]
+               "--transaction-timeout-ms", "20000", "--node-id", self.node_id, *self.extra_args]
         self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
                                      env={**os.environ, "PYTHONPATH": str(REPO)})
         log.close()
@@ -68,6 +69,11 @@ class StoreProcess:
     def cluster_stub(self) -> cluster_pb2_grpc.ClusterStub:
         assert self.channel is not None
         return cluster_pb2_grpc.ClusterStub(self.channel)
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
 
     def stop(self, sig: signal.Signals = signal.SIGTERM, timeout_s: float = 30.0) -> int:
         if self.channel is not None:

@@ -53,15 +53,24 @@ def test_make_up_serves_round_trips_and_resumes(tmp_path: Path) -> None:
     data = tmp_path / "data"
     cluster = DevCluster(data)
     try:
-        endpoint = cluster.wait_endpoints()["endpoints"][0]  # type: ignore[index]
+        endpoints: list[str] = cluster.wait_endpoints()["endpoints"]  # type: ignore[assignment]
+        assert len(endpoints) == 3
+        endpoint = endpoints[0]
         assert kvstore(endpoint, "put", "k", "v").returncode == 0
         got = kvstore(endpoint, "get", "k", "--output", "json")
         assert got.returncode == 0 and json.loads(got.stdout)["value"] == "v", got
         shards = kvstore(endpoint, "shards", "--output", "json")
         assert shards.returncode == 0, shards.stderr
         shard_map = json.loads(shards.stdout)
-        assert [s["leader"] for s in shard_map["shards"]] == [endpoint] * 4, shard_map
+        assert {n["address"] for n in shard_map["nodes"]} == set(endpoints), shard_map
+        assert all(s["leader"] in endpoints and s["leader_ready"] for s in shard_map["shards"]), shard_map
         assert kvstore(endpoint, "get", "", "--output", "json").returncode == 2  # clear error, no traceback
+        # The failover demo against the running cluster: kill a leader under load, then verify.
+        demo = kvstore(",".join(endpoints), "demo", "failover", "--output", "json", "--warmup", "2", "--after", "3")
+        assert demo.returncode == 0, demo.stderr
+        result = json.loads(demo.stdout.splitlines()[-1])
+        assert result["acked"] > 0 and result["acked_lost"] == 0 and result["duplicates"] == 0, result
+        assert result["replicas_equal"] is True and result["new_leader"] != result["killed"], result
         assert cluster.interrupt() == 0
     finally:
         if cluster.proc.poll() is None:

@@ -2,22 +2,28 @@
 
 from __future__ import annotations
 
+import time
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from confluent_kafka.admin import AdminClient
 
+from kvstore import demo
 from tests.integration.helpers import payloads, replay_all, writer
+from tests.integration.test_cluster import SHARDS, Cluster, run_and_verify
 from wal import WalError
 from wal.broker import LocalKafka
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 
 
-@pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[LocalKafka]:
-    kafka = LocalKafka(tmp_path / "kafka3", nodes=3, heap_mb=384)
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalKafka]:
+    """One three-broker cluster for the module (it takes a while to start); each test brings
+    back the broker it killed."""
+    kafka = LocalKafka(tmp_path_factory.mktemp("kafka3"), nodes=3, heap_mb=384)
     kafka.start(timeout_s=120)
     try:
         yield kafka
@@ -37,7 +43,8 @@ def test_appends_survive_killing_the_partition_leader(cluster: LocalKafka) -> No
         w.append([f"before-{i}".encode()])
         committed.append(f"before-{i}".encode())
 
-    cluster.kill_node(partition.leader - 1)  # node ids are 1-based
+    victim = partition.leader - 1  # node ids are 1-based
+    cluster.kill_node(victim)
 
     for i in range(5):
         payload = f"after-{i}".encode()
@@ -56,3 +63,29 @@ def test_appends_survive_killing_the_partition_leader(cluster: LocalKafka) -> No
     assert [p for p in visible if p in committed] == committed
     assert len(visible) == len(set(visible)), "a batch is visible twice"
     w.close()
+    cluster.start_node(victim, wait=True)
+
+
+def test_store_cluster_keeps_writing_when_a_broker_dies(cluster: LocalKafka, tmp_path: Path) -> None:
+    """Three store nodes on three brokers (RF 3, min ISR 2): kill the broker that leads the most
+    WAL partitions under load; writes go on, nothing acknowledged is lost, replicas converge."""
+    nodes = Cluster(cluster.bootstrap_servers, tmp_path / "nodes").start()
+    victim: int | None = None
+    try:
+        workload = demo.Workload(nodes.endpoints, SHARDS).start()
+        time.sleep(2)
+        meta = AdminClient({"bootstrap.servers": cluster.bootstrap_servers}).list_topics(f"{nodes.name}.wal",
+                                                                                         timeout=10)
+        leaders = Counter(p.leader for p in meta.topics[f"{nodes.name}.wal"].partitions.values())
+        victim = leaders.most_common(1)[0][0] - 1
+        cluster.kill_node(victim)
+        before = len(workload.acks)
+        deadline = time.monotonic() + 60
+        while len(workload.acks) < before + 50:  # bounded: partition leaders move in seconds
+            assert time.monotonic() < deadline, "writes stalled after losing one broker of three"
+            time.sleep(0.5)
+        run_and_verify(nodes, workload)
+    finally:
+        nodes.stop()
+        if victim is not None:
+            cluster.start_node(victim, wait=True)

@@ -3,6 +3,7 @@ client (no server), and a few commands end to end against the loopback fake of t
 
 from __future__ import annotations
 
+import argparse
 import base64
 import json
 import sys
@@ -17,15 +18,18 @@ from kvstore.cli import TxnSyntaxError, main, parse_compare, parse_op, parse_txn
 from kvstore.client import (
     Compare,
     DeleteResult,
+    FenceResult,
     GetResult,
     InvalidArgument,
     KeyValue,
+    NodeInfo,
     Op,
     PutResult,
     ReadHeader,
     ScanPage,
     ShardInfo,
     ShardMap,
+    TransactionInfo,
     TxnResult,
     Unavailable,
     UnknownOutcome,
@@ -257,7 +261,17 @@ class FakeClient:
 
     def shard_map(self) -> ShardMap:
         self._record("shard_map")
-        return ShardMap(2, "wal", "n1:1", (ShardInfo(0, "n1:1", 3, 10, 12, 2, 0), ShardInfo(1, "", 0, 5, 5, 0, 0)))
+        return ShardMap(2, "wal", "n1:1", (ShardInfo(0, "n1:1", 3, 10, 12, 2, 0, "n1", True),
+                                           ShardInfo(1, "n2:1", 0, 5, 5, 0, 0, "n2", False)),
+                        (NodeInfo("n1", "n1:1", (0,), 42, True), NodeInfo("n2", "n2:1", (), 43, True)))
+
+    def list_transactions(self, older_than_ms: int = 0) -> list[TransactionInfo]:
+        self._record("list_transactions", older_than_ms)
+        return [TransactionInfo(1, 7, 9, 65_000, "n2")]
+
+    def fence(self, shard: int) -> FenceResult:
+        self._record("fence", shard)
+        return FenceResult(shard, 12, "n1")
 
 
 @pytest.fixture
@@ -414,10 +428,39 @@ def test_shards(fake: FakeClient, capsys: pytest.CaptureFixture[str]) -> None:
     rc, out, _ = run(["shards"], capsys)
     lines = out.splitlines()
     assert rc == 0 and lines[0] == "topic: wal  shards: 2  served by: n1:1"
-    assert lines[1].split() == ["SHARD", "LEADER", "TERM", "APPLIED", "END", "LAG", "OPEN_TXN_MS"]
-    assert lines[3].split() == ["1", "-", "0", "5", "5", "0", "0"]
+    assert lines[1].split() == ["SHARD", "LEADER", "NODE", "TERM", "APPLIED", "END", "LAG", "OPEN_TXN_MS"]
+    assert lines[2].split() == ["0", "n1:1", "n1", "3", "10", "12", "2", "0"]
+    assert lines[3].split() == ["1", "n2:1", "n2", "(taking", "over)", "0", "5", "5", "0", "0"]
+    assert lines[5].split() == ["NODE", "ADDRESS", "LEADS", "PID", "ROLE"]
+    assert lines[6].split() == ["n1", "n1:1", "0", "42", "leader-capable"]
     (record,) = json_lines(run(["shards", "-o", "json"], capsys)[1])
     assert record["shard_count"] == 2 and record["shards"][0]["leader"] == "n1:1"
+    assert record["shards"][1]["leader_ready"] is False and record["nodes"][1]["pid"] == 43
+
+
+@pytest.mark.parametrize(("text", "ms"), [("500ms", 500), ("30s", 30_000), ("2m", 120_000), ("1h", 3_600_000),
+                                          ("1.5", 1500), ("0", 0)])
+def test_durations(text: str, ms: int) -> None:
+    assert cli.parse_duration_ms(text) == ms
+
+
+@pytest.mark.parametrize("text", ["", "abc", "-1s", "5x"])
+def test_bad_durations_are_refused(text: str) -> None:
+    with pytest.raises(argparse.ArgumentTypeError):
+        cli.parse_duration_ms(text)
+
+
+def test_txn_list_and_fence(fake: FakeClient, capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, _ = run(["txn", "list", "--older-than", "1m"], capsys)
+    assert rc == 0 and fake.calls[-1] == ("list_transactions", (60_000,), {})
+    assert out.splitlines()[1].split() == ["1", "7", "9", "65000", "n2"]
+    (record,) = json_lines(run(["txn", "list", "-o", "json"], capsys)[1])
+    assert record == {"shard": 1, "first_offset": 7, "end_offset": 9, "age_ms": 65_000, "leader_id": "n2"}
+    assert run(["txn", "list", "--then", "put a b"], capsys)[0] == 2
+    rc, out, _ = run(["fence", "3"], capsys)
+    assert rc == 0 and fake.calls[-1] == ("fence", (3,), {})
+    assert out == "shard 3 fenced at offset 12; leader n1 told to check\n"
+    assert run(["fence", "-1"], capsys)[0] == 2
 
 
 @pytest.mark.parametrize(

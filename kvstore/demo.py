@@ -1,0 +1,290 @@
+"""`kvstore demo failover`: kill a shard's leader under load, show the takeover, then verify.
+
+One workload and one verification, shared by the demo, the fault tests and bench/failover.py:
+
+* `Workload`: writer threads, a few per shard, each putting fresh keys of its own shard with
+  a request id through the client (which routes, follows hints and retries with the same id).
+  Every acknowledgement is recorded with the time it arrived.
+* `verify`: wait until every replica of every shard reached the partition's end, compare
+  replica digests per shard, read every key back (linearizable) and check that every
+  acknowledged write is there with its value and version 1 (a request applied twice would
+  show version 2).
+
+Unavailability is measured from the client's side: per shard, the longest time between two
+consecutive acknowledgements (and from the last one to the end of the run). It includes the
+failure detection (the group's session timeout for a SIGKILL), the rebalance, fencing,
+bootstrap of the short tail, and the client's retry back-off.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import os
+import signal
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import grpc
+
+from kvstore.client import Client, KvError, ShardMap
+from kvstore.sharding import shard_of
+from kvstore.v1 import cluster_pb2, cluster_pb2_grpc
+
+WRITE_TIMEOUT_S = 10.0  # one put, retries included: longer than any takeover we accept
+MAX_KEYS_PER_WRITER = 1_000_000  # bound on a writer's key space (it stops when it runs out)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Ack:
+    key: bytes
+    value: bytes
+    shard: int
+    revision: int
+    at_s: float  # time.monotonic() when the acknowledgement arrived
+
+
+class Workload:
+    """Writer threads putting fresh keys; `writers_per_shard` threads for each shard, so a
+    shard without a leader stalls only its own writers and the others keep measuring."""
+
+    def __init__(self, endpoints: Sequence[str], shards: int, *, writers_per_shard: int = 2,
+                 prefix: str | None = None, value_bytes: int = 100) -> None:
+        self.endpoints = list(endpoints)
+        self.shards = shards
+        self.prefix = prefix or f"demo/{uuid.uuid4().hex[:8]}"
+        self.value_bytes = value_bytes
+        self.acks: list[Ack] = []
+        self.failures: list[str] = []  # writes whose outcome the client could not learn in time
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._write, args=(shard, n), daemon=True,
+                                          name=f"writer-{shard}-{n}")
+                         for shard in range(shards) for n in range(writers_per_shard)]
+        self.started_s = 0.0
+        self.stopped_s = 0.0
+
+    def start(self) -> Workload:
+        self.started_s = time.monotonic()
+        for thread in self._threads:
+            thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(WRITE_TIMEOUT_S + 5)
+        self.stopped_s = time.monotonic()
+
+    def _keys(self, shard: int, writer: int) -> Callable[[], bytes | None]:
+        counter = itertools.count()
+
+        def next_key() -> bytes | None:
+            for n in counter:
+                if n >= MAX_KEYS_PER_WRITER:
+                    return None
+                key = f"{self.prefix}/{shard}/{writer}/{n:07d}".encode()
+                if shard_of(key, self.shards) == shard:
+                    return key
+            return None
+
+        return next_key
+
+    def _write(self, shard: int, writer: int) -> None:
+        next_key = self._keys(shard, writer)
+        # A short back-off cap: the measured unavailability should be the cluster's, not the
+        # client waiting out a long back-off after the new leader is already there.
+        with Client(self.endpoints, timeout_s=WRITE_TIMEOUT_S, max_attempts=100, max_backoff_s=0.1) as client:
+            while not self._stop.is_set():
+                key = next_key()
+                if key is None:
+                    return
+                value = key + b"=" + b"x" * max(0, self.value_bytes - len(key) - 1)
+                try:
+                    result = client.put(key, value, request_id=f"{self.prefix}:{key.decode()}")
+                except KvError as exc:
+                    with self._lock:
+                        self.failures.append(f"{key.decode()}: {exc}")
+                    continue
+                with self._lock:
+                    self.acks.append(Ack(key, value, shard, result.revision or 0, time.monotonic()))
+
+    def unavailable_ms(self, since_s: float | None = None) -> dict[int, int]:
+        """Per shard, the longest time without an acknowledgement (ms), from `since_s` (default:
+        the first acknowledgement of that shard) to the end of the run."""
+        with self._lock:
+            acks = list(self.acks)
+        end = self.stopped_s or time.monotonic()
+        out: dict[int, int] = {}
+        for shard in range(self.shards):
+            times = sorted(a.at_s for a in acks if a.shard == shard)
+            if not times:
+                out[shard] = int((end - (since_s or self.started_s)) * 1000)
+                continue
+            points = [since_s] if since_s is not None and since_s < times[0] else []
+            points += [*times, end]
+            out[shard] = int(max(b - a for a, b in itertools.pairwise(points)) * 1000) if len(points) > 1 else 0
+        return out
+
+
+@dataclasses.dataclass
+class Verdict:
+    acked: int
+    acked_lost: int
+    duplicates: int
+    replicas_equal: bool
+    replicas: dict[int, list[dict[str, Any]]]  # shard -> per node digest
+    lost_examples: list[str]
+
+
+def replica_digests(addresses: Sequence[str], shards: int,
+                    timeout_s: float) -> dict[int, list[cluster_pb2.ShardDigestResponse]]:
+    """Every reachable node's digest of every shard."""
+    out: dict[int, list[cluster_pb2.ShardDigestResponse]] = {s: [] for s in range(shards)}
+    for address in addresses:
+        with grpc.insecure_channel(address) as channel:
+            stub = cluster_pb2_grpc.ClusterStub(channel)  # type: ignore[no-untyped-call]
+            for shard in range(shards):
+                try:
+                    reply = stub.ShardDigest(cluster_pb2.ShardDigestRequest(shard=shard), timeout=timeout_s)
+                except grpc.RpcError:
+                    break  # a dead node: it is not a replica any more
+                out[shard].append(reply)
+    return out
+
+
+def converge(client: Client, timeout_s: float) -> tuple[bool, dict[int, list[cluster_pb2.ShardDigestResponse]]]:
+    """Wait until every node's replica of every shard reached the partition end, then compare."""
+    deadline = time.monotonic() + timeout_s
+    digests: dict[int, list[cluster_pb2.ShardDigestResponse]] = {}
+    while True:
+        try:
+            smap = client.shard_map(timeout_s=5)
+        except KvError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
+            continue
+        ends = {info.shard: info.end_offset for info in smap.shards}
+        addresses = [n.address for n in smap.nodes]
+        digests = replica_digests(addresses, smap.shard_count, timeout_s=5)
+        # Settled: every node answered, and per shard all replicas stand at one offset, at least
+        # the last known end (writes have stopped, so they all get there).
+        settled = all(len(replies) == len(addresses) and len({r.applied_offset for r in replies}) == 1
+                      and replies[0].applied_offset >= ends[shard] for shard, replies in digests.items())
+        if settled or time.monotonic() > deadline:
+            equal = settled and all(len({(r.applied_offset, r.sha256) for r in replies}) == 1
+                                    for replies in digests.values())
+            return equal, digests
+        time.sleep(0.2)
+
+
+def verify(client: Client, workload: Workload, timeout_s: float = 60.0) -> Verdict:
+    equal, digests = converge(client, timeout_s)
+    stored: dict[bytes, tuple[bytes, int]] = {}
+    for kv in client.scan_all(prefix=workload.prefix.encode() + b"/", limit=1000, timeout_s=30):
+        stored[kv.key] = (kv.value, kv.version)
+    lost = [a.key.decode() for a in workload.acks if stored.get(a.key, (None, 0))[0] != a.value]
+    duplicates = sum(1 for _, version in stored.values() if version > 1)
+    return Verdict(
+        acked=len(workload.acks), acked_lost=len(lost), duplicates=duplicates, replicas_equal=equal,
+        replicas={shard: [{"node": r.node_id, "applied_offset": r.applied_offset, "sha256": r.sha256[:16],
+                           "keys": r.keys} for r in replies] for shard, replies in digests.items()},
+        lost_examples=lost[:5])
+
+
+def wait_for_new_leader(client: Client, shard: int, old_leader: str, timeout_s: float) -> tuple[str, int, float]:
+    """(new leader id, its term, when) once another node leads `shard` (fenced, bootstrapped)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            smap = client.shard_map(timeout_s=5)
+        except KvError:
+            time.sleep(0.05)
+            continue
+        info = smap.shards[shard]
+        if info.leader_ready and info.leader_id and info.leader_id != old_leader:
+            return info.leader_id, info.term, time.monotonic()
+        time.sleep(0.05)
+    raise TimeoutError(f"no other node took shard {shard} over within {timeout_s}s")
+
+
+def _say(out: Any, quiet: bool, text: str) -> None:
+    if not quiet:
+        print(text, file=out, flush=True)
+
+
+def failover(endpoints: Sequence[str], *, clean: bool = False, shard: int = 0, warmup_s: float = 3.0,
+             after_s: float = 5.0, writers_per_shard: int = 2, quiet: bool = False) -> dict[str, Any]:
+    """The demo. Signals a local process: the cluster must run on this machine (`make up`)."""
+    out = sys.stderr
+    with Client(endpoints, timeout_s=10) as client:
+        smap = _ready_map(client, timeout_s=30)
+        if not 0 <= shard < smap.shard_count:
+            raise ValueError(f"--shard must be within 0..{smap.shard_count - 1}")
+        info = smap.shards[shard]
+        victim = smap.node(info.leader_id)
+        if victim is None or victim.pid <= 0:
+            raise RuntimeError(f"shard {shard}'s leader {info.leader_id!r} did not describe itself")
+        if len([n for n in smap.nodes if n.can_lead]) < 2:
+            raise RuntimeError("failover needs at least two nodes that can lead; `make up` starts three")
+        _say(out, quiet, f"cluster: {len(smap.nodes)} nodes; shard {shard} is led by {victim.node_id} "
+                         f"({victim.address}, pid {victim.pid}, term {info.term})")
+        everyone = list(dict.fromkeys([*endpoints, *(n.address for n in smap.nodes)]))
+        workload = Workload(everyone, smap.shard_count, writers_per_shard=writers_per_shard).start()
+        _say(out, quiet, f"writing through the client ({writers_per_shard} writers per shard) for {warmup_s}s ...")
+        time.sleep(warmup_s)
+        sig = signal.SIGTERM if clean else signal.SIGKILL
+        _say(out, quiet, f"{'stopping' if clean else 'killing'} {victim.node_id} (pid {victim.pid}) with {sig.name}")
+        killed_at = time.monotonic()
+        os.kill(victim.pid, sig)
+        new_leader, term, took_over_at = wait_for_new_leader(client, shard, victim.node_id, timeout_s=60)
+        _say(out, quiet, f"{new_leader} took shard {shard} over (term {term}) after "
+                         f"{(took_over_at - killed_at) * 1000:.0f} ms")
+        time.sleep(after_s)
+        workload.stop()
+        _say(out, quiet, f"stopped writing: {len(workload.acks)} acknowledged, {len(workload.failures)} failed; "
+                         "verifying ...")
+        unavailable = workload.unavailable_ms(since_s=workload.started_s + 1.0)
+        verdict = verify(client, workload)
+    return {
+        "mode": "clean" if clean else "sigkill",
+        "shard": shard,
+        "killed": victim.node_id,
+        "new_leader": new_leader,
+        "new_term": term,
+        "takeover_ms": int((took_over_at - killed_at) * 1000),
+        "acked": verdict.acked,
+        "failed": len(workload.failures),
+        "acked_lost": verdict.acked_lost,
+        "duplicates": verdict.duplicates,
+        "replicas_equal": verdict.replicas_equal,
+        "unavailable_ms_max": max(unavailable.values()),
+        "unavailable_ms_by_shard": {str(k): v for k, v in unavailable.items()},
+        "replicas": {str(k): v for k, v in verdict.replicas.items()},
+        "lost_examples": verdict.lost_examples,
+        "duration_s": round(workload.stopped_s - workload.started_s, 2),
+    }
+
+
+def _ready_map(client: Client, timeout_s: float) -> ShardMap:
+    """A shard map in which every shard has a ready leader (the cluster settled)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        smap = client.shard_map(timeout_s=5)
+        if all(info.leader_ready for info in smap.shards):
+            return smap
+        if time.monotonic() > deadline:
+            raise RuntimeError("the cluster has shards without a leader; is it still starting?")
+        time.sleep(0.2)
+
+
+def report_table(result: dict[str, Any]) -> str:
+    keys = ("mode", "shard", "killed", "new_leader", "takeover_ms", "acked", "failed", "acked_lost", "duplicates",
+            "replicas_equal", "unavailable_ms_max")
+    return "\n".join(f"{k:<20}{json.dumps(result[k])}" for k in keys)

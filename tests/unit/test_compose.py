@@ -1,0 +1,360 @@
+"""docker-compose.yml, Dockerfile and .dockerignore, checked without a Docker engine (CI has none).
+
+These catch what review misses and only `docker compose up` would show: the Kafka image drifting
+from the pinned release, broker settings drifting from `wal.broker.BROKER_SETTINGS`, a KVSTORE_*
+variable the node never reads (`NodeConfig.from_env` ignores unknown names silently), nodes that
+disagree on the cluster or the shard count, an advertised address that is not the node's own, a
+session timeout the broker refuses, an image that runs something else or ships stale stubs.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import functools
+import json
+import os
+import re
+import shlex
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from kvstore.cli import ENDPOINTS_ENV
+from kvstore.node import NodeConfig
+from wal.broker import BROKER_SETTINGS, KAFKA_VERSION, _replication_settings
+
+ROOT = Path(__file__).resolve().parents[2]
+COMPOSE = ROOT / "docker-compose.yml"
+DOCKERFILE = ROOT / "Dockerfile"
+DOCKERIGNORE = ROOT / ".dockerignore"
+NODES = ("node-1", "node-2", "node-3")
+KAFKA = "kafka"
+GROUP_MAX_SESSION_TIMEOUT_MS_DEFAULT = 1_800_000  # the broker's default group.max.session.timeout.ms
+NODE_FIELDS = {f"KVSTORE_{field.name.upper()}" for field in dataclasses.fields(NodeConfig)}
+
+
+# ---- reading the files -----------------------------------------------------------------------
+
+
+@functools.cache
+def compose() -> dict[str, Any]:
+    data = yaml.safe_load(COMPOSE.read_text())
+    assert isinstance(data, dict)
+    return data
+
+
+def service(name: str) -> dict[str, Any]:
+    services = compose()["services"]
+    assert name in services, f"docker-compose.yml has no service {name!r}"
+    svc = services[name]
+    assert isinstance(svc, dict)
+    return svc
+
+
+def environment(name: str) -> dict[str, str]:
+    """A service's environment as strings (compose accepts a mapping or a list of K=V)."""
+    raw = service(name).get("environment", {})
+    pairs = dict(item.split("=", 1) for item in raw) if isinstance(raw, list) else dict(raw)
+    env: dict[str, str] = {}
+    for key, value in pairs.items():
+        # YAML booleans and nulls are not what they look like in an environment: quote them.
+        assert isinstance(value, str | int) and not isinstance(value, bool), f"{name}: {key}={value!r}"
+        env[key] = str(value)
+    return env
+
+
+def kafka_env_name(prop: str) -> str:
+    """The apache/kafka image's rule: `.` -> `_`, `_` -> `__`, `-` -> `___`, upper case, KAFKA_ prefix."""
+    return "KAFKA_" + "".join({".": "_", "_": "__", "-": "___"}.get(c, c) for c in prop).upper()
+
+
+def listeners(value: str) -> dict[str, tuple[str, int]]:
+    """`NAME://host:port,...` -> {NAME: (host, port)}."""
+    result: dict[str, tuple[str, int]] = {}
+    for item in value.split(","):
+        name, _, address = item.strip().partition("://")
+        host, _, port = address.rpartition(":")
+        result[name] = (host, int(port))
+    return result
+
+
+def host_port(address: str) -> tuple[str, int]:
+    host, _, port = address.rpartition(":")
+    return host, int(port)
+
+
+def published_ports(name: str) -> dict[int, int]:
+    """container port -> host port."""
+    result: dict[int, int] = {}
+    for entry in service(name).get("ports", []):
+        if isinstance(entry, dict):
+            result[int(entry["target"])] = int(entry["published"])
+        else:
+            *_, published, target = str(entry).split(":")
+            result[int(target)] = int(published)
+    return result
+
+
+def named_volume_mounts(name: str) -> dict[str, str]:
+    """target path -> named volume (declared at the top level)."""
+    declared = compose().get("volumes") or {}
+    result: dict[str, str] = {}
+    for entry in service(name).get("volumes", []):
+        if isinstance(entry, dict):
+            source, target = entry.get("source", ""), entry["target"]
+        else:
+            source, target, *_ = str(entry).split(":")
+        if source in declared:
+            result[target] = source
+    return result
+
+
+def kafka_internal_address() -> str:
+    """The broker address advertised inside the network (inter-broker listener, host = the service)."""
+    env = environment(KAFKA)
+    advertised = listeners(env["KAFKA_ADVERTISED_LISTENERS"])
+    name = env.get("KAFKA_INTER_BROKER_LISTENER_NAME", "PLAINTEXT")
+    assert name in advertised, f"the inter-broker listener {name} is not advertised"
+    host, port = advertised[name]
+    assert host in (KAFKA, service(KAFKA).get("hostname")), f"{name} is advertised as {host}, not the service"
+    return f"{host}:{port}"
+
+
+@functools.cache
+def dockerfile() -> tuple[tuple[str, str], ...]:
+    """(INSTRUCTION, arguments), continuation lines joined and comments dropped, as Docker does."""
+    instructions: list[tuple[str, str]] = []
+    current = ""
+    for raw in DOCKERFILE.read_text().splitlines():
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        if line.endswith("\\"):
+            current += line[:-1] + " "
+            continue
+        keyword, _, rest = (current + line).partition(" ")
+        instructions.append((keyword.upper(), rest.strip()))
+        current = ""
+    assert not current, "the Dockerfile ends inside a continuation line"
+    return tuple(instructions)
+
+
+def final_stage() -> list[tuple[str, str]]:
+    instructions = list(dockerfile())
+    last_from = max(i for i, (keyword, _) in enumerate(instructions) if keyword == "FROM")
+    return instructions[last_from:]
+
+
+def image_env() -> dict[str, str]:
+    """The final stage's ENV (KEY=value pairs), which compose's environment overrides."""
+    env: dict[str, str] = {}
+    for keyword, rest in final_stage():
+        if keyword == "ENV":
+            for item in shlex.split(rest):
+                key, sep, value = item.partition("=")
+                assert sep, f"use ENV KEY=value, not {item!r}"
+                env[key] = value
+    return env
+
+
+def protoc_flags(command: str) -> list[str]:
+    """The options given to grpc_tools.protoc in a shell command (the file list excluded)."""
+    tokens = command.split()
+    start = tokens.index("grpc_tools.protoc") + 1
+    flags: list[str] = []
+    for token in tokens[start:]:
+        if not token.startswith("-"):
+            break
+        flags.append(token)
+    return flags
+
+
+# ---- Kafka -----------------------------------------------------------------------------------
+
+
+def test_kafka_is_the_official_image_pinned_to_the_release_the_tests_run() -> None:
+    assert service(KAFKA).get("image") == f"apache/kafka:{KAFKA_VERSION}"
+    assert "build" not in service(KAFKA)
+
+
+def test_kafka_runs_kraft_as_one_combined_broker_and_controller() -> None:
+    env = environment(KAFKA)
+    assert set(env["KAFKA_PROCESS_ROLES"].split(",")) == {"broker", "controller"}
+    bound = listeners(env["KAFKA_LISTENERS"])
+    advertised = listeners(env["KAFKA_ADVERTISED_LISTENERS"])
+    controller = env["KAFKA_CONTROLLER_LISTENER_NAMES"]
+    assert controller in bound and controller not in advertised
+    assert set(advertised) <= set(bound)
+    protocols = dict(item.split(":") for item in env["KAFKA_LISTENER_SECURITY_PROTOCOL_MAP"].split(","))
+    assert set(bound) <= set(protocols), "every listener needs a security protocol"
+    # The image formats with static voters only: this node, reachable on its controller port.
+    assert env["KAFKA_CONTROLLER_QUORUM_VOTERS"] == f"{env['KAFKA_NODE_ID']}@{KAFKA}:{bound[controller][1]}"
+    # The storage tool takes only a base64 UUID (22 characters, 16 bytes).
+    cluster_id = env["CLUSTER_ID"]
+    assert len(cluster_id) == 22 and not cluster_id.startswith("-")
+    assert len(base64.urlsafe_b64decode(cluster_id + "==")) == 16
+
+
+def test_kafka_settings_are_those_of_wal_broker() -> None:
+    """The broker in compose is configured like the one every test runs against (one node)."""
+    env = environment(KAFKA)
+    expected = {**_replication_settings(1), **BROKER_SETTINGS}
+    wrong = {prop: (env.get(kafka_env_name(prop)), value) for prop, value in expected.items()
+             if env.get(kafka_env_name(prop)) != value}
+    assert not wrong, f"docker-compose.yml differs from wal/broker.py (property: (compose, wal.broker)): {wrong}"
+
+
+def test_kafka_keeps_its_log_on_a_named_volume_and_has_a_healthcheck() -> None:
+    env = environment(KAFKA)
+    assert env["KAFKA_LOG_DIRS"] in named_volume_mounts(KAFKA)
+    test = service(KAFKA)["healthcheck"]["test"]
+    assert "kafka-broker-api-versions.sh" in " ".join(test if isinstance(test, list) else [test])
+
+
+# ---- the nodes -------------------------------------------------------------------------------
+
+
+def node_env(name: str) -> dict[str, str]:
+    """What the node process sees: the image's ENV, then the service's environment."""
+    return {**image_env(), **environment(name)}
+
+
+def node_config(name: str, monkeypatch: pytest.MonkeyPatch) -> NodeConfig:
+    """NodeConfig.from_env exactly as `kvstore serve` runs it in the container (this validates too)."""
+    with monkeypatch.context() as patch:
+        for key in [k for k in os.environ if k.startswith("KVSTORE_")]:
+            patch.delenv(key)
+        for key, value in node_env(name).items():
+            patch.setenv(key, value)
+        return NodeConfig.from_env()
+
+
+def test_exactly_the_three_nodes_are_built_from_the_repo_dockerfile() -> None:
+    built = {name for name, svc in compose()["services"].items() if "build" in svc}
+    assert built == set(NODES)
+    for name in NODES:
+        build = service(name)["build"]
+        context = build if isinstance(build, str) else build.get("context", ".")
+        dockerfile_name = "Dockerfile" if isinstance(build, str) else build.get("dockerfile", "Dockerfile")
+        assert (COMPOSE.parent / context).resolve() == ROOT
+        assert (ROOT / dockerfile_name).resolve() == DOCKERFILE.resolve()
+
+
+def test_every_kvstore_variable_is_read_by_the_node() -> None:
+    """from_env ignores unknown KVSTORE_* names, so a typo would silently keep the default."""
+    for name in NODES:
+        unknown = {key for key in node_env(name) if key.startswith("KVSTORE_")} - NODE_FIELDS - {ENDPOINTS_ENV}
+        assert not unknown, f"{name}: not NodeConfig fields: {sorted(unknown)}"
+
+
+@pytest.mark.parametrize("name", NODES)
+def test_node_identity_address_and_data(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    config = node_config(name, monkeypatch)
+    assert config.node_id == name
+    listen_host, listen_port = host_port(config.listen)
+    assert listen_host == "0.0.0.0", "listen on every interface of the container"
+    # Peers and clients dial the advertised address: the service name, on the port it listens on,
+    # which is also the port published on the host.
+    assert host_port(config.address) == (name, listen_port)
+    assert published_ports(name).get(listen_port) == listen_port
+    assert named_volume_mounts(name).get(str(config.data_dir)), f"{name}: data dir {config.data_dir} not on a volume"
+
+
+def test_nodes_are_distinct() -> None:
+    ids = [environment(name)["KVSTORE_NODE_ID"] for name in NODES]
+    addresses = [environment(name)["KVSTORE_ADVERTISE"] for name in NODES]
+    host_ports = [port for name in NODES for port in published_ports(name).values()]
+    volumes = [volume for name in NODES for volume in named_volume_mounts(name).values()]
+    for values in (ids, addresses, host_ports, volumes):
+        assert len(set(values)) == len(values), values
+
+
+def test_nodes_agree_on_everything_but_their_identity(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Cluster name, shard count, topic, Kafka, timeouts: one cluster, not three."""
+    shared = {dataclasses.replace(node_config(name, monkeypatch), node_id="", listen="", advertise="", data_dir=Path())
+              for name in NODES}
+    assert len(shared) == 1, shared
+
+
+@pytest.mark.parametrize("name", NODES)
+def test_node_talks_to_the_broker_it_can_use(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    config = node_config(name, monkeypatch)
+    kafka = environment(KAFKA)
+    assert config.kafka == kafka_internal_address()
+    # The group coordinator refuses a session timeout outside [min, max] (INVALID_SESSION_TIMEOUT).
+    assert int(kafka["KAFKA_GROUP_MIN_SESSION_TIMEOUT_MS"]) <= config.session_timeout_ms
+    assert config.session_timeout_ms <= int(kafka.get("KAFKA_GROUP_MAX_SESSION_TIMEOUT_MS",
+                                                      GROUP_MAX_SESSION_TIMEOUT_MS_DEFAULT))
+    # ... and a producer's transaction.timeout.ms above transaction.max.timeout.ms.
+    assert config.transaction_timeout_ms <= int(kafka["KAFKA_TRANSACTION_MAX_TIMEOUT_MS"])
+    # One broker: a replication factor above 1 cannot create the WAL topic.
+    assert config.replication_factor in (0, 1)
+
+
+def test_cli_endpoints_in_the_containers_are_the_advertised_addresses() -> None:
+    advertised = [environment(name)["KVSTORE_ADVERTISE"] for name in NODES]
+    for name in NODES:
+        assert environment(name).get(ENDPOINTS_ENV, "").split(",") == advertised
+
+
+def test_nodes_start_after_a_healthy_kafka_and_report_their_own_health() -> None:
+    for name in NODES:
+        svc = service(name)
+        assert svc["depends_on"][KAFKA]["condition"] == "service_healthy"
+        test = svc["healthcheck"]["test"]
+        assert "grpc_health" in " ".join(test if isinstance(test, list) else [test])
+        assert svc.get("restart") in ("unless-stopped", "always", "on-failure")
+
+
+# ---- the image -------------------------------------------------------------------------------
+
+
+def test_image_is_python_slim_on_one_base_for_every_stage() -> None:
+    bases = {rest.split()[0] for keyword, rest in dockerfile() if keyword == "FROM"}
+    assert len(bases) == 1, f"the virtualenv is copied between stages: one base image, not {bases}"
+    match = re.fullmatch(r"python:(\d+)\.(\d+)-slim(-\w+)?", bases.pop())
+    assert match, "python:3.X-slim[-debian]"
+    requires = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["requires-python"]
+    minimum = re.fullmatch(r">=\s*(\d+)\.(\d+)", requires)
+    assert minimum and (int(match[1]), int(match[2])) >= (int(minimum[1]), int(minimum[2]))
+
+
+def test_image_runs_the_node() -> None:
+    commands = {keyword: json.loads(rest) for keyword, rest in final_stage() if keyword in ("ENTRYPOINT", "CMD")}
+    argv = commands.get("ENTRYPOINT", []) + commands.get("CMD", [])  # exec form only: JSON arrays
+    assert argv in (["kvstore", "serve"], ["python", "-m", "kvstore.server"]), argv
+    assert image_env().get("KVSTORE_LISTEN", "").startswith("0.0.0.0:"), "reachable from outside the container"
+
+
+def test_image_generates_the_stubs_like_make_proto_before_installing() -> None:
+    runs = [rest for keyword, rest in dockerfile() if keyword == "RUN"]
+    protoc = [i for i, run in enumerate(runs) if "grpc_tools.protoc" in run]
+    assert len(protoc) == 1, "one RUN generates the stubs"
+    command = runs[protoc[0]]
+    makefile = next(line for line in (ROOT / "Makefile").read_text().splitlines() if "grpc_tools.protoc" in line)
+    assert protoc_flags(command) == protoc_flags(makefile)
+    assert "$(find proto -name '*.proto')" in command, "every .proto under proto/"
+    # The project is installed after them (so it contains them), in that RUN or a later one.
+    script = " && ".join(runs)
+    install = re.search(r"pip install (?:--?\S+ )*'?\.(?:\[[\w,]+\])?'?(?:\s|$)", script)
+    assert install and install.start() > script.index("grpc_tools.protoc"), "pip install . after protoc"
+    copied = [rest.split() for keyword, rest in dockerfile() if keyword == "COPY" and not rest.startswith("--from")]
+    assert any(args[0].rstrip("/") == "proto" for args in copied)
+
+
+def test_build_context_has_what_the_image_copies_and_no_local_stubs() -> None:
+    patterns = [line.strip() for line in DOCKERIGNORE.read_text().splitlines()
+                if line.strip() and not line.startswith("#")]
+    for stub in ("**/*_pb2.py", "**/*_pb2.pyi", "**/*_pb2_grpc.py"):
+        assert stub in patterns, f".dockerignore must exclude {stub}: the image generates its own"
+    if "*" in patterns:  # an allowlist: every COPY source must be let back in
+        allowed = {p[1:].rstrip("/") for p in patterns if p.startswith("!")}
+        for keyword, rest in dockerfile():
+            if keyword == "COPY" and not rest.startswith("--"):
+                *sources, _ = rest.split()
+                for source in sources:
+                    assert source.rstrip("/") in allowed, f"COPY {source} is excluded by .dockerignore"
