@@ -99,8 +99,10 @@ class Leadership:
             replica.set_lead(True)
 
     async def _resign(self, shards: list[int]) -> None:
+        started = time.monotonic()
         replicas = [self._replicas[s] for s in shards if s in self._replicas]
         await asyncio.gather(*(r.resign(self._resign_timeout_s) for r in replicas))
+        log.info("resigned shards %s in %d ms", shards, (time.monotonic() - started) * 1000)
         led = [r.shard for r in replicas if r.role is Role.LEADER]
         if led:
             log.warning("shards %s still leading after resigning", led)

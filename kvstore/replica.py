@@ -512,7 +512,7 @@ class ShardReplica:
             error: errors.StoreError = errors.UnknownOutcomeError(
                 f"shard {shard}: commit outcome unknown ({exc}); retry with the same request id")
         elif isinstance(exc, wal.WriterFatalError):
-            error = errors.UnavailableError(f"shard {shard}: leader was fenced; retry")
+            error = errors.UnavailableError(f"shard {shard}: leader's writer stopped ({exc}); retry")
         else:
             error = errors.UnavailableError(f"shard {shard}: batch aborted ({exc}); retry")
         for pending in waiting:
@@ -520,6 +520,12 @@ class ShardReplica:
         if isinstance(exc, wal.FencedError) or (isinstance(exc, wal.UnknownOutcomeError) and exc.fenced):
             self.metrics.fencings.labels(shard=str(shard)).inc()
             log.warning("shard %d: fenced, stepping down: %s", shard, exc)
+            self.role = Role.FOLLOWER
+            return
+        if isinstance(exc, wal.WriterFatalError):
+            # The producer is unusable (librdkafka fatal error): leave this leadership; if the
+            # shard is still ours, the replica loop takes it again with a fresh writer.
+            log.warning("shard %d: writer failed fatally, starting over: %s", shard, exc)
             self.role = Role.FOLLOWER
             return
         # W2: after any abort or unknown outcome, learn the partition again before writing.

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import contextlib
 import functools
 import json
@@ -42,6 +43,7 @@ log = logging.getLogger("kvstore.server")
 
 T = TypeVar("T")
 STALE_WAIT_DEFAULT_S = 5.0
+MAX_IO_THREADS = 512
 PEER_TIMEOUT_S = 0.5  # ShardMap fan-out: a node that does not answer within this is left out
 FORWARD_TIMEOUT_S = 10.0  # a forwarded scan part, when the caller set no shorter deadline
 
@@ -432,6 +434,11 @@ async def serve(config: NodeConfig, ready: Callable[[str], None] | None = None) 
         start_http_server(config.metrics_port, addr="127.0.0.1", registry=node.metrics.registry)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+    # Every blocking WAL call runs in a worker thread (asyncio.to_thread). The default pool has
+    # cpu + 4 workers, fewer than the replicas that each keep one busy polling: size it for them
+    # (a follower poll, an append or bootstrap, a barrier query per shard, plus the node's own).
+    workers = min(MAX_IO_THREADS, 3 * config.shards + 16)
+    loop.set_default_executor(concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="kvstore-io"))
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     host = config.listen.rsplit(":", 1)[0]
