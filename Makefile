@@ -40,6 +40,7 @@ bench-quick: venv proto kafka
 	$(PY) -m pip install -q -e '.[dev,bench]'
 	$(PY) bench/wal_append.py --quick
 	$(PY) bench/kv.py --quick
+	$(PY) bench/failover.py --quick
 
 clean:
 	rm -rf $(VENV) .data build *.egg-info
