@@ -48,6 +48,15 @@ class DevCluster:
         self.proc.send_signal(signal.SIGINT)  # what Ctrl-C sends
         return self.proc.wait(90)
 
+    def cleanup(self) -> None:
+        """After a failure: stop it as Ctrl-C would, so that its nodes (in sessions of their
+        own) do not outlive the test and hold the default ports; kill it only as a last resort."""
+        if self.proc.poll() is None:
+            try:
+                self.interrupt()
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
 
 def test_make_up_serves_round_trips_and_resumes(tmp_path: Path) -> None:
     data = tmp_path / "data"
@@ -73,8 +82,7 @@ def test_make_up_serves_round_trips_and_resumes(tmp_path: Path) -> None:
         assert result["replicas_equal"] is True and result["new_leader"] != result["killed"], result
         assert cluster.interrupt() == 0
     finally:
-        if cluster.proc.poll() is None:
-            cluster.proc.kill()
+        cluster.cleanup()
 
     again = DevCluster(data)  # a second run resumes from the same directory
     try:
@@ -83,7 +91,6 @@ def test_make_up_serves_round_trips_and_resumes(tmp_path: Path) -> None:
         assert json.loads(got.stdout)["value"] == "v"
         assert again.interrupt() == 0
     finally:
-        if again.proc.poll() is None:
-            again.proc.kill()
+        again.cleanup()
     leftovers = subprocess.run(["pgrep", "-f", str(data)], capture_output=True, text=True, check=False).stdout
     assert leftovers.strip() == "", "processes of the dev cluster survived Ctrl-C"
