@@ -41,9 +41,9 @@ log = logging.getLogger(__name__)
 
 FOLLOW_POLL_S = 0.1  # a follower notices "lead now" within this (it cannot interrupt a poll)
 CATCH_UP_POLL_S = 0.02  # a takeover waits for the tail (often one batch and its marker): poll briskly
-REFENCE_PAUSE_S = 1.0
+REFENCE_PAUSE_S = 1.0  # after being fenced while still assigned the shard, before fencing back
 # How long a checkpoint beyond the partition end must persist before the replica is rebuilt.
-BEYOND_END_GRACE_S = 15.0  # after being fenced while still assigned the shard, before fencing back
+BEYOND_END_GRACE_S = 15.0
 
 
 class Role(enum.Enum):
@@ -160,10 +160,6 @@ class ShardReplica:
         self._want_lead = lead
         self._standby = standby
         self._tasks.append(asyncio.create_task(self._run(), name=f"shard-{self.shard}"))
-
-    @property
-    def wants_lead(self) -> bool:
-        return self._want_lead
 
     def set_lead(self, lead: bool) -> None:
         """Gain (or drop, without waiting) leadership; the replica loop acts on it."""
