@@ -32,7 +32,7 @@ from typing import Any
 
 import grpc
 
-from kvstore.client import Client, KvError, ShardMap
+from kvstore.client import Client, DeadlineExceeded, KvError, NotLeader, ShardMap, Unavailable, UnknownOutcome
 from kvstore.sharding import shard_of
 from kvstore.v1 import cluster_pb2, cluster_pb2_grpc
 
@@ -185,10 +185,9 @@ def converge(client: Client, timeout_s: float) -> tuple[bool, dict[int, list[clu
 
 
 def verify(client: Client, workload: Workload, timeout_s: float = 60.0) -> Verdict:
+    deadline = time.monotonic() + timeout_s
     equal, digests = converge(client, timeout_s)
-    stored: dict[bytes, tuple[bytes, int]] = {}
-    for kv in client.scan_all(prefix=workload.prefix.encode() + b"/", limit=1000, timeout_s=30):
-        stored[kv.key] = (kv.value, kv.version)
+    stored = _read_back(client, workload.prefix.encode() + b"/", deadline)
     lost = [a.key.decode() for a in workload.acks if stored.get(a.key, (None, 0))[0] != a.value]
     duplicates = sum(1 for _, version in stored.values() if version > 1)
     return Verdict(
@@ -196,6 +195,19 @@ def verify(client: Client, workload: Workload, timeout_s: float = 60.0) -> Verdi
         replicas={shard: [{"node": r.node_id, "applied_offset": r.applied_offset, "sha256": r.sha256[:16],
                            "keys": r.keys} for r in replies] for shard, replies in digests.items()},
         lost_examples=lost[:5])
+
+
+def _read_back(client: Client, prefix: bytes, deadline: float) -> dict[bytes, tuple[bytes, int]]:
+    """Every key under `prefix` with its value and version. A read is safe to repeat, so a shard
+    that is between leaders (the restarted node taking its shards back) only delays it, up to
+    `deadline`; the client's own retries cover shorter gaps."""
+    while True:
+        try:
+            return {kv.key: (kv.value, kv.version) for kv in client.scan_all(prefix=prefix, limit=1000, timeout_s=30)}
+        except (Unavailable, NotLeader, UnknownOutcome, DeadlineExceeded):
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
 
 
 def wait_for_new_leader(client: Client, shard: int, old_leader: str, timeout_s: float) -> tuple[str, int, float]:

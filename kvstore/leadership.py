@@ -7,13 +7,14 @@ never aborts a batch. Safety never rests on this: a node that still believes it 
 fenced by the next leader (W4) and its appends miss their expected offsets (W2).
 
 It also keeps the group's view (who is assigned what, at which address), refreshed every
-`VIEW_REFRESH_S`, for leader hints and the shard map.
+`VIEW_REFRESH_S` and right after every rebalance, for leader hints and the shard map.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import time
 
@@ -41,7 +42,11 @@ class Leadership:
         self._refresh_task: asyncio.Task[None] | None = None
         self._member = GroupMember(bootstrap_servers=bootstrap_servers, group=group, topic=topic,
                                    member_id=node_id, address=address, session_timeout_ms=session_timeout_ms,
-                                   on_assigned=self._assigned, on_revoked=self._revoked)
+                                   on_assigned=self._assigned, on_revoked=self._revoked,
+                                   on_rebalanced=self._rebalanced)
+        # Set when a rebalance ended: the view is stale now, refresh it at once rather than at
+        # the next tick (clients asking another node where a shard went get the new leader).
+        self._view_stale = asyncio.Event()
 
     def start(self) -> None:
         self._member.start()
@@ -88,6 +93,9 @@ class Leadership:
         except (concurrent.futures.TimeoutError, RuntimeError) as exc:  # RuntimeError: loop closed
             log.warning("resigning shards %s did not finish: %r", shards, exc)
 
+    def _rebalanced(self) -> None:
+        self._loop.call_soon_threadsafe(self._view_stale.set)
+
     # ---- on the loop ---------------------------------------------------------------------------
 
     def _lead(self, shards: list[int]) -> None:
@@ -128,4 +136,6 @@ class Leadership:
                     missing_since = None
             except Exception as exc:  # keep the last view; the next round retries
                 log.debug("describing the leadership group failed: %s", exc)
-            await asyncio.sleep(VIEW_REFRESH_S)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._view_stale.wait(), VIEW_REFRESH_S)
+            self._view_stale.clear()

@@ -138,6 +138,7 @@ class ShardReplica:
         self._work = asyncio.Event()
         self._lead_task: asyncio.Task[None] | None = None
         self._tail: wal.Replayer | None = None  # the standby's reader, handed to a takeover
+        self._spare: wal.ShardWriter | None = None  # the standby's prepared writer, ditto
         self._round: asyncio.Future[int] | None = None
         self._round_task: asyncio.Task[None] | None = None
         self._probing = False
@@ -195,6 +196,7 @@ class ShardReplica:
             watcher.close()
         if self._writer is not None:
             await asyncio.to_thread(self._writer.close)
+        await self._close_spare()
         self.store.close()
 
     async def _run(self) -> None:
@@ -248,6 +250,7 @@ class ShardReplica:
         assert replayer is not None
         try:
             end = await asyncio.to_thread(replayer.end_offset)
+            await self._prepare_spare()
             if self.store.applied_offset > end:
                 end = await self._confirm_beyond_end(end, replayer.end_offset)
                 if self.store.applied_offset > end:
@@ -309,9 +312,29 @@ class ShardReplica:
         self._probe()
         return True
 
+    async def _prepare_spare(self) -> None:
+        """A standby keeps a connected writer that has not fenced anyone (`ShardWriter.prepare`):
+        a takeover then fences in ~10 ms instead of ~65 ms, or ~0.5 s when a brand-new
+        producer's first coordinator lookup races its connection."""
+        if self._spare is not None:
+            return
+        spare = wal.ShardWriter(self.writer_config())
+        try:
+            await asyncio.to_thread(spare.prepare)
+        except wal.WalError as exc:  # the takeover will connect by itself
+            log.debug("shard %d: no spare writer: %s", self.shard, exc)
+            await asyncio.to_thread(spare.close)
+            return
+        self._spare = spare
+
+    async def _close_spare(self) -> None:
+        spare, self._spare = self._spare, None
+        if spare is not None:
+            await asyncio.to_thread(spare.close)
+
     async def _lead(self) -> None:
         self.role = Role.BOOTSTRAPPING
-        writer = wal.ShardWriter(self.writer_config())
+        writer, self._spare = self._spare or wal.ShardWriter(self.writer_config()), None
         self._writer = writer
         started = time.monotonic()
         try:

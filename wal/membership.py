@@ -39,7 +39,7 @@ from confluent_kafka.admin import AdminClient
 log = logging.getLogger(__name__)
 
 ADDRESS_SEPARATOR = "@"
-POLL_INTERVAL_S = 0.1
+POLL_INTERVAL_S = 0.05  # also the heartbeat cadence (see _membership) and the delay of a leave
 LEAVE_TIMEOUT_S = 5.0
 
 
@@ -83,9 +83,9 @@ def owners(members: Iterable[Member]) -> dict[int, Member]:
 def group_config(bootstrap_servers: str, group: str, member_id: str, address: str,
                  session_timeout_ms: int) -> dict[str, object]:
     # The remaining members learn of a rebalance (a node left or died) at their next heartbeat,
-    # so this bounds part of every takeover. Measured: librdkafka 2.16 heartbeats about every
-    # 500 ms whatever is asked below that (its group timer; p50 0.48 s with 100 ms configured),
-    # so 100 ms only means "as often as librdkafka will".
+    # so this bounds part of every takeover. librdkafka sends heartbeats only when its main
+    # thread wakes up (idle: about every 0.5 s, measured p50 0.48 s with 100 ms asked); the
+    # member thread wakes it every POLL_INTERVAL_S, so 100 ms is what it gets.
     heartbeat_ms = max(50, min(100, session_timeout_ms // 5))
     return {
         "bootstrap.servers": bootstrap_servers,
@@ -110,12 +110,15 @@ class GroupMember:
 
     `on_assigned(partitions)` is told every gain; `on_revoked(partitions, lost)` every loss
     (`lost`: the group already gave them away, e.g. after our session expired, so there is
-    nothing to hand over cleanly). Both run on the member's thread.
+    nothing to hand over cleanly); `on_rebalanced()` the end of every rebalance this member
+    took part in, also one that changed nothing of its own (the others' assignments may have
+    changed). All run on the member's thread.
     """
 
     def __init__(self, *, bootstrap_servers: str, group: str, topic: str, member_id: str, address: str,
                  session_timeout_ms: int, on_assigned: Callable[[list[int]], None],
-                 on_revoked: Callable[[list[int], bool], None]) -> None:
+                 on_revoked: Callable[[list[int], bool], None],
+                 on_rebalanced: Callable[[], None] | None = None) -> None:
         self.group = group
         self.topic = topic
         self.member_id = member_id
@@ -126,6 +129,7 @@ class GroupMember:
         self._bootstrap_servers = bootstrap_servers
         self._on_assigned = on_assigned
         self._on_revoked = on_revoked
+        self._on_rebalanced = on_rebalanced
         self._owned: set[int] = set()
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -197,6 +201,11 @@ class GroupMember:
                 message = consumer.poll(POLL_INTERVAL_S)
                 if message is not None and message.error() is not None:
                     log.debug("group member %s: %s", self.member_id, message.error())
+                # librdkafka serves its consumer group (heartbeats included) only when its main
+                # thread wakes up, for an op or a timer: idle, that is about every 0.5 s whatever
+                # heartbeat.interval.ms says. This request is such an op, so heartbeats go out
+                # at the configured interval and a rebalance is noticed that much sooner.
+                consumer.assignment()
                 if self._rejoin.is_set():
                     self._rejoin.clear()
                     raise KafkaException(KafkaError(KafkaError._STATE, "the group does not list this member"))
@@ -206,11 +215,14 @@ class GroupMember:
                     # its own earlier registration. This consumer is dead; start a new one.
                     raise KafkaException(fatal)
             # Unsubscribe first: it sends LeaveGroup even for a static member, and its
-            # revocation callback runs in the polls below.
+            # revocation callback runs in the polls below. LeaveGroup goes out only after the
+            # revocation completed inside librdkafka, which then clears the member id; closing
+            # before that ends the consumer without a LeaveGroup, and the others wait out the
+            # session timeout (seen: 1.6 s instead of 0.1 s when a slow revocation lost that race).
             leaving = time.monotonic()
             consumer.unsubscribe()
             deadline = leaving + LEAVE_TIMEOUT_S
-            while self.owned and time.monotonic() < deadline:
+            while (self.owned or consumer.memberid()) and time.monotonic() < deadline:
                 consumer.poll(0.01)  # short: the revocation callback runs inside, then we go
             log.info("group member %s: left the group in %d ms", self.member_id, (time.monotonic() - leaving) * 1000)
         finally:
@@ -235,6 +247,8 @@ class GroupMember:
         if gained:
             log.info("group member %s: assigned %s", self.member_id, gained)
             self._on_assigned(gained)
+        if self._on_rebalanced is not None:
+            self._on_rebalanced()
 
     def _revoked(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         self._give_up(consumer, partitions, lost=False)

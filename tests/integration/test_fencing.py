@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from tests.integration.helpers import ZombieProcess, payloads, replay_all, writer
@@ -29,6 +31,26 @@ def test_zombie_appends_fail_as_fenced_and_stay_invisible(kafka: LocalKafka, top
     assert payloads(records) == [b"a1", b"a2", b"b1", b"b2"]
     assert {r.writer.id for r in records} == {"a", "b"}
     assert b.stats.fencings == 0 and a.stats.fencings >= 1
+    a.close()
+    b.close()
+
+
+def test_a_prepared_writer_fences_nobody_until_it_fences(kafka: LocalKafka, topic: str) -> None:
+    """Standby replicas keep a prepared (connected, uninitialised) writer for a fast takeover:
+    it must leave the live leader alone until it calls fence()."""
+    a = writer(kafka.bootstrap_servers, topic, "a")
+    b = writer(kafka.bootstrap_servers, topic, "b")
+    a.fence()
+    a.append([b"a1"])
+    b.prepare()
+    time.sleep(2.0)  # ample time for anything librdkafka might do on its own
+    a.append([b"a2"])  # still the shard's writer
+    assert b.fence() == a.upcoming_offset
+    with pytest.raises(FencedError):
+        a.append([b"a-late"])
+    b.append([b"b1"])
+    records, _replayer = replay_all(kafka.bootstrap_servers, topic)
+    assert payloads(records) == [b"a1", b"a2", b"b1"]
     a.close()
     b.close()
 

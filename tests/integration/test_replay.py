@@ -49,3 +49,28 @@ def test_replay_resumes_from_an_offset_and_tails(kafka: LocalKafka, topic: str) 
         assert payloads(list(r.read_to_end(10))) == [b"three", b"four"]
         assert r.position > checkpoint
     w.close()
+
+
+def test_a_tailing_replayer_moves_past_the_commit_marker_with_the_batch(kafka: LocalKafka, topic: str) -> None:
+    """A takeover waits for its standby to pass the old leader's last commit marker. The
+    position must move past it with the batch, not one empty fetch later (PARTITION_EOF, which
+    the broker holds for fetch.wait.max.ms = 500 ms): the polls below add up to 0.15 s."""
+    w = writer(kafka.bootstrap_servers, topic)
+    w.append([b"one"])
+    with Replayer(kafka.bootstrap_servers, topic, 0, 0) as r:
+        list(r.read_to_end(10))
+        batch = w.append([b"two", b"three"])
+        end = batch.upcoming_offset
+        assert end == batch.offsets[-1] + 2  # the commit marker sits between
+        tailed = r.poll(10.0)
+        for _ in range(3):
+            if r.position >= end:
+                break
+            tailed += r.poll_once(0.05)
+        assert payloads(tailed) == [b"two", b"three"]
+        assert r.position == end == r.end_offset()
+        # A seek back is not undone by the consumer's (older) position.
+        r.seek(0)
+        assert payloads(list(r.read_to(end, 10))) == [b"one", b"two", b"three"]
+        assert r.position == end
+    w.close()
