@@ -15,9 +15,7 @@ import logging
 import os
 from pathlib import Path
 
-from confluent_kafka import KafkaException
-from confluent_kafka.admin import AdminClient, NewTopic
-
+import wal
 from kvstore import limits
 from kvstore.leadership import Leadership
 from kvstore.metrics import Metrics
@@ -41,6 +39,9 @@ class NodeConfig:
     shards: int = 4
     topic: str = ""  # defaults to "<cluster>.wal"
     metrics_port: int = 0  # 0 = no metrics endpoint
+    # Loopback by default: the endpoint has no authentication. 0.0.0.0 in a container, for a
+    # Prometheus on the same network.
+    metrics_host: str = "127.0.0.1"
     transaction_timeout_ms: int = 60_000
     replication_factor: int = 0  # 0 = min(3, number of brokers)
     max_pending_writes: int = limits.MAX_PENDING_WRITES_PER_SHARD
@@ -186,23 +187,5 @@ class Node:
         return owner.address if owner is not None and owner.address != self.address else ""
 
     def _ensure_topic(self) -> None:
-        """Create the WAL topic with one partition per shard, or check that it has that many."""
-        admin = AdminClient({"bootstrap.servers": self.config.kafka})
-        topic = self.config.wal_topic
-        meta = admin.list_topics(timeout=30)
-        existing = meta.topics.get(topic)
-        if existing is not None and existing.error is None:
-            partitions = len(existing.partitions)
-            if partitions != self.config.shards:
-                raise ValueError(f"WAL topic {topic} has {partitions} partitions but --shards is "
-                                 f"{self.config.shards}; the shard count is fixed when the cluster is created")
-            return
-        rf = self.config.replication_factor or min(3, len(meta.brokers))
-        futures = admin.create_topics([NewTopic(topic, self.config.shards, replication_factor=rf)])
-        for future in futures.values():
-            try:
-                future.result(30)
-            except KafkaException as exc:
-                if "TOPIC_ALREADY_EXISTS" not in str(exc):
-                    raise
-        log.info("created WAL topic %s (%d partitions, rf %d)", topic, self.config.shards, rf)
+        wal.ensure_wal_topic(self.config.kafka, self.config.wal_topic, self.config.shards,
+                             self.config.replication_factor or None)

@@ -431,7 +431,7 @@ async def serve(config: NodeConfig, ready: Callable[[str], None] | None = None) 
     if port == 0:
         raise SystemExit(f"cannot listen on {config.listen}")
     if config.metrics_port:
-        start_http_server(config.metrics_port, addr="127.0.0.1", registry=node.metrics.registry)
+        start_http_server(config.metrics_port, addr=config.metrics_host, registry=node.metrics.registry)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     # Every blocking WAL call runs in a worker thread (asyncio.to_thread). The default pool has
@@ -444,7 +444,11 @@ async def serve(config: NodeConfig, ready: Callable[[str], None] | None = None) 
     host = config.listen.rsplit(":", 1)[0]
     address = f"{host}:{port}"
     await server.start()
-    await node.start(address)
+    try:
+        await node.start(address)
+    except wal.WalError:  # the WAL topic is wrong or the brokers unreachable: nothing to serve
+        await server.stop(grace=None)
+        raise
     health_task = asyncio.create_task(_health_loop(node, health_servicer, stop))
     log.info("serving", extra={"event": "serving", "address": address, "node": config.node_id,
                                "shards": config.shards, "topic": config.wal_topic})
@@ -485,7 +489,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cluster", help="cluster name; names the WAL topic and transactional ids")
     parser.add_argument("--shards", type=int, help="shard count, fixed at cluster creation (default 4)")
     parser.add_argument("--topic", help="WAL topic (default <cluster>.wal)")
-    parser.add_argument("--metrics-port", type=int, help="Prometheus port on 127.0.0.1 (0 = off)")
+    parser.add_argument("--metrics-port", type=int, help="Prometheus metrics port (0 = off, the default)")
+    parser.add_argument("--metrics-host", help="address the metrics endpoint binds (default 127.0.0.1; "
+                                               "it has no authentication)")
     parser.add_argument("--transaction-timeout-ms", type=int)
     parser.add_argument("--max-pending-writes", type=int,
                         help="writes queued per shard before RESOURCE_EXHAUSTED "
@@ -507,6 +513,7 @@ def main(argv: list[str] | None = None) -> int:
         config = NodeConfig.from_env(node_id=args.node_id, listen=args.listen, advertise=args.advertise,
                                      data_dir=args.data_dir, kafka=args.kafka, cluster=args.cluster,
                                      shards=args.shards, topic=args.topic, metrics_port=args.metrics_port,
+                                     metrics_host=args.metrics_host,
                                      transaction_timeout_ms=args.transaction_timeout_ms,
                                      max_pending_writes=args.max_pending_writes,
                                      lead=False if args.follower else None, standby=args.standby,
@@ -515,9 +522,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kvstore serve: {exc}", file=sys.stderr)
         return 2
     started = time.monotonic()
-    asyncio.run(serve(config, ready=lambda addr: print(
-        json.dumps({"event": "ready", "address": addr, "after_s": round(time.monotonic() - started, 2)}),
-        flush=True)))
+    try:
+        asyncio.run(serve(config, ready=lambda addr: print(
+            json.dumps({"event": "ready", "address": addr, "after_s": round(time.monotonic() - started, 2)}),
+            flush=True)))
+    except wal.WalError as exc:
+        print(f"kvstore serve: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 

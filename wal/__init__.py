@@ -19,6 +19,7 @@ from wal.errors import (
 from wal.guard import AppendResult
 from wal.record import AcceptedRecord, WriterIdentity
 from wal.replayer import Replayer, ReplayStats
+from wal.topic import TopicMismatchError, ensure_wal_topic
 from wal.writer import ShardWriter, WriterConfig
 
 __all__ = [
@@ -31,6 +32,7 @@ __all__ = [
     "ReplayStats",
     "Replayer",
     "ShardWriter",
+    "TopicMismatchError",
     "UnavailableError",
     "UnknownOutcomeError",
     "WalError",
@@ -38,5 +40,6 @@ __all__ = [
     "WriterConfig",
     "WriterFatalError",
     "WriterIdentity",
+    "ensure_wal_topic",
     "shard_transactional_id",
 ]

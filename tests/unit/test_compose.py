@@ -264,6 +264,16 @@ def test_node_identity_address_and_data(name: str, monkeypatch: pytest.MonkeyPat
     assert named_volume_mounts(name).get(str(config.data_dir)), f"{name}: data dir {config.data_dir} not on a volume"
 
 
+@pytest.mark.parametrize("name", NODES)
+def test_node_metrics_are_reachable_from_the_host_loopback_only(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    config = node_config(name, monkeypatch)
+    assert config.metrics_port, "metrics enabled"
+    assert config.metrics_host == "0.0.0.0", "bound to the container's interfaces, or nothing can scrape it"
+    assert config.metrics_port in published_ports(name)
+    published = [str(p) for p in service(name)["ports"] if str(p).endswith(f":{config.metrics_port}")]
+    assert published and all(p.startswith("127.0.0.1:") for p in published), "no authentication: loopback only"
+
+
 def test_nodes_are_distinct() -> None:
     ids = [environment(name)["KVSTORE_NODE_ID"] for name in NODES]
     addresses = [environment(name)["KVSTORE_ADVERTISE"] for name in NODES]

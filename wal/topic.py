@@ -1,0 +1,107 @@
+"""The WAL topic: one partition per shard, every record kept, no unclean leader election.
+
+The WAL is the store's source of truth: a new replica, a rebuilt store (missing or corrupt
+LevelDB) and every Spark job replay a partition from offset 0. A broker's default retention
+(7 days) would silently delete the records they need, so the topic keeps everything
+(`retention.ms` and `retention.bytes` -1) until snapshots exist to truncate below (DESIGN.md
+§7). An unclean leader election could lose acknowledged batches, so it is off, and
+`min.insync.replicas` makes acks=all mean "on more than one broker" when there are three.
+
+`ensure_wal_topic` creates the topic or checks an existing one; an existing topic whose
+retention is finite (e.g. created by hand, or by an older version) is altered to keep
+everything, loudly, since leaving it would lose data later.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from confluent_kafka import KafkaError, KafkaException
+from confluent_kafka.admin import AdminClient, AlterConfigOpType, ConfigEntry, ConfigResource, NewTopic, ResourceType
+
+from wal.errors import UnavailableError, WalError
+
+log = logging.getLogger(__name__)
+
+MAX_REPLICATION_FACTOR = 3
+KEEP_FOREVER = "-1"
+RETENTION_SETTINGS = ("retention.ms", "retention.bytes")
+
+
+class TopicMismatchError(WalError):
+    """The WAL topic exists but cannot be this cluster's: its partition count is not the shard
+    count, which is fixed when the cluster is created (keys would map to other shards)."""
+
+
+def min_insync_replicas(replication_factor: int) -> int:
+    """Two copies before an ack once there are three replicas (one broker may be down); with
+    fewer, requiring all of them would stop writes whenever one broker restarts."""
+    assert replication_factor >= 1
+    return max(1, min(2, replication_factor - 1))
+
+
+def wal_topic_config(replication_factor: int) -> dict[str, str]:
+    return {
+        "cleanup.policy": "delete",
+        "retention.ms": KEEP_FOREVER,
+        "retention.bytes": KEEP_FOREVER,
+        "unclean.leader.election.enable": "false",
+        "min.insync.replicas": str(min_insync_replicas(replication_factor)),
+    }
+
+
+def ensure_wal_topic(bootstrap_servers: str, topic: str, partitions: int, replication_factor: int | None = None,
+                     timeout_s: float = 30.0) -> bool:
+    """Create the WAL topic with one partition per shard, or check the existing one.
+
+    Returns True if it was created here. `replication_factor` defaults to the number of
+    brokers, at most 3. Raises TopicMismatchError for a wrong partition count and
+    UnavailableError when the brokers cannot be asked or refuse.
+    """
+    assert partitions >= 1, f"a WAL needs at least one partition, got {partitions}"
+    admin = AdminClient({"bootstrap.servers": bootstrap_servers, "client.id": "wal-topic"})
+    try:
+        meta = admin.list_topics(timeout=timeout_s)
+        existing = meta.topics.get(topic)
+        if existing is not None and existing.error is None:
+            if len(existing.partitions) != partitions:
+                raise TopicMismatchError(
+                    f"WAL topic {topic} has {len(existing.partitions)} partitions but the cluster has {partitions} "
+                    "shards; the shard count is fixed when the cluster is created")
+            _keep_everything(admin, topic, timeout_s)
+            return False
+        rf = replication_factor or min(MAX_REPLICATION_FACTOR, len(meta.brokers))
+        if rf > len(meta.brokers):
+            raise UnavailableError(f"WAL topic {topic}: replication factor {rf} needs {rf} brokers, "
+                                   f"{len(meta.brokers)} are up")
+        futures = admin.create_topics([NewTopic(topic, partitions, replication_factor=rf,
+                                                config=wal_topic_config(rf))], request_timeout=timeout_s)
+        for future in futures.values():
+            try:
+                future.result(timeout_s)
+            except KafkaException as exc:
+                if exc.args[0].code() != KafkaError.TOPIC_ALREADY_EXISTS:
+                    raise
+                # Another node created it between our look and our create: check theirs.
+                return ensure_wal_topic(bootstrap_servers, topic, partitions, replication_factor, timeout_s)
+        log.info("created WAL topic %s (%d partitions, replication factor %d, min.insync.replicas %d, "
+                 "retention unlimited)", topic, partitions, rf, min_insync_replicas(rf))
+        return True
+    except KafkaException as exc:
+        raise UnavailableError(f"WAL topic {topic}: {exc.args[0]}") from exc
+
+
+def _keep_everything(admin: AdminClient, topic: str, timeout_s: float) -> None:
+    resource = ConfigResource(ResourceType.TOPIC, topic)
+    (described,) = admin.describe_configs([resource], request_timeout=timeout_s).values()
+    entries = described.result(timeout_s)
+    finite = {name: entries[name].value for name in RETENTION_SETTINGS
+              if name in entries and entries[name].value != KEEP_FOREVER}
+    if not finite:
+        return
+    log.warning("WAL topic %s had a finite retention %s: every record is needed to rebuild a replica, "
+                "setting it to unlimited", topic, finite)
+    alter = ConfigResource(ResourceType.TOPIC, topic, incremental_configs=[
+        ConfigEntry(name, KEEP_FOREVER, incremental_operation=AlterConfigOpType.SET) for name in finite])
+    for future in admin.incremental_alter_configs([alter], request_timeout=timeout_s).values():
+        future.result(timeout_s)
