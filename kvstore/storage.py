@@ -39,6 +39,13 @@ _META = b"m:"
 _U64 = struct.Struct(">Q")
 
 
+# A Bloom filter per table: applying a record looks its key up first, and during a bootstrap or
+# for new keys that lookup misses; without a filter a miss reads every level-0 table's index
+# (measured: apply 35k -> 55k records/s for 200k new keys). Tables written before it have no
+# filter and are still read correctly.
+_DB_OPTIONS: dict[str, object] = {"create_if_missing": True, "paranoid_checks": True, "bloom_filter_bits": 10}
+
+
 class StorageError(Exception):
     """The local state cannot be used; rebuild it from the WAL."""
 
@@ -60,7 +67,7 @@ class ShardStore:
     def _open(self) -> plyvel.DB:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         try:
-            db = plyvel.DB(str(self.path), create_if_missing=True, paranoid_checks=True)
+            db = plyvel.DB(str(self.path), **_DB_OPTIONS)
         except plyvel.IOError as exc:
             if "lock" in str(exc).lower():
                 # Another live process owns this directory: never wipe it from under it.
@@ -107,7 +114,7 @@ class ShardStore:
                     self.path, why)
         self.rebuilt_reason = why
         shutil.rmtree(self.path, ignore_errors=True)
-        db = plyvel.DB(str(self.path), create_if_missing=True, paranoid_checks=True)
+        db = plyvel.DB(str(self.path), **_DB_OPTIONS)
         self._initialise(db)
         return db
 

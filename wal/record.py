@@ -9,9 +9,9 @@ malformed, never accepted.
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 import functools
+from typing import NamedTuple
 
 from google.protobuf.message import DecodeError
 
@@ -24,16 +24,17 @@ Headers = list[tuple[str, str | bytes | None]]
 AnyHeaders = Headers | dict[str, str | bytes | None] | None
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class WriterIdentity:
-    """Who writes: a free-form id and the caller's leadership term."""
+class WriterIdentity(NamedTuple):
+    """Who writes: a free-form id and the caller's leadership term.
+
+    This and AcceptedRecord are NamedTuples, not frozen dataclasses: replay builds one of each
+    per record, and a frozen dataclass costs ~1 µs more to construct."""
 
     id: str
     term: int = 0
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class AcceptedRecord:
+class AcceptedRecord(NamedTuple):
     """A record that passed W3, as readers see it."""
 
     offset: int
@@ -86,11 +87,10 @@ def header_expected_offset(headers: AnyHeaders) -> int | None:
     pairs = headers.items() if isinstance(headers, dict) else (headers or ())
     for key, value in pairs:
         if key == EXPECTED_OFFSET_HEADER:
-            try:
-                text = value.decode("ascii") if isinstance(value, bytes) else (value or "")
-            except UnicodeDecodeError:
-                return None
-            return int(text) if text.isdigit() else None
+            if isinstance(value, bytes):  # bytes.isdigit() is ASCII digits only, and int() takes bytes
+                return int(value) if value.isdigit() else None
+            text = value or ""
+            return int(text) if text.isascii() and text.isdigit() else None
     return None
 
 
