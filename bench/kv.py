@@ -545,9 +545,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="2 s windows, 50k replay records (< 4 min)")
     parser.add_argument("--serve-empty", metavar="HOST:PORT", help=argparse.SUPPRESS)
+    parser.add_argument("--render", metavar="JSON", type=Path,
+                        help="only redo the markdown and the plot of a recorded run (bench/results/kv-*.json)")
     args = parser.parse_args(argv)
     if args.serve_empty:
         asyncio.run(serve_empty(args.serve_empty))
+        return 0
+    if args.render:
+        render(json.loads(args.render.read_text()))
         return 0
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind through the finally blocks
     profile_name = "quick" if args.quick else "full"
@@ -584,11 +589,23 @@ def main(argv: list[str] | None = None) -> int:
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     for name in (f"kv-{profile_name}-{stamp}.json", f"kv-latest-{profile_name}.json"):
         (RESULTS_DIR / name).write_text(json.dumps(report, indent=2) + "\n")
-    plot(results, RESULTS_DIR / f"kv-{profile_name}.png", f"bench/kv.py --{profile_name} at {stamp}: "
-         f"{info['nproc']} cores shared by broker, store ({SHARDS} shards) and load generator")
-    MARKDOWN.write_text(markdown(report))
+    render(report)
     print(json.dumps(summary))
     return 0
+
+
+def render(report: dict[str, Any]) -> None:
+    """The markdown tables, then the plot: the tables do not need matplotlib (the `bench` extra)."""
+    MARKDOWN.write_text(markdown(report))
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        print(f"# no plot: matplotlib is missing (pip install -e '.[bench]', or `make bench-quick`); "
+              f"then: python bench/kv.py --render bench/results/kv-latest-{report['profile']}.json", file=sys.stderr)
+        return
+    plot(report["results"], RESULTS_DIR / f"kv-{report['profile']}.png",
+         f"bench/kv.py --{report['profile']} at {report['utc']}: {report['machine']['nproc']} cores shared by "
+         f"broker, store ({SHARDS} shards) and load generator")
 
 
 if __name__ == "__main__":
