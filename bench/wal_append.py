@@ -6,7 +6,8 @@ does the same Kafka work without it, measured in the same run on the same broker
 * ``guard``    - ``wal.ShardWriter.append``: expected-offset header + protobuf envelope per record,
                  a delivery callback per record, the W2 offset check, then commit.
 * ``raw_txn``  - a plain transactional producer: begin, produce, flush, commit. Same Kafka round
-                 trips as the guard, none of its per-record work or checks.
+                 trips as the guard (and the same short pause between transactions), none of its
+                 per-record work or checks.
 * ``idem``     - a non-transactional idempotent producer: produce, flush. No transaction at all,
                  so it shows what transactions themselves cost.
 
@@ -102,8 +103,13 @@ def make_raw_txn(bootstrap: str, topic: str, txn_id: str, payloads: Sequence[byt
     """Same transactional producer settings as the writer, without header, envelope or checks."""
     producer = Producer(clients.producer_config(bootstrap, txn_id, 60_000))
     producer.init_transactions(10.0)
+    # The writer's pause between transactions (WriterConfig.commit_gap_ms), so that both modes
+    # dodge librdkafka's 20 ms CONCURRENT_TRANSACTIONS back-off alike.
+    gap_s, ended_at = wal.WriterConfig.commit_gap_ms / 1000, [0.0]
 
     def batch() -> None:
+        if (pause := gap_s - (time.monotonic() - ended_at[0])) > 0:
+            time.sleep(pause)
         producer.begin_transaction()
         try:
             for payload in payloads:
@@ -115,6 +121,8 @@ def make_raw_txn(bootstrap: str, topic: str, txn_id: str, payloads: Sequence[byt
             with contextlib.suppress(KafkaException):  # best effort, so the next batch can begin
                 producer.abort_transaction(10.0)
             raise
+        finally:
+            ended_at[0] = time.monotonic()
 
     return Runner(batch, lambda: _close(producer))
 
