@@ -15,6 +15,7 @@ everything, loudly, since leaving it would lose data later.
 from __future__ import annotations
 
 import logging
+import time
 
 from confluent_kafka import KafkaError, KafkaException
 from confluent_kafka.admin import AdminClient, AlterConfigOpType, ConfigEntry, ConfigResource, NewTopic, ResourceType
@@ -25,6 +26,8 @@ log = logging.getLogger(__name__)
 
 MAX_REPLICATION_FACTOR = 3
 KEEP_FOREVER = "-1"
+RACE_RETRIES = 5  # creations lost to another node's before giving up
+RACE_BACKOFF_S = 0.5
 RETENTION_SETTINGS = ("retention.ms", "retention.bytes")
 
 
@@ -51,7 +54,7 @@ def wal_topic_config(replication_factor: int) -> dict[str, str]:
 
 
 def ensure_wal_topic(bootstrap_servers: str, topic: str, partitions: int, replication_factor: int | None = None,
-                     timeout_s: float = 30.0) -> bool:
+                     timeout_s: float = 30.0, *, _raced: int = 0) -> bool:
     """Create the WAL topic with one partition per shard, or check the existing one.
 
     Returns True if it was created here. `replication_factor` defaults to the number of
@@ -82,8 +85,13 @@ def ensure_wal_topic(bootstrap_servers: str, topic: str, partitions: int, replic
             except KafkaException as exc:
                 if exc.args[0].code() != KafkaError.TOPIC_ALREADY_EXISTS:
                     raise
-                # Another node created it between our look and our create: check theirs.
-                return ensure_wal_topic(bootstrap_servers, topic, partitions, replication_factor, timeout_s)
+                # Another node created it between our look and our create: check theirs, once
+                # the metadata shows it (bounded: a topic that keeps "existing" unseen is an error).
+                if _raced >= RACE_RETRIES:
+                    raise
+                time.sleep(RACE_BACKOFF_S)
+                return ensure_wal_topic(bootstrap_servers, topic, partitions, replication_factor, timeout_s,
+                                        _raced=_raced + 1)
         log.info("created WAL topic %s (%d partitions, replication factor %d, min.insync.replicas %d, "
                  "retention unlimited)", topic, partitions, rf, min_insync_replicas(rf))
         return True
