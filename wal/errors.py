@@ -35,6 +35,26 @@ class WalTimeoutError(UnavailableError):
     """A read did not reach its target offset in time (e.g. an open transaction holds the LSO)."""
 
 
+class OffsetOutOfRangeError(WalError):
+    """A reader's position is outside the partition's log (consumers run with
+    auto.offset.reset=error, so this is never papered over by a silent jump).
+
+    `position < log_start`: the records the reader needs were truncated (rebuild from a
+    snapshot). `position > log_end`: the reader is ahead of the log (the WAL was recreated, or a
+    restarted broker briefly reports a stale end): wait, then rebuild if it persists.
+    """
+
+    def __init__(self, message: str, *, position: int, log_start: int, log_end: int) -> None:
+        super().__init__(message)
+        self.position = position
+        self.log_start = log_start
+        self.log_end = log_end
+
+    @property
+    def below_start(self) -> bool:
+        return self.position < self.log_start
+
+
 class WriterFatalError(WalError):
     """The producer is unusable (librdkafka `fatal()`); this writer must stop writing."""
 
