@@ -295,13 +295,7 @@ class ShardReplica:
     # ---- leader --------------------------------------------------------------------------------
 
     def writer_config(self) -> wal.WriterConfig:
-        """The shard's writer: one transactional id per shard, whoever writes (W4)."""
-        return wal.WriterConfig(
-            bootstrap_servers=self.config.bootstrap_servers, topic=self.config.topic, partition=self.shard,
-            transactional_id=wal.shard_transactional_id(self.config.cluster, self.shard),
-            writer=wal.WriterIdentity(self.config.node_id, 0),
-            transaction_timeout_ms=self.config.transaction_timeout_ms, call_timeout_s=self.config.call_timeout_s,
-            max_batch_records=self.config.max_batch_records, max_batch_bytes=self.config.max_batch_bytes * 2)
+        return writer_config(self.config)
 
     def check_fenced(self) -> bool:
         """Told that someone may have fenced us: write an empty probe entry; if we were fenced
@@ -654,6 +648,17 @@ class ShardReplica:
     def _fail_queued(self, error: errors.StoreError) -> None:
         while not self._queue.empty():
             _settle(self._queue.get_nowait().future, error)
+
+
+def writer_config(config: ReplicaConfig) -> wal.WriterConfig:
+    """The shard's writer: one transactional id per WAL partition, whoever writes (W4), also
+    across deployments that share the topic."""
+    return wal.WriterConfig(
+        bootstrap_servers=config.bootstrap_servers, topic=config.topic, partition=config.shard,
+        transactional_id=wal.shard_transactional_id(config.topic, config.shard),
+        writer=wal.WriterIdentity(config.node_id, 0),
+        transaction_timeout_ms=config.transaction_timeout_ms, call_timeout_s=config.call_timeout_s,
+        max_batch_records=config.max_batch_records, max_batch_bytes=config.max_batch_bytes)
 
 
 def _settle(future: asyncio.Future[Response], answer: Response | Exception) -> None:

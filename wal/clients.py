@@ -15,11 +15,16 @@ from confluent_kafka import Consumer, IsolationLevel, KafkaError, KafkaException
 from confluent_kafka.admin import AdminClient, OffsetSpec
 
 
-def shard_transactional_id(cluster: str, shard: int) -> str:
-    """W4: one transactional id per shard, so that a new leader fences the old one."""
-    assert cluster and "." not in cluster, f"cluster name must be non-empty and dot-free: {cluster!r}"
+def shard_transactional_id(topic: str, shard: int) -> str:
+    """W4: one transactional id per WAL partition, so that a new leader fences the old one.
+
+    Derived from the WAL topic, which names the cluster by default (`<cluster>.wal`), and from
+    nothing else: two deployments that share a topic (under other cluster names, an explicit
+    `--topic`) write the same partitions, so they must share the ids and fence each other, and
+    one cluster's writers of two topics must not fence each other."""
+    assert topic and topic.strip() == topic, f"topic must be non-empty and unpadded: {topic!r}"
     assert shard >= 0, f"shard must be >= 0: {shard}"
-    return f"{cluster}.shard-{shard}"
+    return f"{topic}.shard-{shard}"
 
 
 def producer_config(

@@ -13,6 +13,12 @@ Life of one append, in the happy path::
 
 Every external call that fails with a retriable error is repeated at most `retry_limit` times.
 Every request ends with exactly one `Complete` or `Fail` action.
+
+Once `commit_transaction` was called, anything but success retires the producer (closed, and
+`init_transactions` on a fresh one before the next batch): a commit or abort of this producer
+that is still under way must never land on a later transaction (DESIGN.md §3, the KIP-890 gap).
+Such a batch is reported as definitely aborted only if the commit failed before librdkafka sent
+EndTxn *and* the abort succeeded; otherwise its outcome is unknown (W7).
 """
 
 from __future__ import annotations
@@ -98,9 +104,13 @@ class Aborted:
 
 @dataclasses.dataclass(frozen=True)
 class Failed:
+    """An external call failed. `before_end_txn` (commit only): the shell knows the error was
+    raised before librdkafka sent EndTxn, so the commit cannot have reached the coordinator."""
+
     op: Op
     error_class: ErrorClass
     reason: str
+    before_end_txn: bool = False
 
 
 Event = Fence | Append | Initialized | EndOffsetRead | Delivered | Committed | Aborted | Failed
@@ -198,6 +208,12 @@ class Guard:
         self._request: Fence | Append | None = None
         self._batch: BeginAndProduce | None = None
         self._abort_error: WalError | None = None
+        # commit_transaction was called for the batch in progress: from then on only success
+        # keeps the producer (see the module docstring).
+        self._commit_called = False
+        # A commit attempt of this batch may have sent EndTxn (any commit failure not known to
+        # be raised before it): no abort can make the outcome definite any more.
+        self._end_txn_maybe_sent = False
 
     @property
     def busy(self) -> bool:
@@ -235,6 +251,11 @@ class Guard:
             self.stats.aborts += 1
             self.upcoming_offset = None  # W2: after any abort the upcoming offset is unknown
             error = self._abort_error or BatchAbortedError("batch aborted")
+            if self._commit_called:
+                # Definite: the commit never left librdkafka and the abort succeeded. The
+                # producer is retired all the same (module docstring).
+                assert not self._end_txn_maybe_sent, "an abort after EndTxn may have been sent"
+                return [CloseProducer(), *self._fail(error, Phase.NEEDS_INIT)]
             return self._fail(error, Phase.READY)
         raise AssertionError(f"unknown event {event!r}")
 
@@ -299,6 +320,7 @@ class Guard:
                 return self._abort(OffsetMismatchError(message, expected=expected, actual=actual))
         self.phase = Phase.COMMITTING
         self._attempts = 0
+        self._commit_called = True
         return [CommitTransaction()]
 
     def _abort(self, error: WalError) -> list[Action]:
@@ -317,11 +339,15 @@ class Guard:
         }[event.op]
         self._expect(expected_phase, event)
         why = f"{event.op.value} failed: {event.reason}"
+        if event.op is Op.COMMIT and not event.before_end_txn:
+            self._end_txn_maybe_sent = True
         if event.error_class is ErrorClass.FENCED:
             self.stats.fencings += 1
             self.upcoming_offset = None
             error: WalError
-            if event.op is Op.COMMIT:
+            if self._commit_called:
+                # Fenced while committing, or while aborting after a failed commit: the new
+                # writer's init_transactions either completed our commit or aborted it.
                 # The new writer's init_transactions either completed our commit or aborted it.
                 self.stats.unknown_outcomes += 1
                 error = UnknownOutcomeError(f"fenced while committing: {why}", fenced=True)
@@ -363,19 +389,28 @@ class Guard:
                 return [CloseProducer(), *self._fail(WriterFatalError(why), Phase.NEEDS_INIT)]
             return self._abort(BatchAbortedError(why))
         if op is Op.COMMIT:
-            if cls is ErrorClass.ABORTABLE:
-                # librdkafka says the transaction cannot commit: it must and will be aborted.
+            if cls is ErrorClass.ABORTABLE and not self._end_txn_maybe_sent:
+                # librdkafka refused to commit before sending EndTxn: the transaction must and
+                # will be aborted; the batch is definitely not committed once the abort succeeds.
                 return self._abort(BatchAbortedError(why))
-            # Retries exhausted or fatal: nobody can say whether EndTxn(commit) took effect.
-            self.upcoming_offset = None
-            self.stats.unknown_outcomes += 1
-            return [CloseProducer(), *self._fail(UnknownOutcomeError(why), Phase.NEEDS_INIT)]
+            # Fatal, retries exhausted, or refused after EndTxn may have gone out: nobody can say
+            # whether EndTxn(commit) took effect (W7). The fresh producer's init_transactions
+            # settles it on the broker; the log tells whoever replays it.
+            return self._unknown(why)
         assert op is Op.ABORT
+        if self._commit_called:
+            # The abort that was to make a refused commit definite failed: W7, unknown.
+            return self._unknown(f"{why} (aborting after a failed commit)")
         # We never asked to commit, so the batch is not committed: the broker aborts the open
         # transaction at transaction.timeout.ms or when the next init_transactions fences it.
         self.upcoming_offset = None
         error = self._abort_error or BatchAbortedError(why)
         return [CloseProducer(), *self._fail(error, Phase.NEEDS_INIT)]
+
+    def _unknown(self, why: str) -> list[Action]:
+        self.upcoming_offset = None
+        self.stats.unknown_outcomes += 1
+        return [CloseProducer(), *self._fail(UnknownOutcomeError(why), Phase.NEEDS_INIT)]
 
     def _complete(self, result: int | AppendResult) -> list[Action]:
         self.phase = Phase.READY
@@ -392,6 +427,8 @@ class Guard:
         self._batch = None
         self._abort_error = None
         self._attempts = 0
+        self._commit_called = False
+        self._end_txn_maybe_sent = False
 
     def _expect(self, phase: Phase, event: object) -> None:
         assert self.phase is phase, f"{event!r} arrived in phase {self.phase.value}, expected {phase.value}"

@@ -13,6 +13,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import functools
 import logging
 import time
 import warnings
@@ -251,12 +252,9 @@ class ShardWriter:
     def _produce(self, action: BeginAndProduce) -> Event:
         producer = self._live_producer()
         assert len(self._payloads) == action.count
-        reports: list[tuple[KafkaError | None, int]] = []
-
-        def on_delivery(err: KafkaError | None, msg: Message) -> None:
-            offset = msg.offset() if err is None else None
-            # None means librdkafka does not know where it landed: -1 fails the W2 check.
-            reports.append((err, -1 if offset is None else int(offset)))
+        # Slot i holds record i's delivery report: W2 compares each record with its own
+        # expected offset, whatever order the reports arrive in (DESIGN.md §3).
+        reports: list[tuple[KafkaError | None, int] | None] = [None] * action.count
 
         gap_s = self.config.commit_gap_ms / 1000 - (time.monotonic() - self._ended_at)
         if gap_s > 0:
@@ -266,7 +264,7 @@ class ShardWriter:
             for index, payload in enumerate(self._payloads):
                 value, headers = record.encode(action.first_offset + index, self.identity, payload)
                 producer.produce(self.config.topic, value, partition=self.config.partition,
-                                 headers=headers, on_delivery=on_delivery)
+                                 headers=headers, on_delivery=functools.partial(self._on_delivery, reports, index))
             undelivered = producer.flush(self.config.call_timeout_s)
         except KafkaException as exc:
             return _failed(Op.PRODUCE, clients.error_of(exc))
@@ -281,12 +279,19 @@ class ShardWriter:
         if undelivered:
             return Failed(Op.PRODUCE, ErrorClass.RETRIABLE,
                           f"{undelivered} records undelivered after {self.config.call_timeout_s}s")
-        errors = [err for err, _ in reports if err is not None]
+        errors = [report[0] for report in reports if report is not None and report[0] is not None]
         if errors:
             return _failed(Op.PRODUCE, errors[0])
-        # With one partition and max one in-flight transaction, delivery reports arrive in
-        # produce order; sort anyway so that the guard checks record i against offset k+i.
-        return Delivered(tuple(sorted(offset for _, offset in reports)))
+        # A record without a report (never expected after a complete flush) gets -1: W2 fails it.
+        return Delivered(tuple(-1 if report is None else report[1] for report in reports))
+
+    def _on_delivery(self, reports: list[tuple[KafkaError | None, int] | None], index: int,
+                     err: KafkaError | None, msg: Message) -> None:
+        """Record record `index`'s delivery report in its own slot. A method, so that a test can
+        subclass the writer and disturb the reports (tests/integration/test_conditional_publish.py)."""
+        offset = msg.offset() if err is None else None
+        # None means librdkafka does not know where it landed: -1 fails the W2 check.
+        reports[index] = (err, -1 if offset is None else int(offset))
 
     def _call(self, op: Op, success: Event, call: Callable[[], None]) -> Event:
         started = time.monotonic()

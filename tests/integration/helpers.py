@@ -24,7 +24,7 @@ def writer(bootstrap: str, topic: str, name: str = "w", cluster: str = "test", *
         bootstrap_servers=bootstrap,
         topic=topic,
         partition=0,
-        transactional_id=shard_transactional_id(cluster + topic.replace(".", "-"), 0),
+        transactional_id=shard_transactional_id(f"{cluster}.{topic}", 0),
         writer=WriterIdentity(name, 1),
         **overrides,
     )

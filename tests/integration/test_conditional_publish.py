@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import pytest
-from confluent_kafka import Producer
+from confluent_kafka import KafkaError, Message, Producer
 
 from tests.integration.helpers import payloads, replay_all, writer
-from wal import OffsetMismatchError
+from wal import OffsetMismatchError, ShardWriter
 from wal.broker import LocalKafka
 from wal.record import WriterIdentity, encode
 
@@ -59,4 +59,29 @@ def test_explicit_expected_offset_that_is_wrong_has_no_effect(kafka: LocalKafka,
     records, _ = replay_all(kafka.bootstrap_servers, topic)
     assert payloads(records) == [b"right"]
     assert records[0].offset == ok.offsets[0]
+    w.close()
+
+
+class _SwappingWriter(ShardWriter):
+    """Files record 0's delivery report under record 1 and the other way round: the same set of
+    offsets, each in the wrong slot. A check of sorted offsets would pass it; W2 must not."""
+
+    def _on_delivery(self, reports: list[tuple[KafkaError | None, int] | None], index: int,
+                     err: KafkaError | None, msg: Message) -> None:
+        swapped = {0: 1, 1: 0}.get(index, index) if len(reports) > 1 else index
+        super()._on_delivery(reports, swapped, err, msg)
+
+
+def test_delivery_reports_checked_record_by_record(kafka: LocalKafka, topic: str) -> None:
+    base = writer(kafka.bootstrap_servers, topic)
+    w = _SwappingWriter(base.config)
+    assert w.fence() == 0
+    with pytest.raises(OffsetMismatchError) as info:
+        w.append([b"a", b"b", b"c"])
+    assert (info.value.expected, info.value.actual) == (0, 1)
+    records, _ = replay_all(kafka.bootstrap_servers, topic)
+    assert records == []  # the batch was aborted, not committed with records in the wrong slots
+    single = w.append([b"alone"])  # one record: nothing to swap, it commits
+    records, _ = replay_all(kafka.bootstrap_servers, topic)
+    assert payloads(records) == [b"alone"] and records[0].offset == single.offsets[0]
     w.close()

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import pytest
 
+from kvstore.replica import ReplicaConfig, writer_config
 from tests.integration.helpers import ZombieProcess, payloads, replay_all, writer
-from wal import FencedError, UnknownOutcomeError, shard_transactional_id
+from wal import FencedError, ShardWriter, UnknownOutcomeError, shard_transactional_id
 from wal.broker import LocalKafka
 
 pytestmark = pytest.mark.kafka
@@ -58,7 +60,7 @@ def test_a_prepared_writer_fences_nobody_until_it_fences(kafka: LocalKafka, topi
 def test_paused_zombie_with_open_transaction_is_fenced_on_resume(kafka: LocalKafka, topic: str) -> None:
     """A is really paused (SIGSTOP) with an open, fully delivered transaction; B takes over and
     writes; A resumes and tries to commit. Nothing of A's after B's takeover is visible."""
-    tid = shard_transactional_id("zombie" + topic.replace(".", "-"), 0)
+    tid = shard_transactional_id(f"zombie.{topic}", 0)
     zombie = ZombieProcess(kafka.bootstrap_servers, topic, tid, ["before", "zombie", "after"],
                            pause_before_commit="zombie")
     try:
@@ -89,3 +91,26 @@ def test_paused_zombie_with_open_transaction_is_fenced_on_resume(kafka: LocalKaf
     records, _ = replay_all(kafka.bootstrap_servers, topic)
     assert payloads(records)[-1] == b"b3"
     b.close()
+
+
+def test_two_deployments_sharing_a_topic_fence_each_other(kafka: LocalKafka, topic: str, tmp_path: Path) -> None:
+    """Two clusters by name, one WAL topic (an explicit --topic): their shard writers share the
+    transactional id, so the second to take the shard fences the first (W4 across deployments)."""
+    def shard_writer(cluster: str) -> ShardWriter:
+        return ShardWriter(writer_config(ReplicaConfig(
+            cluster=cluster, topic=topic, shard=0, bootstrap_servers=kafka.bootstrap_servers,
+            node_id=f"{cluster}-node", data_dir=tmp_path / cluster)))
+
+    blue, green = shard_writer("blue"), shard_writer("green")
+    try:
+        blue.fence()
+        blue.append([b"blue-1"])
+        green.fence()
+        with pytest.raises(FencedError):
+            blue.append([b"blue-late"])
+        green.append([b"green-1"])
+        records, _ = replay_all(kafka.bootstrap_servers, topic)
+        assert payloads(records) == [b"blue-1", b"green-1"]
+    finally:
+        blue.close()
+        green.close()

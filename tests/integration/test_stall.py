@@ -23,7 +23,7 @@ TXN_TIMEOUT_MS = 4_000
 
 
 def test_stalled_writer_is_aborted_after_transaction_timeout(kafka: LocalKafka, topic: str) -> None:
-    tid = shard_transactional_id("stall" + topic.replace(".", "-"), 0)
+    tid = shard_transactional_id(f"stall.{topic}", 0)
     stalled = ZombieProcess(kafka.bootstrap_servers, topic, tid, ["before", "stalled", "after"],
                             pause_before_commit="stalled", txn_timeout_ms=TXN_TIMEOUT_MS)
     try:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from wal.errors import (
@@ -138,3 +140,25 @@ def test_unknown_outcome_fenced_attribute(kwargs: dict[str, bool], fenced: bool)
 
 def test_every_error_class_has_a_distinct_value() -> None:
     assert len({c.value for c in ErrorClass}) == len(ErrorClass) == 4
+
+
+def test_transactional_id_follows_the_topic() -> None:
+    from wal import shard_transactional_id
+
+    assert shard_transactional_id("prod.wal", 3) == "prod.wal.shard-3"
+    # One cluster's two topics must not share an id (they would fence each other's leaders).
+    assert shard_transactional_id("t1", 0) != shard_transactional_id("t2", 0)
+
+
+def test_two_deployments_sharing_a_topic_share_transactional_ids(tmp_path: Path) -> None:
+    """Different cluster names, one topic: the same partitions, so the same writers' ids, so a
+    leader of one deployment fences the other's (tests/integration/test_fencing.py runs it)."""
+    from kvstore.replica import ReplicaConfig, writer_config
+
+    def tid(cluster: str, topic: str) -> str:
+        config = ReplicaConfig(cluster=cluster, topic=topic, shard=2, bootstrap_servers="127.0.0.1:1",
+                               node_id="n", data_dir=tmp_path / cluster / topic)
+        return writer_config(config).transactional_id
+
+    assert tid("blue", "shared.wal") == tid("green", "shared.wal")
+    assert tid("blue", "blue.wal") != tid("blue", "other.wal")

@@ -85,6 +85,11 @@ def failed(op: Op, error_class: ErrorClass) -> Failed:
     return Failed(op, error_class, "injected")
 
 
+def before_end_txn(error_class: ErrorClass) -> Failed:
+    """A commit failure the shell knows librdkafka raised before it sent EndTxn."""
+    return Failed(Op.COMMIT, error_class, "injected", before_end_txn=True)
+
+
 def offsets_from(first: int, count: int) -> tuple[int, ...]:
     return tuple(range(first, first + count))
 
@@ -246,6 +251,17 @@ SCENARIOS = {
         ],
         Phase.READY, None, {"aborts": 1, "offset_mismatches": 1},
     ),
+    # W2 compares record i with its own expected offset: the same set of offsets in another
+    # order is a mismatch (a sorted comparison would let it pass).
+    "delivered-reordered-aborts": Scenario(
+        [
+            *fence_at(10),
+            *produce_at(10, 3),
+            (Delivered((10, 12, 11)), [AbortTransaction()]),
+            (Aborted(), [fails(OffsetMismatchError, expected=11, actual=12)]),
+        ],
+        Phase.READY, None, {"aborts": 1, "offset_mismatches": 1},
+    ),
     "explicit-expected-offset-mismatch": Scenario(
         [
             *fence_at(10),
@@ -367,15 +383,62 @@ SCENARIOS = {
         ],
         Phase.NEEDS_INIT, None, {"unknown_outcomes": 1},
     ),
-    "commit-abortable-aborts": Scenario(
+    # Once commit_transaction was called, anything but success retires the producer, and only a
+    # refusal raised before EndTxn plus a successful abort makes the failure definite.
+    "commit-abortable-after-end-txn-unknown-and-retired": Scenario(
         [
             *fence_at(10),
             *delivered_at(10, 2),
-            (failed(Op.COMMIT, ABORTABLE), [AbortTransaction()]),
-            (Aborted(), [fails(BatchAbortedError)]),
-            (Append(1), [ReadEndOffset()]),
+            (failed(Op.COMMIT, ABORTABLE), [CloseProducer(), fails(UnknownOutcomeError, fenced=False)]),
+            (Append(1), FRESH_INIT),
         ],
-        Phase.READING_END, None, {"aborts": 1},
+        Phase.INITIALIZING, None, {"unknown_outcomes": 1},
+    ),
+    "commit-abortable-before-end-txn-aborted-definite-and-retired": Scenario(
+        [
+            *fence_at(10),
+            *delivered_at(10, 2),
+            (before_end_txn(ABORTABLE), [AbortTransaction()]),
+            (Aborted(), [CloseProducer(), fails(BatchAbortedError)]),
+            (Append(1), FRESH_INIT),
+        ],
+        Phase.INITIALIZING, None, {"aborts": 1},
+    ),
+    "commit-abortable-before-end-txn-abort-fails-unknown": Scenario(
+        [
+            *fence_at(10),
+            *delivered_at(10, 1),
+            (before_end_txn(ABORTABLE), [AbortTransaction()]),
+            (failed(Op.ABORT, FATAL), [CloseProducer(), fails(UnknownOutcomeError, fenced=False)]),
+            (Append(1), FRESH_INIT),
+        ],
+        Phase.INITIALIZING, None, {"unknown_outcomes": 1},
+    ),
+    "commit-abortable-before-end-txn-abort-fenced-unknown-fenced": Scenario(
+        [
+            *fence_at(10),
+            *delivered_at(10, 1),
+            (before_end_txn(ABORTABLE), [AbortTransaction()]),
+            (failed(Op.ABORT, FENCED), [CloseProducer(), fails(UnknownOutcomeError, fenced=True)]),
+        ],
+        Phase.FENCED, None, {"fencings": 1, "unknown_outcomes": 1},
+    ),
+    "commit-retried-then-refused-before-end-txn-still-unknown": Scenario(
+        [
+            *fence_at(10),
+            *delivered_at(10, 1),
+            (failed(Op.COMMIT, RETRIABLE), [CommitTransaction()]),  # this attempt may have sent EndTxn
+            (before_end_txn(ABORTABLE), [CloseProducer(), fails(UnknownOutcomeError, fenced=False)]),
+        ],
+        Phase.NEEDS_INIT, None, {"unknown_outcomes": 1, "retries": 1},
+    ),
+    "commit-fatal-before-end-txn-still-unknown": Scenario(
+        [
+            *fence_at(10),
+            *delivered_at(10, 1),
+            (before_end_txn(FATAL), [CloseProducer(), fails(UnknownOutcomeError, fenced=False)]),
+        ],
+        Phase.NEEDS_INIT, None, {"unknown_outcomes": 1},
     ),
     # ---- init failures ----
     "init-retriable-then-initialized": Scenario(
@@ -463,13 +526,24 @@ SCENARIOS = {
     "abort-retriable-exhausted-closes-batch-aborted": Scenario(
         [
             *fence_at(10),
-            *delivered_at(10, 1),
-            (failed(Op.COMMIT, ABORTABLE), [AbortTransaction()]),
+            *produce_at(10, 1),
+            (failed(Op.PRODUCE, ABORTABLE), [AbortTransaction()]),
             (failed(Op.ABORT, RETRIABLE), [AbortTransaction()]),
             (failed(Op.ABORT, RETRIABLE), [AbortTransaction()]),
             (failed(Op.ABORT, RETRIABLE), [CloseProducer(), fails(BatchAbortedError)]),
         ],
         Phase.NEEDS_INIT, None, {"retries": 2},
+    ),
+    "abort-after-refused-commit-retriable-exhausted-unknown": Scenario(
+        [
+            *fence_at(10),
+            *delivered_at(10, 1),
+            (before_end_txn(ABORTABLE), [AbortTransaction()]),
+            (failed(Op.ABORT, RETRIABLE), [AbortTransaction()]),
+            (failed(Op.ABORT, RETRIABLE), [AbortTransaction()]),
+            (failed(Op.ABORT, RETRIABLE), [CloseProducer(), fails(UnknownOutcomeError, fenced=False)]),
+        ],
+        Phase.NEEDS_INIT, None, {"retries": 2, "unknown_outcomes": 1},
     ),
     "abort-fenced": Scenario(
         [
