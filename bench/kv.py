@@ -363,8 +363,9 @@ def apply_phase(tmp: Path, profile: dict[str, Any]) -> list[Row]:
 
 def fill_topic(bootstrap: str, cluster: str, records: int, value: bytes) -> int:
     """`records` Put entries into shard 0 through the guarded writer, in big batches; returns the end."""
-    writer = wal.ShardWriter(wal.WriterConfig(bootstrap, f"{cluster}.wal", 0,
-                                              wal.shard_transactional_id(f"{cluster}.wal", 0), wal.WriterIdentity("bench")))
+    topic = f"{cluster}.wal"
+    writer = wal.ShardWriter(wal.WriterConfig(bootstrap, topic, 0, wal.shard_transactional_id(topic, 0),
+                                              wal.WriterIdentity("bench")))
     try:
         upcoming = writer.fence()
         for first in range(0, records, WRITE_BATCH):
