@@ -53,7 +53,13 @@ def producer_config(
 def consumer_config(
     bootstrap_servers: str, isolation_level: str, overrides: Mapping[str, Any] | None = None
 ) -> dict[str, Any]:
-    """A group-less reader: partitions are assigned by hand, offsets are never committed."""
+    """A group-less reader: partitions are assigned by hand, offsets are never committed.
+
+    Every WAL reader (wal.replayer, wal.transactions) is built from this. The consumer-group
+    member of wal.membership is not: it never fetches a record (it pauses every partition it
+    is assigned and only uses the assignment), so its auto.offset.reset is irrelevant and it
+    keeps librdkafka's default.
+    """
     assert isolation_level in ("read_committed", "read_uncommitted"), isolation_level
     config: dict[str, Any] = {
         "bootstrap.servers": bootstrap_servers,
@@ -63,8 +69,14 @@ def consumer_config(
         "enable.auto.offset.store": False,
         "isolation.level": isolation_level,
         "enable.partition.eof": True,
-        # An offset below the log start (truncated WAL) restarts at the earliest record.
-        "auto.offset.reset": "earliest",
+        # DESIGN.md §3: never a silent jump. With "earliest" a position below the log start
+        # (records truncated by retention or delete_records) would quietly continue at the log
+        # start, skipping records the reader never applied; with "latest" a position above the
+        # end (the WAL was recreated, an unclean leader election truncated it) would quietly
+        # skip to the end. "error" makes librdkafka stop fetching the partition instead and
+        # deliver a consumer error _AUTO_OFFSET_RESET, which the replayer raises as
+        # wal.errors.OffsetOutOfRangeError for its caller to decide (rebuild, wait, re-seek).
+        "auto.offset.reset": "error",
     }
     config.update(overrides or {})
     return config
@@ -93,7 +105,7 @@ def error_of(exc: KafkaException) -> KafkaError:
 
 
 class PartitionEnds:
-    """Both ends of a partition: the high watermark (read_uncommitted) and the LSO.
+    """The ends of a partition: the log start, the high watermark (read_uncommitted), the LSO.
 
     Uses the admin ListOffsets API, which looks up the partition leader on every call, so the
     answer follows a leader change (a consumer's cached metadata for a partition it is not
@@ -109,15 +121,22 @@ class PartitionEnds:
         return AdminClient({"bootstrap.servers": self._bootstrap_servers, "client.id": "wal-partition-ends"})
 
     def high_watermark(self, topic: str, partition: int) -> int:
-        return self._latest(topic, partition, IsolationLevel.READ_UNCOMMITTED)
+        return self._list_offset(topic, partition, OffsetSpec.latest(),  # type: ignore[no-untyped-call]
+                                 IsolationLevel.READ_UNCOMMITTED)
 
     def stable_offset(self, topic: str, partition: int) -> int:
-        return self._latest(topic, partition, IsolationLevel.READ_COMMITTED)
+        return self._list_offset(topic, partition, OffsetSpec.latest(),  # type: ignore[no-untyped-call]
+                                 IsolationLevel.READ_COMMITTED)
 
-    def _latest(self, topic: str, partition: int, isolation: IsolationLevel) -> int:
+    def log_start(self, topic: str, partition: int) -> int:
+        """The log start offset (low watermark): the first offset still in the partition.
+        Records below it were deleted (retention, delete_records); it only grows."""
+        return self._list_offset(topic, partition, OffsetSpec.earliest(),  # type: ignore[no-untyped-call]
+                                 IsolationLevel.READ_UNCOMMITTED)
+
+    def _list_offset(self, topic: str, partition: int, spec: OffsetSpec, isolation: IsolationLevel) -> int:
         tp = TopicPartition(topic, partition)
-        latest = OffsetSpec.latest()  # type: ignore[no-untyped-call]
-        futures = self._admin.list_offsets({tp: latest}, isolation_level=isolation,
+        futures = self._admin.list_offsets({tp: spec}, isolation_level=isolation,
                                            request_timeout=self._timeout_s)
         try:
             info = futures[tp].result(timeout=self._timeout_s + 1)

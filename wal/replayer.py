@@ -11,6 +11,17 @@ librdkafka's PARTITION_EOF event says the same, but only after one more fetch, w
 holds for up to fetch.wait.max.ms (500 ms) when there is nothing new: a takeover waiting for the
 old leader's last commit marker would wait that long (measured: 0.2-0.3 s of every clean
 handover, before the replayer read the consumer's position).
+
+Out of range (DESIGN.md §3: never a silent jump). The consumer runs with
+auto.offset.reset=error. When the broker answers a fetch with OFFSET_OUT_OF_RANGE (the position
+is below the log start after a truncation, or above the log end), librdkafka
+(rdkafka_fetcher.c -> rd_kafka_offset_reset in rdkafka_offset.c) enqueues one consumer error
+_AUTO_OFFSET_RESET carrying the refused offset, and stops fetching the partition (fetch state
+NONE: no more records, no PARTITION_EOF, consumer.position() reports OFFSET_INVALID). A
+KIP-320 log-truncation detection (_LOG_TRUNCATION) ends the same way. The replayer raises
+`OffsetOutOfRangeError` with the partition's log start and end, and keeps raising it from every
+poll until the caller calls `seek()` (which re-assigns the partition: librdkafka refuses a plain
+seek on a stopped partition with _STATE) or `close()`. It never resumes anywhere by itself.
 """
 
 from __future__ import annotations
@@ -22,7 +33,7 @@ from collections.abc import Iterator
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 
 from wal import clients, record
-from wal.errors import UnavailableError, WalTimeoutError
+from wal.errors import OffsetOutOfRangeError, UnavailableError, WalTimeoutError
 
 
 @dataclasses.dataclass
@@ -37,7 +48,11 @@ class ReplayStats:
 
 
 class Replayer:
-    """Consumes one partition read_committed from `start_offset`. Not thread-safe."""
+    """Consumes one partition read_committed from `start_offset`. Not thread-safe.
+
+    A `start_offset` outside the partition's log (below its start, or above its end) is not an
+    error here: the first poll raises `OffsetOutOfRangeError` (see the module docstring).
+    """
 
     def __init__(
         self,
@@ -67,6 +82,9 @@ class Replayer:
         # seek: librdkafka seeks asynchronously, so just after seek() it may still report the
         # position from before (which would skip unread records when seeking back).
         self._position_current = False
+        # librdkafka's _AUTO_OFFSET_RESET error and the offset it refused, once it stopped
+        # fetching (out of range); until seek() or close(), every poll raises OffsetOutOfRangeError.
+        self._stopped: tuple[KafkaError, int] | None = None
 
     def end_offset(self) -> int:
         """The high watermark (read_uncommitted end), the target of "replay to the end" (W6).
@@ -80,6 +98,15 @@ class Replayer:
     def stable_offset(self) -> int:
         """The last stable offset: what read_committed can deliver right now."""
         return self._watermark(stable=True)
+
+    def log_start(self) -> int:
+        """The log start offset (low watermark): records below it were deleted (retention,
+        delete_records), so a reader positioned below it cannot replay from there."""
+        ends = self._partition_ends()
+        try:
+            return ends.log_start(self.topic, self.partition)
+        except KafkaException as exc:
+            raise UnavailableError(f"log start of {self.topic}[{self.partition}]: {exc}") from exc
 
     def poll(self, timeout_s: float | None = None) -> list[record.AcceptedRecord]:
         """Tail: return the accepted records that arrive within `timeout_s` (maybe none)."""
@@ -113,9 +140,28 @@ class Replayer:
         yield from self.read_to(self.end_offset(), timeout_s)
 
     def seek(self, offset: int) -> None:
-        """Resume from `offset` (e.g. a checkpoint)."""
+        """Resume from `offset` (e.g. a checkpoint); also the way on after `OffsetOutOfRangeError`.
+
+        librdkafka refuses to seek a partition it stopped after an out-of-range fetch (_STATE,
+        "Erroneous state"), so then the partition is assigned anew at `offset` instead. If
+        `offset` is still outside the log, the next poll raises `OffsetOutOfRangeError` again.
+        """
         assert offset >= 0
-        self._consumer.seek(TopicPartition(self.topic, self.partition, offset))
+        tp = TopicPartition(self.topic, self.partition, offset)
+        if self._stopped is not None:
+            self._consumer.assign([tp])
+        else:
+            try:
+                self._consumer.seek(tp)
+            except KafkaException as exc:
+                if clients.error_of(exc).code() != KafkaError._STATE:
+                    raise
+                # Stopped (out of range) before a poll saw the error, which is already queued:
+                # drop it first, else it is delivered after the new assignment (seen: librdkafka
+                # does not purge it) and would refuse the new position.
+                self._drop_queued_refusal()
+                self._consumer.assign([tp])
+        self._stopped = None
         self.position = offset
         self._position_current = False
 
@@ -135,7 +181,16 @@ class Replayer:
 
     def poll_once(self, timeout_s: float) -> list[record.AcceptedRecord]:
         """One fetch: the accepted records it brought (maybe none); `position` moves past
-        everything it saw, markers and rejected records included."""
+        everything it saw, markers and rejected records included.
+
+        Raises `OffsetOutOfRangeError` once librdkafka refused the position (below the log
+        start, or above the end), and from then on at every call until `seek()` or `close()`;
+        records that arrived before the refusal are returned first, the error comes with the
+        next call. Raises `UnavailableError` if the log's ends cannot be read for the error (the
+        state stays: the next call tries again).
+        """
+        if self._stopped is not None:
+            raise self._out_of_range()
         accepted: list[record.AcceptedRecord] = []
         messages = self._consumer.consume(self._max_poll_records, timeout=timeout_s)
         if messages:
@@ -147,6 +202,11 @@ class Replayer:
                     # The offset past everything read_committed can see, markers included.
                     self.position = max(self.position, msg.offset() or 0)
                     continue
+                if err.code() == KafkaError._AUTO_OFFSET_RESET:
+                    # auto.offset.reset=error: librdkafka stopped fetching (module docstring).
+                    refused = msg.offset()
+                    self._stopped = (err, refused if refused is not None and refused >= 0 else self.position)
+                    break  # nothing of this partition can follow the refusal
                 if err.retriable() or not err.fatal():
                     continue  # transient fetch errors: librdkafka retries by itself
                 raise UnavailableError(f"{self.topic}[{self.partition}]: {err.str()}")
@@ -165,8 +225,21 @@ class Replayer:
             else:
                 self.stats.rejected_malformed += 1
             self.position = offset + 1
+        if self._stopped is not None:
+            if accepted:
+                return accepted  # the caller's; the error follows with the next call
+            raise self._out_of_range()
         self._skip_markers()
         return accepted
+
+    def _drop_queued_refusal(self) -> None:
+        """Consume what is queued up to librdkafka's _AUTO_OFFSET_RESET error (seek() discards
+        prefetched records anyway). librdkafka enqueues that error before it marks the partition
+        stopped, so when seek() found it stopped, the error is in the queue already."""
+        while messages := self._consumer.consume(self._max_poll_records, timeout=0):
+            if any((err := m.error()) is not None and err.code() == KafkaError._AUTO_OFFSET_RESET
+                   for m in messages):
+                return
 
     def _skip_markers(self) -> None:
         """Move past control markers and aborted records librdkafka already skipped."""
@@ -176,12 +249,28 @@ class Replayer:
         if current.error is None and current.offset is not None and current.offset > self.position:
             self.position = current.offset
 
-    def _watermark(self, *, stable: bool) -> int:
+    def _out_of_range(self) -> OffsetOutOfRangeError:
+        """The error for a partition librdkafka stopped; reads both ends of the log now."""
+        assert self._stopped is not None
+        err, refused = self._stopped
+        log_start = self.log_start()
+        log_end = self.end_offset()
+        return OffsetOutOfRangeError(
+            f"{self.topic}[{self.partition}]: position {self.position} out of range, the log is now "
+            f"[{log_start}, {log_end}] (librdkafka refused offset {refused}: {err.str()}); "
+            f"fetching stopped until seek() or close()",
+            position=self.position, log_start=log_start, log_end=log_end)
+
+    def _partition_ends(self) -> clients.PartitionEnds:
         if self._ends is None:
             self._ends = clients.PartitionEnds(self._bootstrap, self._call_timeout_s)
+        return self._ends
+
+    def _watermark(self, *, stable: bool) -> int:
+        ends = self._partition_ends()
         try:
             if stable:
-                return self._ends.stable_offset(self.topic, self.partition)
-            return self._ends.high_watermark(self.topic, self.partition)
+                return ends.stable_offset(self.topic, self.partition)
+            return ends.high_watermark(self.topic, self.partition)
         except KafkaException as exc:
             raise UnavailableError(f"watermarks of {self.topic}[{self.partition}]: {exc}") from exc

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import time
 
-from confluent_kafka import Consumer, KafkaException, TopicPartition
+from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 
 from wal.clients import PartitionEnds, consumer_config
 from wal.record import WriterIdentity
@@ -53,7 +53,12 @@ def _timestamp_at(bootstrap_servers: str, topic: str, partition: int, offset: in
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             message = consumer.poll(0.2)
-            if message is None or message.error() is not None:
+            if message is None:
+                continue
+            error = message.error()
+            if error is not None:
+                if error.code() == KafkaError._AUTO_OFFSET_RESET:
+                    return 0  # the offset left the log (auto.offset.reset=error): nothing to read
                 continue
             _kind, timestamp = message.timestamp()
             return int(timestamp) if message.offset() == offset else 0

@@ -1,11 +1,16 @@
-"""Replay reaches the end even when the partition ends in markers, resumes, and tails."""
+"""Replay reaches the end even when the partition ends in markers, resumes, and tails; a position
+outside the log raises OffsetOutOfRangeError instead of jumping (auto.offset.reset=error)."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
+from confluent_kafka import TopicPartition
+from confluent_kafka.admin import AdminClient
 
 from tests.integration.helpers import eventually, payloads, writer
-from wal import OffsetMismatchError, Replayer
+from wal import OffsetMismatchError, OffsetOutOfRangeError, Replayer
 from wal.broker import LocalKafka
 
 pytestmark = pytest.mark.kafka
@@ -72,5 +77,83 @@ def test_a_tailing_replayer_moves_past_the_commit_marker_with_the_batch(kafka: L
         # A seek back is not undone by the consumer's (older) position.
         r.seek(0)
         assert payloads(list(r.read_to(end, 10))) == [b"one", b"two", b"three"]
+        assert r.position == end
+    w.close()
+
+
+def _delete_records_before(bootstrap: str, topic: str, offset: int) -> None:
+    """Truncate partition 0 below `offset`, as retention would: its log start becomes `offset`."""
+    admin = AdminClient({"bootstrap.servers": bootstrap})
+    futures = admin.delete_records([TopicPartition(topic, 0, offset)], request_timeout=10, operation_timeout=10)
+    (future,) = futures.values()
+    assert future.result(timeout=15).low_watermark == offset
+
+
+def test_a_replayer_below_the_log_start_raises_instead_of_jumping(kafka: LocalKafka, topic: str) -> None:
+    w = writer(kafka.bootstrap_servers, topic)
+    w.append([b"a0", b"a1"])
+    second = w.append([b"b0", b"b1"])
+    last = w.append([b"c0", b"c1"])
+    end, start = last.upcoming_offset, second.offsets[0]  # 9, 3
+    _delete_records_before(kafka.bootstrap_servers, topic, start)
+    with Replayer(kafka.bootstrap_servers, topic, 0, 0) as r:
+        assert r.log_start() == start
+        with pytest.raises(OffsetOutOfRangeError) as info:
+            list(r.read_to_end(10))
+        assert info.value.below_start
+        assert (info.value.position, info.value.log_start, info.value.log_end) == (0, start, end)
+        # Not a silent jump: nothing was read, and the replayer stays refused until seek().
+        assert r.position == 0 and r.stats.accepted == 0
+        with pytest.raises(OffsetOutOfRangeError):
+            r.poll_once(0.2)
+        # seek() is the way on (a plain librdkafka seek would fail: the partition is stopped).
+        r.seek(start)
+        assert payloads(list(r.read_to_end(10))) == [b"b0", b"b1", b"c0", b"c1"]
+        assert r.position == end
+    with Replayer(kafka.bootstrap_servers, topic, 0, start) as r:
+        assert payloads(list(r.read_to_end(10))) == [b"b0", b"b1", b"c0", b"c1"]
+    w.close()
+
+
+def test_a_replayer_ahead_of_the_end_raises_and_resumes_after_seek(kafka: LocalKafka, topic: str) -> None:
+    w = writer(kafka.bootstrap_servers, topic)
+    end = w.append([b"a"]).upcoming_offset
+    with Replayer(kafka.bootstrap_servers, topic, 0, end + 100) as r:
+        with pytest.raises(OffsetOutOfRangeError) as info:  # the first fetch is refused; no waiting
+            for _ in range(10):
+                assert r.poll_once(0.5) == []
+        assert not info.value.below_start
+        assert (info.value.position, info.value.log_start, info.value.log_end) == (end + 100, 0, end)
+        with pytest.raises(OffsetOutOfRangeError):
+            r.poll_once(0.2)  # still refused: no fetching from anywhere else meanwhile
+        w.append([b"b"])
+        r.seek(end)
+        assert payloads(list(r.read_to_end(10))) == [b"b"]
+    w.close()
+
+
+def test_a_position_at_the_log_start_or_the_end_is_in_range(kafka: LocalKafka, topic: str) -> None:
+    """The boundaries: a reader at the log start replays, one at the end waits (no error)."""
+    w = writer(kafka.bootstrap_servers, topic)
+    w.append([b"a"])
+    end = w.append([b"b"]).upcoming_offset
+    _delete_records_before(kafka.bootstrap_servers, topic, end)
+    with Replayer(kafka.bootstrap_servers, topic, 0, end) as r:
+        assert r.log_start() == end == r.end_offset()
+        assert r.poll_once(0.5) == [] and r.position == end
+        w.append([b"c"])
+        assert payloads(list(r.read_to_end(10))) == [b"c"]
+    w.close()
+
+
+def test_a_seek_before_any_poll_saw_the_refusal_is_not_refused_again(kafka: LocalKafka, topic: str) -> None:
+    """librdkafka queues the refusal, then stops the partition; a seek() in between is refused
+    (_STATE) and re-assigns, and the queued refusal must not then refuse the new position."""
+    w = writer(kafka.bootstrap_servers, topic)
+    end = w.append([b"a"]).upcoming_offset
+    with Replayer(kafka.bootstrap_servers, topic, 0, end + 100) as r:
+        time.sleep(2.0)  # the first fetch is refused within ~0.3 s; nobody polls
+        r.seek(0)
+        assert payloads(list(r.read_to_end(10))) == [b"a"]
         assert r.position == end
     w.close()
