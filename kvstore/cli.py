@@ -3,9 +3,9 @@
     kvstore [--endpoints A,B] [--timeout S] [--output table|json] COMMAND ...
 
     get KEY [--consistency linearizable|leader-local|stale] [--min-revision REV]
-    put KEY VALUE [--request-id ID]
-    del KEY [--request-id ID]
-    txn [--if COND]... [--then OP]... [--else OP]... [--request-id ID]
+    put KEY VALUE [--request-id ID [--first-attempt-unix-ms MS]]
+    del KEY [--request-id ID [--first-attempt-unix-ms MS]]
+    txn [--if COND]... [--then OP]... [--else OP]... [--request-id ID [--first-attempt-unix-ms MS]]
     scan [--prefix P | --start S [--end E]] [--limit N] [--keys-only] [--consistency C]
     watch [KEY | --prefix P] [--from REV]
     shards
@@ -23,6 +23,13 @@ A missing key is not an error: `get` prints "(not found)" (json: `"found": false
 Exit status: 0 success (and Ctrl-C during `watch`); 2 invalid arguments or a request the
 server refused as invalid; 1 any other error (unavailable, deadline, ...); 130 Ctrl-C elsewhere.
 Errors are one line on stderr, never a traceback.
+
+Writes and unknown outcomes (W7): a write that may or may not have committed exits 1 with
+"outcome unknown (retry with --request-id ID --first-attempt-unix-ms MS)"; running the same
+command with those two options applies it at most once. If the store no longer remembers that
+id it refuses the retry ("request id expired", exit 1): the write's outcome is then unknown for
+good, and only reading the data tells. Any other error of a write (Ctrl-C aside) means it did
+not happen.
 """
 
 from __future__ import annotations
@@ -52,6 +59,7 @@ from kvstore.client import (
     KvError,
     Op,
     PutResult,
+    RequestExpired,
     ShardMap,
     TransactionInfo,
     TxnResult,
@@ -454,6 +462,16 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive: {text!r}")
+    return value
+
+
 def _non_negative_int(text: str) -> int:
     try:
         value = int(text)
@@ -490,6 +508,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_common(common, defaults=False)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
+    def idempotency(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--request-id", help="idempotency key (default: a fresh one, reused on retries); to finish "
+                       "a write whose outcome was unknown, give the id it printed")
+        p.add_argument("--first-attempt-unix-ms", type=_positive_int, default=None, metavar="MS",
+                       help="with --request-id: when that request was first attempted, as printed with it "
+                       "(default: now, right only for a new id)")
+
     def consistency(p: argparse.ArgumentParser) -> None:
         p.add_argument("--consistency", choices=CONSISTENCIES, default="linearizable",
                        help="linearizable (leader + read barrier), leader-local, or stale (any node)")
@@ -503,11 +528,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("put", parents=[common], help="write one key")
     p.add_argument("key")
     p.add_argument("value")
-    p.add_argument("--request-id", help="idempotency key (default: a fresh one, reused on retries)")
+    idempotency(p)
 
     p = sub.add_parser("del", aliases=["delete"], parents=[common], help="delete one key")
     p.add_argument("key")
-    p.add_argument("--request-id", help="idempotency key (default: a fresh one, reused on retries)")
+    idempotency(p)
 
     p = sub.add_parser(
         "txn", parents=[common], help="atomic compare-and-write within one shard; `txn list`: open WAL transactions",
@@ -524,7 +549,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run when every compare holds: 'put K V', 'del K' or 'get K'")
     p.add_argument("--else", dest="failure", action="append", default=[], metavar="OP",
                    help="run otherwise")
-    p.add_argument("--request-id", help="idempotency key (default: a fresh one, reused on retries)")
+    idempotency(p)
 
     p = sub.add_parser("scan", parents=[common], help="list keys in order, across shards")
     p.add_argument("--prefix", default="")
@@ -603,6 +628,8 @@ def _run(args: argparse.Namespace, printer: Printer) -> int:
         command = "txn-list"
     elif command == "txn":  # parse before connecting: a syntax error needs no cluster
         compares, success, failure = parse_txn(args.compares, args.success, args.failure)
+    if getattr(args, "first_attempt_unix_ms", None) is not None and not args.request_id:
+        raise InvalidArgument("--first-attempt-unix-ms retries an earlier write: give its --request-id too")
     if command == "scan" and args.prefix and (args.start or args.end):
         raise InvalidArgument("scan takes either --prefix or --start/--end, not both")
     if command == "watch" and bool(args.key) == bool(args.prefix):
@@ -612,11 +639,13 @@ def _run(args: argparse.Namespace, printer: Printer) -> int:
         if command == "get":
             printer.get(client.get(args.key, _consistency(args.consistency), args.min_revision))
         elif command == "put":
-            printer.put(client.put(args.key, args.value, args.request_id))
+            printer.put(client.put(args.key, args.value, args.request_id,
+                                   first_attempt_unix_ms=args.first_attempt_unix_ms))
         elif command in ("del", "delete"):
-            printer.delete(client.delete(args.key, args.request_id))
+            printer.delete(client.delete(args.key, args.request_id, first_attempt_unix_ms=args.first_attempt_unix_ms))
         elif command == "txn":
-            printer.txn(client.txn(compares, success, failure, args.request_id))
+            printer.txn(client.txn(compares, success, failure, args.request_id,
+                                   first_attempt_unix_ms=args.first_attempt_unix_ms))
         elif command == "scan":
             printer.kvs(_scan(client, args), args.keys_only)
         elif command == "watch":
@@ -646,7 +675,7 @@ def _demo(args: argparse.Namespace, printer: Printer) -> int:
         printer.record(result)
     else:
         printer.line(demo.report_table(result))
-    ok = result["acked_lost"] == 0 and result["duplicates"] == 0 and result["replicas_equal"]
+    ok = bool(result["ok"])  # acked_lost, duplicates and failed_but_applied 0, replicas equal
     return EXIT_OK if ok else EXIT_ERROR
 
 
@@ -760,14 +789,20 @@ def main(argv: Sequence[str] | None = None) -> int:
 _ERROR_NAMES: dict[str, str] = {
     "NotLeader": "not leader", "Unavailable": "unavailable", "UnknownOutcome": "outcome unknown",
     "Overloaded": "overloaded", "DeadlineExceeded": "deadline exceeded", "Cancelled": "cancelled",
+    "RequestExpired": "request id expired, outcome unknown",
 }
 
 
 def _error_name(exc: KvError) -> str:
     name = _ERROR_NAMES.get(type(exc).__name__, "error")
+    if isinstance(exc, RequestExpired):
+        # Retrying is refused again; only reading the data can tell what happened.
+        return f"{name} (check the data before writing again)"
     if exc.request_id and type(exc).__name__ in ("UnknownOutcome", "DeadlineExceeded"):
-        # Say how to finish the job safely: the same id makes a retry apply at most once.
-        name += f" (retry with --request-id {exc.request_id})"
+        # Say how to finish the job safely: the same id (and first-attempt time, so the store
+        # can tell a retry it no longer remembers) makes a retry apply at most once.
+        first = f" --first-attempt-unix-ms {exc.first_attempt_unix_ms}" if exc.first_attempt_unix_ms else ""
+        name += f" (retry with --request-id {exc.request_id}{first})"
     return name
 
 

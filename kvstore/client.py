@@ -7,14 +7,36 @@ What it adds on top of the generated stubs, and why:
   single-key request to `shard_of(key, shard_count)`'s leader; a node that is not the leader
   answers FAILED_PRECONDITION with `kvstore-leader-hint` and the client goes there and refreshes
   the map. Stale reads, scans and prefix watches may be served by any node.
-* **Retries that never duplicate a write.** Every write carries a request id (a fresh uuid4 hex
-  unless the caller gives one) that is reused on every retry, so the store applies it at most
-  once (W7). Retried: UNAVAILABLE, RESOURCE_EXHAUSTED, not-leader, and UNKNOWN when the server
-  says `kvstore-outcome: unknown`. Never retried: INVALID_ARGUMENT and anything else, since
-  repeating it cannot help. Attempts are bounded by `max_attempts` and by the call's deadline,
-  with capped exponential backoff and jitter so a crowd of clients does not retry in lockstep.
-  Once any attempt's outcome was unknown, giving up raises `UnknownOutcome` (never a failure
-  that would read as "nothing happened"), carrying the request id to retry with.
+* **Retries that never duplicate a write, and an honest outcome (W7).** Every write (Put,
+  Delete, Txn) carries a request id (a fresh uuid4 hex unless the caller gives one) and
+  `first_attempt_unix_ms` (wall-clock time, set once when the request is built unless the caller
+  gives the original one); both are the same on every retry, so the store applies the write at
+  most once and refuses a retry older than its request-id horizon instead of applying it twice.
+  Only the server can say that nothing of a write happened, and it says so with trailing
+  metadata `kvstore-outcome: none` (`kvstore.errors`). So a write call ends in one of four ways:
+
+  - it returns: the write committed, once (`replayed` says an earlier attempt did it);
+  - `UnknownOutcome`: some attempt may have committed. That is an attempt the server answered
+    with `kvstore-outcome: unknown`, or one that failed *without* the `none` tag, whatever the
+    code: a dropped connection (UNAVAILABLE "Socket closed"), a failed connect, CANCELLED,
+    INTERNAL, a bare UNKNOWN, DEADLINE_EXCEEDED (the per-attempt cap or the call's deadline
+    cutting an attempt short), an untagged RESOURCE_EXHAUSTED (the client does not guess from
+    gRPC's wording which of these happened before the request left). Such attempts are retried
+    with the same id; the exception carries `request_id` and `first_attempt_unix_ms` to retry
+    with later. Once one attempt was unknown, the call never ends in a definite error;
+  - `RequestExpired`: the store refused a retry whose id is older than its horizon; this retry
+    did nothing, the original attempt's outcome is unknown and cannot be learnt from the store;
+  - any other `KvError` is definite, nothing of the write committed: every attempt was refused
+    with the `none` tag (or gRPC refused to send it: "Sent message larger than max"), or none was
+    sent before the deadline (`DeadlineExceeded`).
+
+  After a definite refusal the client goes to the hinted leader (not-leader), to another node
+  (UNAVAILABLE) or backs off (RESOURCE_EXHAUSTED); INVALID_ARGUMENT, request-id-expired and any
+  other definite error are raised at once. Reads (Get, Scan, Watch, ShardMap, admin calls)
+  change nothing, so they are classified by code alone: UNAVAILABLE, RESOURCE_EXHAUSTED,
+  not-leader and `kvstore-outcome: unknown` are retried, anything else is raised. Attempts are
+  bounded by `max_attempts` and by the call's deadline, with capped exponential backoff and
+  jitter so a crowd of clients does not retry in lockstep.
 * **One deadline per call.** `timeout_s` bounds the whole call, retries and backoff included;
   each attempt gets what is left.
 * **Plain results and one exception hierarchy** (`KvError`), so callers never touch protobuf
@@ -40,7 +62,15 @@ from typing import Any, Literal, Self, TypeVar, get_args
 import grpc
 from google.protobuf.message import Message
 
-from kvstore.errors import LEADER_HINT_KEY, OUTCOME_KEY, SHARD_KEY
+from kvstore.errors import (
+    LEADER_HINT_KEY,
+    OUTCOME_KEY,
+    OUTCOME_NONE,
+    OUTCOME_UNKNOWN,
+    REASON_KEY,
+    REASON_REQUEST_ID_EXPIRED,
+    SHARD_KEY,
+)
 from kvstore.limits import GRPC_MAX_MESSAGE_BYTES
 from kvstore.sharding import shard_of
 from kvstore.v1 import cluster_pb2, cluster_pb2_grpc, kv_pb2, kv_pb2_grpc
@@ -62,6 +92,7 @@ __all__ = [
     "Overloaded",
     "PutResult",
     "ReadHeader",
+    "RequestExpired",
     "RetryAction",
     "ScanPage",
     "ShardInfo",
@@ -78,6 +109,7 @@ __all__ = [
     "to_bytes",
     "txn_keys",
     "txn_shard",
+    "write_attempt_is_definite",
 ]
 
 BytesLike = bytes | str
@@ -130,8 +162,10 @@ def to_bytes(data: BytesLike, what: str = "key") -> bytes:
 class KvError(Exception):
     """Base of every error the client raises; `message` is the server's own text.
 
-    `request_id` is set for writes: after an `UnknownOutcome` or `DeadlineExceeded` the caller
-    may retry with the same id and the store applies the write at most once.
+    `request_id` and `first_attempt_unix_ms` are set for writes: after an `UnknownOutcome` the
+    caller may retry with both (`put(..., request_id=e.request_id,
+    first_attempt_unix_ms=e.first_attempt_unix_ms)`) and the store applies the write at most
+    once, or says `RequestExpired` when it can no longer tell.
     """
 
     def __init__(
@@ -143,6 +177,7 @@ class KvError(Exception):
         target: str | None = None,
         request_id: str | None = None,
         attempts: int = 1,
+        first_attempt_unix_ms: int | None = None,
     ) -> None:
         super().__init__(message)
         self.message = message
@@ -151,6 +186,7 @@ class KvError(Exception):
         self.target = target
         self.request_id = request_id
         self.attempts = attempts
+        self.first_attempt_unix_ms = first_attempt_unix_ms
 
     def __str__(self) -> str:
         suffix = f" (after {self.attempts} attempts)" if self.attempts > 1 else ""
@@ -183,7 +219,16 @@ class Unavailable(KvError):
 
 
 class UnknownOutcome(KvError):
-    """W7: the write may or may not have committed; retry with the same `request_id`."""
+    """W7: the write may or may not have committed; retry with the same `request_id` (and
+    `first_attempt_unix_ms`), which the store applies at most once. `code` is the code of the
+    attempt whose outcome was unknown (UNKNOWN, or e.g. UNAVAILABLE for a dropped connection)."""
+
+
+class RequestExpired(KvError):
+    """The store refused a retry whose request id is older than its request-id horizon: it may
+    have forgotten the id, so applying the retry could apply the write twice. This retry did
+    nothing; whether the original attempt committed is unknown and the store can no longer tell
+    (read the data to find out). Never retried: the same id would be refused again."""
 
 
 class Overloaded(KvError):
@@ -191,7 +236,9 @@ class Overloaded(KvError):
 
 
 class DeadlineExceeded(KvError):
-    """The call's deadline passed. For a write the outcome is unknown (see `request_id`)."""
+    """The call's deadline passed. For a write this is definite: no attempt was sent, or every
+    one was refused with `kvstore-outcome: none`; a deadline that cut an attempt of a write
+    short is an `UnknownOutcome` instead."""
 
 
 class Cancelled(KvError):
@@ -206,6 +253,24 @@ def _metadata_dict(raw: Iterable[Any] | None) -> dict[str, str]:
     return out
 
 
+def write_attempt_is_definite(code: grpc.StatusCode, details: str, metadata: Mapping[str, str]) -> bool:
+    """Whether a failed attempt of a write certainly committed nothing (DESIGN.md §3, W7).
+
+    Only the server knows, and it says so with `kvstore-outcome: none`. Anything else (a dropped
+    connection, a cancellation, a deadline, a proxy's or the runtime's error) may have happened
+    after the server queued the write. The one exception is gRPC refusing a message for its
+    size before any handler ran: the client's "Sent message larger than max" (it never left)
+    and the server runtime's "SERVER: Received message larger than max". A response too large
+    for the client ("CLIENT: Received ...", or an unprefixed "Received ..." from an older
+    runtime that does not say which side) came after the handler ran: not definite.
+    """
+    if metadata.get(OUTCOME_KEY) == OUTCOME_NONE:
+        return True
+    return code == grpc.StatusCode.RESOURCE_EXHAUSTED and (
+        "Sent message larger than max" in details or "SERVER: Received message larger than max" in details
+    )
+
+
 def error_from_status(
     code: grpc.StatusCode,
     details: str,
@@ -213,17 +278,26 @@ def error_from_status(
     *,
     target: str | None = None,
     request_id: str | None = None,
+    write: bool = False,
 ) -> KvError:
-    """The client's one mapping from a gRPC status (plus `kvstore-*` metadata) to an exception."""
+    """The client's one mapping from a gRPC status (plus `kvstore-*` metadata) to an exception.
+
+    `write`: the attempt was a Put, Delete or Txn, for which an error that is not definite
+    (`write_attempt_is_definite`) is an `UnknownOutcome` whatever its code. A read changes
+    nothing, so it is mapped by its code alone."""
     kwargs: dict[str, Any] = {"code": code, "metadata": metadata, "target": target, "request_id": request_id}
     message = details or code.name
+    if code == grpc.StatusCode.FAILED_PRECONDITION and metadata.get(REASON_KEY) == REASON_REQUEST_ID_EXPIRED:
+        return RequestExpired(_expired_message(details, request_id), **kwargs)
+    if write and not write_attempt_is_definite(code, details, metadata):
+        return UnknownOutcome(message, **kwargs)
     if code == grpc.StatusCode.INVALID_ARGUMENT:
         return InvalidArgument(message, **kwargs)
     if code == grpc.StatusCode.FAILED_PRECONDITION and (LEADER_HINT_KEY in metadata or SHARD_KEY in metadata):
         return NotLeader(message, **kwargs)
     if code == grpc.StatusCode.UNAVAILABLE:
         return Unavailable(message, **kwargs)
-    if code == grpc.StatusCode.UNKNOWN and metadata.get(OUTCOME_KEY) == "unknown":
+    if code == grpc.StatusCode.UNKNOWN and metadata.get(OUTCOME_KEY) == OUTCOME_UNKNOWN:
         return UnknownOutcome(message, **kwargs)
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
         if _is_grpc_size_limit(details):
@@ -236,13 +310,26 @@ def error_from_status(
     return KvError(message, **kwargs)
 
 
+def _expired_message(details: str, request_id: str | None) -> str:
+    # Whatever the server's wording, the caller must read that the outcome is unknown, not that
+    # the write failed: the first attempt may well have committed.
+    which = f"request id {request_id}" if request_id else "the request id"
+    reason = f" ({details})" if details else ""
+    return (f"{which} expired: it is older than the store's request-id horizon, so this retry was refused and "
+            f"not applied; whether the original attempt committed is unknown and the store can no longer "
+            f"tell{reason}")
+
+
 def _is_grpc_size_limit(details: str) -> bool:
     # gRPC itself reports an oversized message as RESOURCE_EXHAUSTED; that is a broken limit,
-    # not a full queue, and retrying it would only send the same bytes again.
+    # not a full queue, and retrying it would only send the same bytes again. (For a write only
+    # the sizes gRPC refused before a handler ran are definite: `write_attempt_is_definite`.)
     return "larger than max" in details
 
 
-def error_from_rpc(exc: Any, *, target: str | None = None, request_id: str | None = None) -> KvError:
+def error_from_rpc(
+    exc: Any, *, target: str | None = None, request_id: str | None = None, write: bool = False
+) -> KvError:
     """Map a `grpc.RpcError` (anything with code/details/trailing_metadata) to a `KvError`."""
     code = exc.code() if callable(getattr(exc, "code", None)) else grpc.StatusCode.UNKNOWN
     details = exc.details() if callable(getattr(exc, "details", None)) else str(exc)
@@ -253,6 +340,7 @@ def error_from_rpc(exc: Any, *, target: str | None = None, request_id: str | Non
         _metadata_dict(trailing),
         target=target,
         request_id=request_id,
+        write=write,
     )
 
 
@@ -270,7 +358,8 @@ def retry_action(error: KvError) -> RetryAction:
     if isinstance(error, NotLeader):
         return RetryAction.REDIRECT if error.leader_hint else RetryAction.REROUTE
     if isinstance(error, Unavailable | UnknownOutcome):
-        # UNKNOWN outcome usually means the leader lost its shard mid-commit: look again.
+        # An unknown outcome usually means the leader lost its shard (or its connection)
+        # mid-commit: look again. The retry carries the same request id.
         return RetryAction.REROUTE
     if isinstance(error, Overloaded):
         return RetryAction.BACKOFF
@@ -611,6 +700,11 @@ class Client:
     per attempt up to `max_backoff_s`. `attempt_timeout_s` caps one attempt, so a node that
     stopped answering (a paused process, a black hole) costs that much, not the whole deadline:
     the attempt counts as "outcome unknown" and is retried elsewhere with the same request id.
+
+    Writes (`put`, `delete`, `txn`) return only once committed, raise `UnknownOutcome` when any
+    attempt may have committed (retry later with its `request_id` and `first_attempt_unix_ms`),
+    `RequestExpired` when the store refused such a retry as too old (outcome unknown for good),
+    and any other `KvError` only when nothing of the write committed (see the module docstring).
     """
 
     def __init__(
@@ -694,18 +788,42 @@ class Client:
         return GetResult.from_pb(k, resp)
 
     def put(
-        self, key: BytesLike, value: BytesLike, request_id: str | None = None, *, timeout_s: float | None = None
+        self,
+        key: BytesLike,
+        value: BytesLike,
+        request_id: str | None = None,
+        *,
+        timeout_s: float | None = None,
+        first_attempt_unix_ms: int | None = None,
     ) -> PutResult:
-        """Write one key; answered once its WAL batch committed."""
+        """Write one key; answered once its WAL batch committed.
+
+        To finish a write that ended in `UnknownOutcome` (say, in another process), pass its
+        `request_id` and `first_attempt_unix_ms`: the store applies it at most once, and refuses
+        it with `RequestExpired` if it is older than what the store remembers. Without
+        `first_attempt_unix_ms` the first attempt is now, which is right only for a new id."""
         k, rid = to_bytes(key), _request_id(request_id)
-        request = kv_pb2.PutRequest(key=k, value=to_bytes(value, "value"), request_id=rid)
-        resp = self._call("Put", request, kv_pb2.PutResponse, key=k, timeout_s=timeout_s, request_id=rid)
+        first_ms = _first_attempt_unix_ms(first_attempt_unix_ms, request_id)
+        request = kv_pb2.PutRequest(key=k, value=to_bytes(value, "value"), request_id=rid,
+                                    first_attempt_unix_ms=first_ms)
+        resp = self._call("Put", request, kv_pb2.PutResponse, key=k, timeout_s=timeout_s, request_id=rid,
+                          write=True, first_attempt_unix_ms=first_ms)
         return PutResult.from_pb(k, resp, rid)
 
-    def delete(self, key: BytesLike, request_id: str | None = None, *, timeout_s: float | None = None) -> DeleteResult:
+    def delete(
+        self,
+        key: BytesLike,
+        request_id: str | None = None,
+        *,
+        timeout_s: float | None = None,
+        first_attempt_unix_ms: int | None = None,
+    ) -> DeleteResult:
+        """Delete one key (not an error if it does not exist); ids and outcomes as in `put`."""
         k, rid = to_bytes(key), _request_id(request_id)
-        request = kv_pb2.DeleteRequest(key=k, request_id=rid)
-        resp = self._call("Delete", request, kv_pb2.DeleteResponse, key=k, timeout_s=timeout_s, request_id=rid)
+        first_ms = _first_attempt_unix_ms(first_attempt_unix_ms, request_id)
+        request = kv_pb2.DeleteRequest(key=k, request_id=rid, first_attempt_unix_ms=first_ms)
+        resp = self._call("Delete", request, kv_pb2.DeleteResponse, key=k, timeout_s=timeout_s, request_id=rid,
+                          write=True, first_attempt_unix_ms=first_ms)
         return DeleteResult.from_pb(k, resp, rid)
 
     def txn(
@@ -716,12 +834,15 @@ class Client:
         request_id: str | None = None,
         *,
         timeout_s: float | None = None,
+        first_attempt_unix_ms: int | None = None,
     ) -> TxnResult:
         """Run `success` if every compare holds, else `failure`, atomically, within one shard.
 
-        Raises `CrossShardTxn` before sending when the keys span shards.
+        Raises `CrossShardTxn` before sending when the keys span shards. Ids and outcomes as in
+        `put` (a Txn is a write, even when its branch only reads).
         """
         rid = _request_id(request_id)
+        first_ms = _first_attempt_unix_ms(first_attempt_unix_ms, request_id)
         deadline = self._deadline(timeout_s)
         keys = txn_keys(compares, success, failure)
         shard_count = self._known_shard_count(deadline)
@@ -733,9 +854,11 @@ class Client:
             success=[o.to_pb() for o in success],
             failure=[o.to_pb() for o in failure],
             request_id=rid,
+            first_attempt_unix_ms=first_ms,
         )
         resp = self._call(
-            "Txn", request, kv_pb2.TxnResponse, key=keys[0] if keys else None, deadline=deadline, request_id=rid
+            "Txn", request, kv_pb2.TxnResponse, key=keys[0] if keys else None, deadline=deadline, request_id=rid,
+            write=True, first_attempt_unix_ms=first_ms,
         )
         branch = success if resp.succeeded else failure
         results = tuple(_txn_op_result(op, r, rid) for op, r in zip(branch, resp.results, strict=False))
@@ -993,9 +1116,35 @@ class Client:
         timeout_s: float | None = None,
         deadline: float | None = None,
         request_id: str | None = None,
+        write: bool = False,
+        first_attempt_unix_ms: int | None = None,
     ) -> R:
         """Run one request with routing and bounded retries; the request (and so its request
-        id) is the same object on every attempt."""
+        id and first-attempt time) is the same object on every attempt.
+
+        `write`: a Put, Delete or Txn, whose errors are classified for W7 (module docstring);
+        an error it raises carries `request_id` and `first_attempt_unix_ms` to retry with."""
+        try:
+            return self._attempts(method, request, response_type, key=key, timeout_s=timeout_s, deadline=deadline,
+                                  request_id=request_id, write=write)
+        except KvError as error:
+            if write:
+                error.request_id = request_id
+                error.first_attempt_unix_ms = first_attempt_unix_ms
+            raise
+
+    def _attempts(
+        self,
+        method: str,
+        request: Message,
+        response_type: type[R],
+        *,
+        key: bytes | None,
+        timeout_s: float | None,
+        deadline: float | None,
+        request_id: str | None,
+        write: bool,
+    ) -> R:
         if deadline is None:
             deadline = self._deadline(timeout_s)
         hint: str | None = None
@@ -1014,13 +1163,17 @@ class Client:
             try:
                 response = self._invoke(target, method, request, min(remaining, self._attempt_timeout_s))
             except grpc.RpcError as exc:
-                error = error_from_rpc(exc, target=target, request_id=request_id)
-                if capped and isinstance(error, DeadlineExceeded):
+                error = error_from_rpc(exc, target=target, request_id=request_id, write=write)
+                if capped and error.code == grpc.StatusCode.DEADLINE_EXCEEDED and \
+                        isinstance(error, DeadlineExceeded | UnknownOutcome):
                     # Our per-attempt cap, not the caller's deadline: the node is not answering.
                     # A write may have committed there (W7); the retry carries the same id.
                     error = UnknownOutcome(f"{target} did not answer within {self._attempt_timeout_s}s",
                                            code=grpc.StatusCode.DEADLINE_EXCEEDED, target=target,
                                            request_id=request_id)
+            except KvError as closed:  # the client was closed under the call: nothing sent this time
+                closed.attempts = attempt
+                raise _keep_unknown(closed, unknown, write=write) from None
             else:
                 if not isinstance(response, response_type):
                     raise KvError(f"unexpected response from {target}: {type(response).__name__}", target=target)
@@ -1030,7 +1183,7 @@ class Client:
             action = retry_action(error)
             if action is RetryAction.FAIL:
                 error.attempts = attempt
-                raise _keep_unknown(error, unknown)
+                raise _keep_unknown(error, unknown, write=write)
             last = error
             if attempt >= self._max_attempts:
                 break
@@ -1049,18 +1202,30 @@ class Client:
             # BACKOFF: keep the target (and any hint).
             self._sleep_backoff(attempt, deadline)
         if last is not None and deadline - time.monotonic() <= 0:
+            if write and unknown is not None:
+                # W7: the deadline ends the retries, not the uncertainty of the unknown attempt.
+                then = "" if last is unknown else f"; the retries then failed: {last.message}"
+                raise UnknownOutcome(
+                    f"deadline exceeded, outcome unknown: {unknown.message}{then}", code=unknown.code,
+                    metadata=unknown.metadata, target=unknown.target, request_id=request_id, attempts=attempt,
+                )
             raise DeadlineExceeded(
                 f"deadline exceeded; last error: {last.message}",
                 code=grpc.StatusCode.DEADLINE_EXCEEDED, target=last.target, request_id=request_id, attempts=attempt,
             )
-        raise _keep_unknown(self._give_up(last, attempt, request_id), unknown)
+        raise _keep_unknown(self._give_up(last, attempt, request_id), unknown, write=write)
 
 
-def _keep_unknown(error: KvError, unknown: UnknownOutcome | None) -> KvError:
+def _keep_unknown(error: KvError, unknown: UnknownOutcome | None, *, write: bool = False) -> KvError:
     """W7 for the caller: once an attempt's outcome was unknown, a later "nothing was done"
-    (unavailable, not leader, overloaded, ...) says nothing about that attempt, so the call as a
-    whole still has an unknown outcome and must not look like a clean failure."""
-    if unknown is None or isinstance(error, UnknownOutcome | InvalidArgument | DeadlineExceeded):
+    (unavailable, not leader, overloaded, invalid, a deadline, ...) says nothing about that
+    attempt, so the call as a whole still has an unknown outcome and must not look like a clean
+    failure. `RequestExpired` already says the outcome is unknown (and that retrying is futile):
+    it is kept. Reads keep their older rule, which also let InvalidArgument and DeadlineExceeded
+    through (a read has no outcome to hide)."""
+    if unknown is None or isinstance(error, UnknownOutcome | RequestExpired):
+        return error
+    if not write and isinstance(error, InvalidArgument | DeadlineExceeded):
         return error
     return UnknownOutcome(
         f"{unknown.message}; the retries then failed: {error.message}",
@@ -1085,6 +1250,20 @@ def _request_id(request_id: str | None) -> str:
     if not isinstance(request_id, str) or not request_id:
         raise InvalidArgument("request_id must be a non-empty string (or None for a generated one)")
     return request_id
+
+
+def _first_attempt_unix_ms(given: int | None, request_id: str | None) -> int:
+    """The wall-clock time (Unix ms) of a write's first attempt: the caller's, when it retries
+    an earlier request id, else now. Fixed when the request is built, so every retry of this
+    call sends the same value and the store can tell a retry older than its horizon."""
+    if given is None:
+        return int(time.time() * 1000)
+    if isinstance(given, bool) or not isinstance(given, int) or given <= 0:
+        raise InvalidArgument(f"first_attempt_unix_ms must be a positive integer (Unix ms): {given!r}")
+    if request_id is None:
+        # A fresh id has no earlier attempt; an old time would only get it refused as expired.
+        raise InvalidArgument("first_attempt_unix_ms is for retrying an earlier request: give its request_id too")
+    return given
 
 
 def _scan_request(

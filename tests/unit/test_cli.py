@@ -6,16 +6,19 @@ from __future__ import annotations
 import argparse
 import base64
 import json
+import re
 import sys
 import types
 from collections.abc import Iterator
 from typing import Any
 
+import grpc
 import pytest
 
 from kvstore import cli
 from kvstore.cli import TxnSyntaxError, main, parse_compare, parse_op, parse_txn, serve_argv
 from kvstore.client import (
+    Client,
     Compare,
     DeleteResult,
     FenceResult,
@@ -26,6 +29,7 @@ from kvstore.client import (
     Op,
     PutResult,
     ReadHeader,
+    RequestExpired,
     ScanPage,
     ShardInfo,
     ShardMap,
@@ -35,7 +39,7 @@ from kvstore.client import (
     UnknownOutcome,
     WatchEvent,
 )
-from tests.unit.test_client import FakeCluster, key_on
+from tests.unit.test_client import Failure, FakeCluster, key_on
 
 # ============================================================================================
 # Txn syntax
@@ -235,16 +239,19 @@ class FakeClient:
         self._record("get", key, consistency, min_revision)
         return self.get_result
 
-    def put(self, key: str, value: str, request_id: str | None = None) -> PutResult:
-        self._record("put", key, value, request_id)
+    def put(self, key: str, value: str, request_id: str | None = None, *,
+            first_attempt_unix_ms: int | None = None) -> PutResult:
+        self._record("put", key, value, request_id, first_attempt_unix_ms=first_attempt_unix_ms)
         return PutResult(key.encode(), 1, 42, 3, False, request_id or "generated")
 
-    def delete(self, key: str, request_id: str | None = None) -> DeleteResult:
-        self._record("delete", key, request_id)
+    def delete(self, key: str, request_id: str | None = None, *,
+               first_attempt_unix_ms: int | None = None) -> DeleteResult:
+        self._record("delete", key, request_id, first_attempt_unix_ms=first_attempt_unix_ms)
         return DeleteResult(key.encode(), 1, 43, True, False, request_id or "generated")
 
-    def txn(self, compares: list[Compare], success: list[Op], failure: list[Op], request_id: str | None) -> TxnResult:
-        self._record("txn", compares, success, failure, request_id)
+    def txn(self, compares: list[Compare], success: list[Op], failure: list[Op], request_id: str | None, *,
+            first_attempt_unix_ms: int | None = None) -> TxnResult:
+        self._record("txn", compares, success, failure, request_id, first_attempt_unix_ms=first_attempt_unix_ms)
         results = (PutResult(b"k", 0, 44, 1, False, "t"), DeleteResult(b"d", 0, 44, False, False, "t"),
                    GetResult(b"g", False, None, None))
         return TxnResult(True, 0, 44, False, results, request_id or "t")
@@ -347,11 +354,35 @@ def test_utf8_values_are_text_in_json(fake: FakeClient, capsys: pytest.CaptureFi
 def test_put_and_del(fake: FakeClient, capsys: pytest.CaptureFixture[str]) -> None:
     rc, out, _ = run(["put", "k", "v", "--request-id", "r1"], capsys)
     assert rc == 0 and out.splitlines()[1].split() == ["k", "1", "42", "3", "false"]
-    assert fake.calls[-1] == ("put", ("k", "v", "r1"), {})
+    assert fake.calls[-1] == ("put", ("k", "v", "r1"), {"first_attempt_unix_ms": None})
     rc, out, _ = run(["-o", "json", "del", "k"], capsys)
     assert rc == 0 and json_lines(out) == [{"key": "k", "shard": 1, "revision": 43, "deleted": True,
                                             "replayed": False, "request_id": "generated"}]
-    assert fake.calls[-1] == ("delete", ("k", None), {})
+    assert fake.calls[-1] == ("delete", ("k", None), {"first_attempt_unix_ms": None})
+
+
+def test_writes_pass_the_first_attempt_time_of_a_retry(fake: FakeClient, capsys: pytest.CaptureFixture[str]) -> None:
+    """Finishing a write whose outcome was unknown: the id and first-attempt time it printed."""
+    ms = ["--request-id", "r1", "--first-attempt-unix-ms", "1700000000123"]
+    assert run(["put", "k", "v", *ms], capsys)[0] == 0
+    assert fake.calls[-1] == ("put", ("k", "v", "r1"), {"first_attempt_unix_ms": 1_700_000_000_123})
+    assert run(["del", "k", *ms], capsys)[0] == 0
+    assert fake.calls[-1] == ("delete", ("k", "r1"), {"first_attempt_unix_ms": 1_700_000_000_123})
+    assert run(["txn", "--then", "put k v", *ms], capsys)[0] == 0
+    assert fake.calls[-1][1][3] == "r1" and fake.calls[-1][2] == {"first_attempt_unix_ms": 1_700_000_000_123}
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "soon"])
+def test_bad_first_attempt_time_is_a_usage_error(
+    value: str, fake: FakeClient, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert run(["put", "k", "v", "--request-id", "r1", "--first-attempt-unix-ms", value], capsys)[0] == 2
+    assert fake.calls == []
+
+
+def test_first_attempt_time_needs_a_request_id(fake: FakeClient, capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, err = run(["del", "k", "--first-attempt-unix-ms", "1700000000123"], capsys)
+    assert (rc, out, fake.calls) == (2, "", []) and "give its --request-id too" in err
 
 
 def test_txn_passes_parsed_arguments_and_prints(fake: FakeClient, capsys: pytest.CaptureFixture[str]) -> None:
@@ -472,6 +503,13 @@ def test_txn_list_and_fence(fake: FakeClient, capsys: pytest.CaptureFixture[str]
          "kvstore: invalid argument: key is 5000 bytes; limit MAX_KEY_BYTES is 4096\n"),
         (UnknownOutcome("commit outcome unknown", request_id="abc"), 1,
          "kvstore: outcome unknown (retry with --request-id abc): commit outcome unknown\n"),
+        (UnknownOutcome("Socket closed", request_id="abc", first_attempt_unix_ms=1_700_000_000_123, attempts=6), 1,
+         "kvstore: outcome unknown (retry with --request-id abc --first-attempt-unix-ms 1700000000123): "
+         "Socket closed (after 6 attempts)\n"),
+        (RequestExpired("request id abc expired: ...; whether the original attempt committed is unknown",
+                        request_id="abc", first_attempt_unix_ms=1_600_000_000_000), 1,
+         "kvstore: request id expired, outcome unknown (check the data before writing again): request id abc "
+         "expired: ...; whether the original attempt committed is unknown\n"),
     ],
 )
 def test_errors_are_one_line_on_stderr(
@@ -533,6 +571,29 @@ def test_cli_against_fake_cluster(fake_cluster: FakeCluster, capsys: pytest.Capt
     assert [(r["key"], r["value"]) for r in json_lines(out)] == [(k0, "bye")]
     rc, out, _ = run(["shards", *endpoints], capsys)
     assert rc == 0 and fake_cluster.addresses[0] in out
+
+
+def test_cli_unknown_outcome_says_how_to_finish_the_write(
+    fake_cluster: FakeCluster, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The write happened but every answer was lost: the CLI prints the id and first-attempt time,
+    and running the command again with them finishes it without applying it twice."""
+    monkeypatch.setattr(cli, "make_client", lambda endpoints, timeout_s: Client(
+        endpoints, timeout_s=timeout_s, max_attempts=2, backoff_s=0.001))
+    k0, leader = key_on(0, 2).decode(), fake_cluster.leaders[0]
+    lost = Failure(grpc.StatusCode.UNAVAILABLE, "Socket closed", apply_first=True)
+    fake_cluster.fail(leader, "Put", lost, lost)
+    rc, out, err = run(["put", k0, "v", "--endpoints", leader], capsys)
+    hint = re.fullmatch(r"kvstore: outcome unknown \(retry with --request-id (\w+) --first-attempt-unix-ms (\d+)\): "
+                        r"Socket closed \(after 2 attempts\)\n", err)
+    assert rc == 1 and out == "" and hint is not None, err
+    rc, out, err = run(["put", k0, "v", "--endpoints", leader, "--request-id", hint[1],
+                        "--first-attempt-unix-ms", hint[2], "-o", "json"], capsys)
+    (record,) = json_lines(out)
+    assert (rc, err) == (0, "") and record["replayed"] is True and record["version"] == 1
+    puts = fake_cluster.calls_to("Put")
+    assert len(puts) == 3 and {(c.request.request_id, c.request.first_attempt_unix_ms) for c in puts} == {
+        (hint[1], int(hint[2]))}
 
 
 def test_cli_unreachable_cluster_exits_1(capsys: pytest.CaptureFixture[str]) -> None:

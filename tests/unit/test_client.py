@@ -19,6 +19,7 @@ import pytest
 from google.protobuf.message import Message
 
 from kvstore.client import (
+    Cancelled,
     Client,
     Compare,
     CrossShardTxn,
@@ -32,6 +33,7 @@ from kvstore.client import (
     Op,
     Overloaded,
     PutResult,
+    RequestExpired,
     RetryAction,
     Unavailable,
     UnknownOutcome,
@@ -41,8 +43,16 @@ from kvstore.client import (
     to_bytes,
     txn_keys,
     txn_shard,
+    write_attempt_is_definite,
 )
-from kvstore.errors import LEADER_HINT_KEY, OUTCOME_KEY, SHARD_KEY
+from kvstore.errors import (
+    LEADER_HINT_KEY,
+    OUTCOME_KEY,
+    OUTCOME_NONE,
+    REASON_KEY,
+    REASON_REQUEST_ID_EXPIRED,
+    SHARD_KEY,
+)
 from kvstore.sharding import shard_of
 from kvstore.v1 import cluster_pb2, cluster_pb2_grpc, kv_pb2, kv_pb2_grpc
 
@@ -81,8 +91,11 @@ class FakeRpcError(grpc.RpcError):
 
 HINT = {LEADER_HINT_KEY: "10.0.0.2:50051", SHARD_KEY: "3"}
 UNKNOWN_OUTCOME = {OUTCOME_KEY: "unknown"}
+NONE = {OUTCOME_KEY: OUTCOME_NONE}  # the server's "definite: nothing of the request committed"
+DEFINITE = ((OUTCOME_KEY, OUTCOME_NONE),)  # the same, as trailing metadata
+EXPIRED = {**NONE, REASON_KEY: REASON_REQUEST_ID_EXPIRED}
 
-# (code, metadata, details, exception class, action)
+# Reads: mapped by code alone. (code, metadata, details, exception class, action)
 CLASSIFY_TABLE = [
     pytest.param(SC.INVALID_ARGUMENT, {}, "key too long", InvalidArgument, RetryAction.FAIL, id="invalid"),
     pytest.param(SC.INVALID_ARGUMENT, UNKNOWN_OUTCOME, "x", InvalidArgument, RetryAction.FAIL, id="invalid-even-w-md"),
@@ -101,6 +114,51 @@ CLASSIFY_TABLE = [
     pytest.param(SC.DEADLINE_EXCEEDED, {}, "Deadline Exceeded", DeadlineExceeded, RetryAction.FAIL, id="deadline"),
     pytest.param(SC.INTERNAL, {}, "boom", KvError, RetryAction.FAIL, id="internal"),
     pytest.param(SC.PERMISSION_DENIED, {}, "no", KvError, RetryAction.FAIL, id="permission-denied"),
+    pytest.param(SC.CANCELLED, {}, "Cancelled", Cancelled, RetryAction.FAIL, id="cancelled"),
+    pytest.param(SC.UNAVAILABLE, NONE, "bootstrapping", Unavailable, RetryAction.REROUTE, id="unavailable-tagged"),
+    pytest.param(SC.RESOURCE_EXHAUSTED, {}, "Stream removed (CLIENT: Received message larger than max (5 vs. 1))",
+                 InvalidArgument, RetryAction.FAIL, id="grpc-response-too-large"),
+]
+
+# Writes: only the server's `kvstore-outcome: none` (or gRPC refusing the size before any handler
+# ran) makes a failed attempt definite; anything else may have committed (W7).
+WRITE_CLASSIFY_TABLE = [
+    # untagged: an unknown outcome, whatever the code, retried elsewhere with the same id
+    pytest.param(SC.UNAVAILABLE, {}, "Socket closed", UnknownOutcome, RetryAction.REROUTE, id="socket-closed"),
+    pytest.param(SC.UNAVAILABLE, {}, "failed to connect to all addresses", UnknownOutcome, RetryAction.REROUTE,
+                 id="failed-to-connect"),
+    pytest.param(SC.CANCELLED, {}, "Cancelled", UnknownOutcome, RetryAction.REROUTE, id="cancelled"),
+    pytest.param(SC.INTERNAL, {}, "boom", UnknownOutcome, RetryAction.REROUTE, id="internal"),
+    pytest.param(SC.UNKNOWN, {}, "Exception calling application", UnknownOutcome, RetryAction.REROUTE,
+                 id="unknown-bare"),
+    pytest.param(SC.UNKNOWN, UNKNOWN_OUTCOME, "commit timed out", UnknownOutcome, RetryAction.REROUTE,
+                 id="unknown-outcome-w7"),
+    pytest.param(SC.DEADLINE_EXCEEDED, {}, "Deadline Exceeded", UnknownOutcome, RetryAction.REROUTE, id="deadline"),
+    pytest.param(SC.RESOURCE_EXHAUSTED, {}, "queue full", UnknownOutcome, RetryAction.REROUTE,
+                 id="exhausted-untagged"),
+    pytest.param(SC.INVALID_ARGUMENT, {}, "from a proxy", UnknownOutcome, RetryAction.REROUTE, id="invalid-untagged"),
+    pytest.param(SC.FAILED_PRECONDITION, HINT, "not leader", UnknownOutcome, RetryAction.REROUTE,
+                 id="not-leader-untagged"),
+    pytest.param(SC.RESOURCE_EXHAUSTED, {}, "Stream removed (CLIENT: Received message larger than max (5 vs. 1))",
+                 UnknownOutcome, RetryAction.REROUTE, id="grpc-response-too-large"),
+    pytest.param(SC.RESOURCE_EXHAUSTED, {}, "Received message larger than max (5 vs. 1)", UnknownOutcome,
+                 RetryAction.REROUTE, id="grpc-received-too-large-which-side"),
+    # definite: the current mapping
+    pytest.param(SC.INVALID_ARGUMENT, NONE, "key too long", InvalidArgument, RetryAction.FAIL, id="invalid"),
+    pytest.param(SC.FAILED_PRECONDITION, {**NONE, **HINT}, "not leader", NotLeader, RetryAction.REDIRECT,
+                 id="not-leader-hint"),
+    pytest.param(SC.FAILED_PRECONDITION, {**NONE, SHARD_KEY: "3"}, "no leader", NotLeader, RetryAction.REROUTE,
+                 id="not-leader-no-hint"),
+    pytest.param(SC.UNAVAILABLE, NONE, "batch aborted", Unavailable, RetryAction.REROUTE, id="unavailable"),
+    pytest.param(SC.RESOURCE_EXHAUSTED, NONE, "queue full", Overloaded, RetryAction.BACKOFF, id="overloaded"),
+    pytest.param(SC.FAILED_PRECONDITION, NONE, "other", KvError, RetryAction.FAIL, id="precondition-not-ours"),
+    pytest.param(SC.INTERNAL, NONE, "bug before queueing", KvError, RetryAction.FAIL, id="internal-tagged"),
+    pytest.param(SC.RESOURCE_EXHAUSTED, {}, "CLIENT: Sent message larger than max (3000000 vs. 2097152)",
+                 InvalidArgument, RetryAction.FAIL, id="grpc-sent-too-large"),
+    pytest.param(SC.RESOURCE_EXHAUSTED, {}, "Sent message larger than max (3000000 vs. 2097152)",
+                 InvalidArgument, RetryAction.FAIL, id="grpc-sent-too-large-unprefixed"),
+    pytest.param(SC.RESOURCE_EXHAUSTED, {}, "SERVER: Received message larger than max (3000000 vs. 2097152)",
+                 InvalidArgument, RetryAction.FAIL, id="grpc-server-refused-size"),
 ]
 
 
@@ -113,6 +171,28 @@ def test_error_mapping_and_retry_action(
     assert retry_action(error) is action
     assert error.message == details  # the server's own text is kept
     assert error.code == code and error.target == "n1:1" and error.request_id == "rid"
+
+
+@pytest.mark.parametrize(("code", "metadata", "details", "cls", "action"), WRITE_CLASSIFY_TABLE)
+def test_write_error_mapping_and_retry_action(
+    code: grpc.StatusCode, metadata: dict[str, str], details: str, cls: type[KvError], action: RetryAction
+) -> None:
+    error = error_from_status(code, details, metadata, target="n1:1", request_id="rid", write=True)
+    assert type(error) is cls
+    assert retry_action(error) is action
+    assert write_attempt_is_definite(code, details, metadata) is (cls is not UnknownOutcome)
+    assert error.message == details  # the server's (or gRPC's) own text is kept
+    assert error.code == code and error.target == "n1:1" and error.request_id == "rid"
+
+
+@pytest.mark.parametrize("write", [False, True], ids=["read", "write"])
+def test_request_id_expired_is_its_own_error_never_retried(write: bool) -> None:
+    error = error_from_status(SC.FAILED_PRECONDITION, "first attempt 3 days ago", EXPIRED, request_id="r1",
+                              write=write)
+    assert type(error) is RequestExpired and retry_action(error) is RetryAction.FAIL
+    assert error.request_id == "r1" and error.code == SC.FAILED_PRECONDITION
+    assert "request id r1 expired" in error.message and "unknown" in error.message
+    assert "first attempt 3 days ago" in error.message  # the server's reason is kept
 
 
 def test_not_leader_exposes_hint_and_shard() -> None:
@@ -209,6 +289,8 @@ class Scripted:
             shards = [cluster_pb2.ShardInfo(shard=s, leader=self.leaders.get(s, "")) for s in range(self.shard_count)]
             return cluster_pb2.ShardMapResponse(shard_count=self.shard_count, served_by=target, shards=shards)
         outcome = self.script.pop(0)
+        if callable(outcome) and not isinstance(outcome, BaseException | Message):
+            outcome = outcome(timeout)  # e.g. `times_out`: takes the attempt's time first
         if isinstance(outcome, BaseException):
             raise outcome
         assert isinstance(outcome, Message)
@@ -222,15 +304,31 @@ def put_ok(revision: int = 10, replayed: bool = False) -> kv_pb2.PutResponse:
     return kv_pb2.PutResponse(result=kv_pb2.WriteResult(shard=0, revision=revision, replayed=replayed), version=1)
 
 
+def times_out(timeout: float) -> FakeRpcError:
+    """A script step: the node does not answer within the attempt's timeout."""
+    time.sleep(timeout)
+    return FakeRpcError(SC.DEADLINE_EXCEEDED, "Deadline Exceeded")
+
+
+def request_ids(attempts: list[Attempt]) -> list[str]:
+    return [a.request.request_id for a in attempts]  # type: ignore[attr-defined]
+
+
+def first_attempt_times(attempts: list[Attempt]) -> list[int]:
+    return [a.request.first_attempt_unix_ms for a in attempts]  # type: ignore[attr-defined]
+
+
 def test_write_retries_reuse_one_request_id() -> None:
     client = Client(["n1:1"], max_attempts=5)
     s = Scripted(client, 1, {0: "n1:1"}, [
         FakeRpcError(SC.UNKNOWN, "commit outcome unknown", [(OUTCOME_KEY, "unknown")]),
-        FakeRpcError(SC.UNAVAILABLE, "batch aborted"),
-        FakeRpcError(SC.RESOURCE_EXHAUSTED, "queue full"),
+        FakeRpcError(SC.UNAVAILABLE, "batch aborted", DEFINITE),
+        FakeRpcError(SC.RESOURCE_EXHAUSTED, "queue full", DEFINITE),
         put_ok(replayed=True),
     ])
+    before = int(time.time() * 1000)
     result = client.put("k", "v")
+    after = int(time.time() * 1000)
     puts = s.calls("Put")
     assert len(puts) == 4
     ids = {p.request.request_id for p in puts}  # type: ignore[attr-defined]
@@ -238,12 +336,14 @@ def test_write_retries_reuse_one_request_id() -> None:
     assert result.request_id == puts[0].request.request_id  # type: ignore[attr-defined]
     assert result.replayed and result.revision == 10
     assert len(s.slept) == 3  # a backoff between attempts
+    (first_ms,) = set(first_attempt_times(puts))  # set once, when the request was built
+    assert before <= first_ms <= after
 
 
 def test_caller_request_id_is_kept_for_delete_and_txn() -> None:
     client = Client(["n1:1"])
     s = Scripted(client, 1, {0: "n1:1"}, [
-        FakeRpcError(SC.UNAVAILABLE, "x"),
+        FakeRpcError(SC.UNAVAILABLE, "x", DEFINITE),
         kv_pb2.DeleteResponse(result=kv_pb2.WriteResult(revision=3), deleted=True),
         FakeRpcError(SC.UNKNOWN, "?", [(OUTCOME_KEY, "unknown")]),
         kv_pb2.TxnResponse(succeeded=True, result=kv_pb2.WriteResult(revision=4)),
@@ -265,20 +365,235 @@ def test_each_write_gets_a_fresh_request_id() -> None:
 @pytest.mark.parametrize(
     "error",
     [
-        pytest.param(FakeRpcError(SC.INVALID_ARGUMENT, "value is 2000000 bytes; limit MAX_VALUE_BYTES"), id="invalid"),
-        pytest.param(FakeRpcError(SC.UNKNOWN, "Exception calling application"), id="unknown-without-outcome"),
-        pytest.param(FakeRpcError(SC.INTERNAL, "bug"), id="internal"),
-        pytest.param(FakeRpcError(SC.FAILED_PRECONDITION, "something else"), id="precondition-without-shard"),
+        pytest.param(FakeRpcError(SC.INVALID_ARGUMENT, "value is 2000000 bytes; limit MAX_VALUE_BYTES", DEFINITE),
+                     id="invalid"),
+        pytest.param(FakeRpcError(SC.UNKNOWN, "failed before queueing", DEFINITE), id="unknown-tagged-none"),
+        pytest.param(FakeRpcError(SC.INTERNAL, "bug", DEFINITE), id="internal"),
+        pytest.param(FakeRpcError(SC.FAILED_PRECONDITION, "something else", DEFINITE),
+                     id="precondition-without-shard"),
+        pytest.param(FakeRpcError(SC.RESOURCE_EXHAUSTED, "CLIENT: Sent message larger than max (3 vs. 2)"),
+                     id="grpc-sent-too-large"),
     ],
 )
-def test_not_retried(error: FakeRpcError) -> None:
+def test_definite_write_errors_are_not_retried(error: FakeRpcError) -> None:
     client = Client(["n1:1"])
     s = Scripted(client, 1, {}, [error, put_ok()])
     with pytest.raises(KvError) as info:
         client.put("k", "v")
+    assert not isinstance(info.value, UnknownOutcome)
     assert len(s.calls("Put")) == 1 and not s.slept
     assert info.value.message == error.details()
     assert info.value.request_id == s.calls("Put")[0].request.request_id  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(
+    ("error", "cls"),
+    [
+        pytest.param(FakeRpcError(SC.UNKNOWN, "Exception calling application"), KvError, id="unknown-bare"),
+        pytest.param(FakeRpcError(SC.INTERNAL, "bug"), KvError, id="internal"),
+        pytest.param(FakeRpcError(SC.CANCELLED, "Cancelled"), Cancelled, id="cancelled"),
+        pytest.param(FakeRpcError(SC.INVALID_ARGUMENT, "bad consistency"), InvalidArgument, id="invalid"),
+    ],
+)
+def test_reads_are_classified_by_code_alone(error: FakeRpcError, cls: type[KvError]) -> None:
+    """A read changes nothing: an untagged error is no unknown outcome, and is raised as before."""
+    client = Client(["n1:1"])
+    s = Scripted(client, 1, {}, [error, kv_pb2.GetResponse()])
+    with pytest.raises(KvError) as info:
+        client.get("k")
+    assert type(info.value) is cls and len(s.calls("Get")) == 1 and not s.slept
+
+
+def test_untagged_unavailable_on_a_read_stays_unavailable() -> None:
+    client = Client(["n1:1"], max_attempts=3)
+    s = Scripted(client, 1, {}, [FakeRpcError(SC.UNAVAILABLE, "Socket closed")] * 3)
+    with pytest.raises(Unavailable) as info:
+        client.get("k")
+    assert type(info.value) is Unavailable and len(s.calls("Get")) == 3
+
+
+UNTAGGED_WRITE_ERRORS = [
+    pytest.param(FakeRpcError(SC.UNAVAILABLE, "Socket closed"), id="socket-closed"),
+    pytest.param(FakeRpcError(SC.UNAVAILABLE, "failed to connect to all addresses"), id="failed-to-connect"),
+    pytest.param(FakeRpcError(SC.CANCELLED, "Cancelled"), id="cancelled"),
+    pytest.param(FakeRpcError(SC.INTERNAL, "Received RST_STREAM with error code 2"), id="internal"),
+    pytest.param(FakeRpcError(SC.UNKNOWN, "Exception calling application"), id="unknown-bare"),
+    pytest.param(FakeRpcError(SC.DEADLINE_EXCEEDED, "Deadline Exceeded"), id="deadline"),
+    pytest.param(FakeRpcError(SC.RESOURCE_EXHAUSTED, "queue full"), id="exhausted-untagged"),
+]
+
+
+@pytest.mark.parametrize("error", UNTAGGED_WRITE_ERRORS)
+@pytest.mark.parametrize("method", ["Put", "Delete", "Txn"])
+def test_untagged_write_error_is_retried_with_the_same_id_then_unknown_outcome(
+    error: FakeRpcError, method: str
+) -> None:
+    """Nobody said nothing happened: every attempt is retried with the same request id and first
+    attempt time, and giving up says the outcome is unknown, with the id to retry with."""
+    client = Client(["n1:1", "n2:2"], max_attempts=4)
+    s = Scripted(client, 1, {}, [error] * 4)
+    calls: dict[str, Callable[[], object]] = {
+        "Put": lambda: client.put("k", "v"),
+        "Delete": lambda: client.delete("k"),
+        "Txn": lambda: client.txn([Compare.version("k", "==", 0)], [Op.put("k", "v")]),
+    }
+    with pytest.raises(UnknownOutcome) as info:
+        calls[method]()
+    attempts = s.calls(method)
+    assert len(attempts) == 4 and len(s.slept) == 3
+    assert [a.target for a in attempts] == ["n1:1", "n2:2", "n1:1", "n2:2"]  # rerouted
+    (rid,) = set(request_ids(attempts))
+    (first_ms,) = set(first_attempt_times(attempts))
+    assert first_ms > 0
+    assert info.value.request_id == rid and info.value.first_attempt_unix_ms == first_ms
+    assert info.value.attempts == 4 and info.value.code == error.code()
+    assert info.value.message == error.details()
+
+
+@pytest.mark.parametrize("error", UNTAGGED_WRITE_ERRORS)
+def test_untagged_write_error_then_success(error: FakeRpcError) -> None:
+    client = Client(["n1:1"])
+    s = Scripted(client, 1, {}, [error, put_ok(replayed=True)])
+    assert client.put("k", "v").replayed
+    assert len(set(request_ids(s.calls("Put")))) == 1
+
+
+def test_tagged_unavailable_is_still_unavailable_when_nothing_was_unknown() -> None:
+    client = Client(["n1:1"], max_attempts=3)
+    s = Scripted(client, 1, {}, [FakeRpcError(SC.UNAVAILABLE, "shard 0 bootstrapping", DEFINITE)] * 3)
+    with pytest.raises(Unavailable) as info:
+        client.put("k", "v")
+    assert type(info.value) is Unavailable and len(s.calls("Put")) == 3
+    assert info.value.request_id == request_ids(s.calls("Put"))[0]
+
+
+def test_tagged_invalid_argument_is_raised_at_once() -> None:
+    client = Client(["n1:1"])
+    s = Scripted(client, 1, {}, [FakeRpcError(SC.INVALID_ARGUMENT, "key is 5000 bytes", DEFINITE), put_ok()])
+    with pytest.raises(InvalidArgument):
+        client.put("k", "v")
+    assert len(s.calls("Put")) == 1 and not s.slept
+
+
+def test_tagged_error_after_an_unknown_attempt_is_still_unknown() -> None:
+    """Even a definite "invalid" for the retry says nothing about the first attempt."""
+    client = Client(["n1:1"])
+    s = Scripted(client, 1, {}, [FakeRpcError(SC.UNAVAILABLE, "Socket closed"),
+                                 FakeRpcError(SC.INVALID_ARGUMENT, "limits changed", DEFINITE)])
+    with pytest.raises(UnknownOutcome) as info:
+        client.put("k", "v")
+    assert len(s.calls("Put")) == 2 and info.value.attempts == 2
+    assert "Socket closed" in str(info.value) and "limits changed" in str(info.value)
+    assert info.value.request_id == request_ids(s.calls("Put"))[0]
+
+
+def test_request_expired_is_never_retried_and_not_turned_into_unknown_outcome() -> None:
+    client = Client(["n1:1"])
+    s = Scripted(client, 1, {}, [
+        FakeRpcError(SC.UNAVAILABLE, "Socket closed"),  # an unknown outcome first
+        FakeRpcError(SC.FAILED_PRECONDITION, "older than the horizon", tuple(EXPIRED.items())),
+        put_ok(),
+    ])
+    with pytest.raises(RequestExpired) as info:
+        client.put("k", "v", request_id="old-id", first_attempt_unix_ms=1_600_000_000_000)
+    assert type(info.value) is RequestExpired and len(s.calls("Put")) == 2
+    assert info.value.request_id == "old-id" and info.value.first_attempt_unix_ms == 1_600_000_000_000
+    assert "request id old-id expired" in str(info.value) and "unknown" in str(info.value)
+
+
+def test_caller_first_attempt_time_is_sent_on_every_attempt() -> None:
+    client = Client(["n1:1"])
+    s = Scripted(client, 1, {0: "n1:1"}, [
+        FakeRpcError(SC.UNAVAILABLE, "Socket closed"), put_ok(replayed=True),
+        kv_pb2.DeleteResponse(), kv_pb2.TxnResponse(succeeded=True),
+    ])
+    client.put("k", "v", request_id="r1", first_attempt_unix_ms=1_700_000_000_123)
+    client.delete("k", request_id="r2", first_attempt_unix_ms=1_700_000_000_456)
+    client.txn([], [Op.put("k", "v")], request_id="r3", first_attempt_unix_ms=1_700_000_000_789)
+    assert first_attempt_times(s.calls("Put")) == [1_700_000_000_123] * 2
+    assert first_attempt_times(s.calls("Delete")) == [1_700_000_000_456]
+    assert first_attempt_times(s.calls("Txn")) == [1_700_000_000_789]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        pytest.param({"first_attempt_unix_ms": 1_700_000_000_000}, "give its request_id", id="without-request-id"),
+        pytest.param({"request_id": "r", "first_attempt_unix_ms": 0}, "positive", id="zero"),
+        pytest.param({"request_id": "r", "first_attempt_unix_ms": -5}, "positive", id="negative"),
+        pytest.param({"request_id": "r", "first_attempt_unix_ms": 1.5}, "positive", id="float"),
+    ],
+)
+def test_first_attempt_time_is_checked_before_sending(kwargs: dict[str, Any], message: str) -> None:
+    client = Client(["n1:1"])
+    s = Scripted(client, 1, {}, [put_ok()])
+    with pytest.raises(InvalidArgument, match=message):
+        client.put("k", "v", **kwargs)
+    assert s.calls("Put") == []
+
+
+def test_write_cut_short_by_the_callers_deadline_is_unknown_outcome() -> None:
+    client = Client(["n1:1"], timeout_s=0.05, max_attempts=5)
+    s = Scripted(client, 1, {}, [times_out] * 5)
+    with pytest.raises(UnknownOutcome) as info:
+        client.put("k", "v")
+    assert len(s.calls("Put")) == 1
+    assert str(info.value) == "deadline exceeded, outcome unknown: Deadline Exceeded"
+    assert info.value.request_id == request_ids(s.calls("Put"))[0]
+    assert info.value.first_attempt_unix_ms == first_attempt_times(s.calls("Put"))[0]
+
+
+def test_write_cut_short_by_the_attempt_cap_then_deadline_is_unknown_outcome() -> None:
+    client = Client(["n1:1", "n2:2"], timeout_s=0.3, attempt_timeout_s=0.1, max_attempts=100,
+                    backoff_s=0.05, max_backoff_s=0.05)
+    s = Scripted(client, 1, {}, [times_out] + [FakeRpcError(SC.UNAVAILABLE, "bootstrapping", DEFINITE)] * 99)
+    client._sleep = time.sleep  # real time, so that the deadline passes in the backoff
+    with pytest.raises(UnknownOutcome) as info:
+        client.put("k", "v")
+    assert str(info.value).startswith("deadline exceeded, outcome unknown: n1:1 did not answer within 0.1s; "
+                                      "the retries then failed: bootstrapping")
+    assert len(set(request_ids(s.calls("Put")))) == 1
+
+
+def test_write_refused_until_the_deadline_is_a_definite_deadline_exceeded() -> None:
+    """Every attempt was refused with the `none` tag: nothing committed, so no unknown outcome."""
+    client = Client(["n1:1"], timeout_s=0.2, max_attempts=1000, backoff_s=0.02, max_backoff_s=0.02)
+    s = Scripted(client, 1, {}, [FakeRpcError(SC.UNAVAILABLE, "bootstrapping", DEFINITE)] * 1000)
+    client._sleep = time.sleep
+    with pytest.raises(DeadlineExceeded) as info:
+        client.put("k", "v")
+    assert "bootstrapping" in str(info.value) and len(s.calls("Put")) > 1
+    assert info.value.request_id == request_ids(s.calls("Put"))[0]
+
+
+def test_write_whose_deadline_passed_before_any_attempt_is_deadline_exceeded() -> None:
+    client = Client(["n1:1"], timeout_s=0.01)
+    s = Scripted(client, 1, {}, [put_ok()])
+
+    def slow_route(key: bytes | None, deadline: float) -> str:
+        time.sleep(max(0.0, deadline - time.monotonic()) + 0.001)
+        return "n1:1"
+
+    client._route = slow_route  # type: ignore[method-assign]
+    with pytest.raises(DeadlineExceeded) as info:
+        client.put("k", "v")
+    assert s.calls("Put") == [] and info.value.request_id is not None
+
+
+def test_closing_the_client_after_an_unknown_attempt_keeps_the_unknown_outcome() -> None:
+    client = Client(["n1:1"])
+    s = Scripted(client, 1, {}, [FakeRpcError(SC.CANCELLED, "Cancelled")])
+    real_sleep = s.sleep
+
+    def close_then_sleep(seconds: float) -> None:  # closed while the client backs off
+        client._invoke = Client._invoke.__get__(client)  # type: ignore[method-assign]
+        client.close()
+        real_sleep(seconds)
+
+    client._sleep = close_then_sleep
+    with pytest.raises(UnknownOutcome, match="closed") as info:
+        client.put("k", "v")
+    assert info.value.request_id == request_ids(s.calls("Put"))[0]
 
 
 def test_unknown_outcome_is_not_hidden_by_later_failures() -> None:
@@ -287,8 +602,8 @@ def test_unknown_outcome_is_not_hidden_by_later_failures() -> None:
     client = Client(["n1:1"], max_attempts=3)
     s = Scripted(client, 1, {}, [
         FakeRpcError(SC.UNKNOWN, "commit outcome unknown", [(OUTCOME_KEY, "unknown")]),
-        FakeRpcError(SC.UNAVAILABLE, "leader changing"),
-        FakeRpcError(SC.UNAVAILABLE, "leader changing"),
+        FakeRpcError(SC.UNAVAILABLE, "leader changing", DEFINITE),
+        FakeRpcError(SC.UNAVAILABLE, "leader changing", DEFINITE),
     ])
     with pytest.raises(UnknownOutcome) as info:
         client.put("k", "v")
@@ -299,7 +614,8 @@ def test_unknown_outcome_is_not_hidden_by_later_failures() -> None:
 
 def test_invalid_argument_keeps_server_message_and_class() -> None:
     client = Client(["n1:1"])
-    Scripted(client, 1, {}, [FakeRpcError(SC.INVALID_ARGUMENT, "key is 5000 bytes; limit MAX_KEY_BYTES is 4096")])
+    Scripted(client, 1, {}, [FakeRpcError(SC.INVALID_ARGUMENT, "key is 5000 bytes; limit MAX_KEY_BYTES is 4096",
+                                          DEFINITE)])
     with pytest.raises(InvalidArgument, match="MAX_KEY_BYTES"):
         client.put("k", "v")
 
@@ -325,7 +641,7 @@ def test_unavailable_tries_the_next_endpoint() -> None:
 def test_redirect_follows_hint_without_waiting_and_refreshes_map() -> None:
     client = Client(["n1:1"])
     s = Scripted(client, 1, {0: "n1:1"}, [
-        FakeRpcError(SC.FAILED_PRECONDITION, "not leader", [(SHARD_KEY, "0"), (LEADER_HINT_KEY, "n2:2")]),
+        FakeRpcError(SC.FAILED_PRECONDITION, "not leader", [(SHARD_KEY, "0"), (LEADER_HINT_KEY, "n2:2"), *DEFINITE]),
         put_ok(),
         put_ok(),
     ])
@@ -465,7 +781,7 @@ class FakeNode(kv_pb2_grpc.KVServicer, cluster_pb2_grpc.ClusterServicer):
             shard = shard_of(key, c.shard_count)
             leader = c.leaders[shard]
             if leader != self.address:
-                md = [(SHARD_KEY, str(shard))] + ([(LEADER_HINT_KEY, leader)] if c.hints else [])
+                md = [*DEFINITE, (SHARD_KEY, str(shard))] + ([(LEADER_HINT_KEY, leader)] if c.hints else [])
                 self._abort(context, Failure(SC.FAILED_PRECONDITION, f"this node does not lead shard {shard}",
                                              tuple(md)))
         return failure
@@ -500,7 +816,7 @@ class FakeNode(kv_pb2_grpc.KVServicer, cluster_pb2_grpc.ClusterServicer):
     def Put(self, request: kv_pb2.PutRequest, context: grpc.ServicerContext) -> kv_pb2.PutResponse:
         failure = self._enter("Put", request, context, request.key)
         if request.key == b"":
-            self._abort(context, Failure(SC.INVALID_ARGUMENT, "key must not be empty"))
+            self._abort(context, Failure(SC.INVALID_ARGUMENT, "key must not be empty", DEFINITE))
         response = self._write(request.request_id, lambda rev: self._put(request.key, request.value, rev))
         if failure is not None:
             self._abort(context, failure)
@@ -643,12 +959,24 @@ def test_unknown_outcome_is_retried_with_the_same_request_id(cluster: FakeCluste
     assert client.get(k0).kv == KeyValue(k0, b"v", 1, result.revision, result.revision)
 
 
-def test_unknown_without_outcome_metadata_is_not_retried(cluster: FakeCluster, client: Client) -> None:
+def test_untagged_write_error_is_retried_and_applied_once(cluster: FakeCluster, client: Client) -> None:
+    """A bare UNKNOWN after the write happened (say, the handler crashed after the commit): the
+    client cannot know, so it retries with the same id and gets the original answer."""
     k0 = key_on(0, 2)
-    cluster.fail(cluster.leaders[0], "Put", Failure(SC.UNKNOWN, "Exception calling application"))
+    leader = cluster.leaders[0]
+    cluster.fail(leader, "Put", Failure(SC.UNKNOWN, "Exception calling application", apply_first=True))
+    result = client.put(k0, "v")
+    puts = cluster.calls_to("Put", leader)
+    assert len(puts) == 2 and {p.request.request_id for p in puts} == {result.request_id}
+    assert len({p.request.first_attempt_unix_ms for p in puts}) == 1
+    assert result.replayed and result.version == 1
+
+
+def test_untagged_read_error_is_not_retried(cluster: FakeCluster, client: Client) -> None:
+    cluster.fail(cluster.addresses[0], "Get", Failure(SC.UNKNOWN, "Exception calling application"))
     with pytest.raises(KvError) as info:
-        client.put(k0, "v")
-    assert type(info.value) is KvError and len(cluster.calls_to("Put")) == 1
+        client.get(key_on(0, 2), consistency="stale")
+    assert type(info.value) is KvError and len(cluster.calls_to("Get")) == 1
 
 
 def test_invalid_argument_is_not_retried(cluster: FakeCluster, client: Client) -> None:
@@ -662,8 +990,8 @@ def test_invalid_argument_is_not_retried(cluster: FakeCluster, client: Client) -
 def test_overloaded_then_unavailable_then_success(cluster: FakeCluster, client: Client) -> None:
     k0 = key_on(0, 2)
     leader = cluster.leaders[0]
-    cluster.fail(leader, "Delete", Failure(SC.RESOURCE_EXHAUSTED, "queue full"),
-                 Failure(SC.UNAVAILABLE, "shard 0 bootstrapping"))
+    cluster.fail(leader, "Delete", Failure(SC.RESOURCE_EXHAUSTED, "queue full", DEFINITE),
+                 Failure(SC.UNAVAILABLE, "shard 0 bootstrapping", DEFINITE))
     result = client.delete(k0)
     assert isinstance(result, DeleteResult) and not result.deleted
     assert len({c.request.request_id for c in cluster.calls_to("Delete")}) == 1
@@ -678,10 +1006,15 @@ def test_dead_endpoint_is_skipped(cluster: FakeCluster) -> None:
         assert c.get(key_on(0, 2), consistency="stale").found
 
 
-def test_all_endpoints_dead_gives_unavailable() -> None:
-    with Client([_free_address(), _free_address()], timeout_s=3.0, max_attempts=3, backoff_s=0.01) as c, \
-            pytest.raises(Unavailable):
-        c.put("k", "v")
+def test_all_endpoints_dead_read_unavailable_write_unknown() -> None:
+    """A refused connection carries no `none` tag: for a write the client cannot tell it from a
+    connection that dropped after the request left, so it is an unknown outcome."""
+    with Client([_free_address(), _free_address()], timeout_s=3.0, max_attempts=3, backoff_s=0.01) as c:
+        with pytest.raises(Unavailable):
+            c.get("k")
+        with pytest.raises(UnknownOutcome) as info:
+            c.put("k", "v")
+        assert info.value.request_id and info.value.attempts == 3
 
 
 def test_stale_read_goes_to_any_endpoint(cluster: FakeCluster, client: Client) -> None:
