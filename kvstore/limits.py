@@ -22,3 +22,31 @@ MAX_WATCHERS = 1_024
 WATCH_QUEUE_EVENTS = 10_000  # per watcher; a watcher that falls this far behind is cut off
 # gRPC's own cap, a little above MAX_REQUEST_BYTES so that our check (with a clear message) runs.
 GRPC_MAX_MESSAGE_BYTES = 2 * 1024 * 1024
+
+# ---- the request-id (dedupe) table: DESIGN.md §3, "kept for a documented horizon" ----------------
+# Every replica forgets a request id at the same WAL entry, by time and by count, from the leader
+# times stamped in the entries (WalEntry.leader_unix_ms), never from its own clock. Changing any of
+# these two changes which ids a replica remembers: do it with a kvstore.storage FORMAT_VERSION bump
+# so that every store is rebuilt under the new rule.
+#
+# Time bound. A retry is refused ("expired, outcome unknown") once its first attempt is older than
+# this. Clients retry automatically within their call deadline (seconds); a person whose CLI call
+# ended in "unknown outcome" may come back minutes later, after a coffee or a failover. An hour
+# covers both with a wide margin; past it a person should read the key, not blindly replay a write.
+# The table's size is set by the count bound below, so a longer horizon costs no storage on a busy
+# shard, and on a quiet one at most an hour of its writes.
+REQUEST_ID_HORIZON_MS = 60 * 60 * 1_000
+# Count bound: the storage ceiling. An id costs two rows, its answer (the id, <= MAX_REQUEST_ID_BYTES,
+# 16 bytes of revision and time, the stored response, usually < 100 bytes) and its place in commit
+# order (the id and 16 bytes): at most ~40 MB per shard, ~15 MB with uuid4-hex ids. A Txn response
+# carrying the values it read is larger: bytes are bounded only through MAX_REQUEST_BYTES.
+# The horizon is therefore min(REQUEST_ID_HORIZON_MS, MAX_REQUEST_IDS / id'd writes per second):
+# above ~28 writes/s with request ids per shard, the count bound forgets first, and retries are
+# refused sooner (by the evicted-through rule, kvstore.request_horizon), never applied twice.
+MAX_REQUEST_IDS = 100_000
+# How far apart two clocks may be: a client's (first_attempt_unix_ms) and a leader's, or two
+# successive leaders'. NTP keeps hosts within milliseconds; ten seconds also covers a badly synced
+# host or a VM that was paused. The refusal rule widens every comparison by this much, so a larger
+# value refuses more fresh requests near an eviction, a smaller one risks a second apply.
+MAX_CLOCK_SKEW_MS = 10_000
+assert 0 < MAX_CLOCK_SKEW_MS < REQUEST_ID_HORIZON_MS, "the skew margin must not swallow the horizon"

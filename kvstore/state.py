@@ -59,11 +59,14 @@ class Change(NamedTuple):
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class RequestRecord:
-    """What the request-id table keeps: where the request committed and what was answered."""
+    """What the request-id table keeps: where the request committed, what was answered, and the
+    leader's clock when it built the entry (0: an entry written before WalEntry.leader_unix_ms
+    existed), by which every replica forgets the id at the same entry (`kvstore.storage`)."""
 
     request_id: str
     revision: int
     response: bytes
+    leader_unix_ms: int = 0
 
 
 @dataclasses.dataclass
@@ -114,6 +117,7 @@ def apply_entries(
     request_seen: RequestSeen,
     records: Sequence[tuple[int, bytes]],
     on_request: Callable[[RequestRecord], None] | None = None,
+    on_leader_time: Callable[[int], None] | None = None,
 ) -> Applied:
     """Apply accepted WAL records (offset, payload) in offset order; pure.
 
@@ -124,6 +128,11 @@ def apply_entries(
     With `on_request`, the caller keeps the request table itself (it is told of every request
     as it is applied, and `request_seen` must answer for those too): that lets a bounded table
     evict at the exact same record whether records arrive one at a time or in one batch.
+
+    With `on_leader_time`, it is told the leader time (> 0) of every well-formed entry that has
+    one, duplicates and entries without a request id included, in order: after the entry's
+    duplicate check (an id is never forgotten from under its own retry) and before its request
+    reaches `on_request`. That is the clock by which a bounded table forgets ids by age.
     """
     out = Applied()
     writes, changes = out.writes, out.changes
@@ -138,7 +147,13 @@ def apply_entries(
             continue
         request_id = entry.request_id
         seen = request_id in seen_here if on_request is None else False
-        if request_id and (seen or request_seen(request_id)):
+        duplicate = bool(request_id) and (seen or request_seen(request_id))
+        # 0 = unknown: written before the field existed; a negative time is nonsense, and a
+        # bounded table must treat it as unknown rather than as very old (inline: hot loop).
+        leader_ms = entry.leader_unix_ms if entry.leader_unix_ms > 0 else 0
+        if on_leader_time is not None and leader_ms > 0:
+            on_leader_time(leader_ms)
+        if duplicate:
             out.duplicates += 1
             continue
         for effect in entry.effects:
@@ -149,7 +164,7 @@ def apply_entries(
                                   key, new_state, offset))
         if request_id:
             seen_here.add(request_id)
-            request = RequestRecord(request_id, offset, bytes(entry.response))
+            request = RequestRecord(request_id, offset, bytes(entry.response), leader_ms)
             out.requests.append(request)
             if on_request is not None:
                 on_request(request)

@@ -3,14 +3,18 @@
 Layout (one LevelDB directory per shard, all keys prefixed):
 
     d<key>                 -> KeyState.encode()
-    r<request id>          -> revision (8 bytes) + original response
-    q<revision:8><id>      -> b""   (request ids in commit order, to bound the table)
-    m:format, m:topic, m:shard, m:checkpoint, m:requests
+    r<request id>          -> revision (8 bytes) + leader_unix_ms (8 bytes) + original response
+    q<revision:8><id>      -> leader_unix_ms (8 bytes)   (request ids in commit order, to bound the table)
+    m:format, m:topic, m:shard, m:checkpoint, m:requests (ids kept), m:evicted_through (ms)
 
 W5: the writes of a committed batch and the new checkpoint (the next WAL offset to read) go in
 one LevelDB write batch, so state and checkpoint never disagree. A directory that cannot be
 opened, was written by another format, topic or shard, or lacks a checkpoint is wiped and
 rebuilt from the WAL by the replica (`needs_rebuild` tells it so), never trusted.
+
+The request-id table forgets ids by time and by count (DESIGN.md §3, `_RequestWindow`), as a pure
+function of the applied entries, and keeps `evicted_through_ms`, the newest leader time it ever
+forgot, for `kvstore.request_horizon` to refuse retries it can no longer recognise.
 """
 
 from __future__ import annotations
@@ -24,19 +28,20 @@ from pathlib import Path
 
 import plyvel
 
+from kvstore.limits import MAX_REQUEST_IDS, REQUEST_ID_HORIZON_MS
 from kvstore.state import Applied, KeyState, RequestRecord, apply_entries
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = b"1"
-# A retry is recognised if its request id is among the last this-many requests of its shard.
-MAX_REQUEST_IDS = 100_000
+# 2: request ids keep their leader time, m:evicted_through. Older directories are rebuilt.
+FORMAT_VERSION = b"2"
 
 _DATA = b"d"
 _REQUEST = b"r"
 _REQUEST_ORDER = b"q"
 _META = b"m:"
 _U64 = struct.Struct(">Q")
+_REQUEST_HEAD = struct.Struct(">QQ")  # revision, leader_unix_ms
 
 
 # A Bloom filter per table: applying a record looks its key up first, and during a bootstrap or
@@ -53,12 +58,16 @@ class StorageError(Exception):
 class ShardStore:
     """LevelDB state of one shard. Not thread-safe: the replica serialises apply and reads."""
 
-    def __init__(self, path: Path, *, topic: str, shard: int, max_request_ids: int = MAX_REQUEST_IDS) -> None:
-        assert max_request_ids > 0
+    def __init__(self, path: Path, *, topic: str, shard: int, max_request_ids: int = MAX_REQUEST_IDS,
+                 request_id_horizon_ms: int = REQUEST_ID_HORIZON_MS) -> None:
+        """`max_request_ids` and `request_id_horizon_ms` are parameters for tests only: every
+        replica of a shard must run with the same values, or their tables differ."""
+        assert max_request_ids > 0 and request_id_horizon_ms > 0
         self.path = Path(path)
         self.topic = topic
         self.shard = shard
         self.max_request_ids = max_request_ids
+        self.request_id_horizon_ms = request_id_horizon_ms
         self.rebuilt_reason: str | None = None
         self._db = self._open()
 
@@ -99,6 +108,8 @@ class ShardStore:
             return "written for another topic or shard"
         if db.get(_META + b"checkpoint") is None:
             return "no checkpoint"
+        if db.get(_META + b"requests") is None or db.get(_META + b"evicted_through") is None:
+            return "no request-table metadata"
         return None
 
     def _initialise(self, db: plyvel.DB) -> None:
@@ -108,6 +119,7 @@ class ShardStore:
             batch.put(_META + b"shard", str(self.shard).encode())
             batch.put(_META + b"checkpoint", _U64.pack(0))
             batch.put(_META + b"requests", _U64.pack(0))
+            batch.put(_META + b"evicted_through", _U64.pack(0))
 
     def _wipe_and_create(self, why: str) -> plyvel.DB:
         log.warning("shard %d: local state at %s is unusable (%s): rebuilding from the WAL", self.shard,
@@ -137,6 +149,16 @@ class ShardStore:
             raise StorageError(f"shard {self.shard}: checkpoint vanished")
         return int(_U64.unpack(raw)[0])
 
+    @property
+    def evicted_through_ms(self) -> int:
+        """The largest leader time (Unix ms) of any request id this table ever forgot, by time
+        or by count; 0 if none. A retry whose id is absent and whose first attempt is not after
+        this (plus clock skew) may be a forgotten one: `kvstore.request_horizon.expired`."""
+        raw = self._db.get(_META + b"evicted_through")
+        if raw is None:
+            raise StorageError(f"shard {self.shard}: evicted-through time vanished")
+        return int(_U64.unpack(raw)[0])
+
     def get(self, key: bytes) -> KeyState | None:
         raw = self._db.get(_DATA + key)
         return KeyState.decode(raw) if raw is not None else None
@@ -156,7 +178,8 @@ class ShardStore:
         raw = self._db.get(_REQUEST + request_id.encode())
         if raw is None:
             return None
-        return RequestRecord(request_id, int(_U64.unpack_from(raw)[0]), raw[_U64.size:])
+        revision, leader_ms = _REQUEST_HEAD.unpack_from(raw)
+        return RequestRecord(request_id, revision, raw[_REQUEST_HEAD.size:], leader_ms)
 
     def keys(self) -> Iterator[tuple[bytes, KeyState]]:
         """Every key, in order (for audits and replica comparisons)."""
@@ -182,8 +205,9 @@ class ShardStore:
         assert all(current <= offset < new_checkpoint for offset, _ in records), (
             f"records outside [{current}, {new_checkpoint})"
         )
-        window = _RequestWindow(self._db, self.max_request_ids)
-        applied = apply_entries(self.get, window.seen, records, on_request=window.add)
+        window = _RequestWindow(self._db, self.max_request_ids, self.request_id_horizon_ms)
+        applied = apply_entries(self.get, window.seen, records, on_request=window.add,
+                                on_leader_time=window.forget_older)
         with self._db.write_batch(sync=sync) as batch:
             for key, state in applied.writes.items():
                 if state is None:
@@ -195,26 +219,57 @@ class ShardStore:
                 batch.delete(_REQUEST + rid)
             for req in window.added.values():
                 rid = req.request_id.encode()
-                batch.put(_REQUEST + rid, _U64.pack(req.revision) + req.response)
-                batch.put(_REQUEST_ORDER + _U64.pack(req.revision) + rid, b"")
+                batch.put(_REQUEST + rid, _REQUEST_HEAD.pack(req.revision, req.leader_unix_ms) + req.response)
+                batch.put(_REQUEST_ORDER + _U64.pack(req.revision) + rid, _U64.pack(req.leader_unix_ms))
             batch.put(_META + b"requests", _U64.pack(window.count))
+            batch.put(_META + b"evicted_through", _U64.pack(window.evicted_through_ms))
             batch.put(_META + b"checkpoint", _U64.pack(new_checkpoint))
         return applied
 
+    def rewind(self, offset: int) -> None:
+        """Move the checkpoint back over the one slot a leader assumed its commit marker took,
+        so that a replay looks at that slot (DESIGN.md §3: the marker's slot is assumed, not
+        observed). Only that slot: nothing this store applied may lie at or above `offset`."""
+        current = self.applied_offset
+        assert 0 <= current - offset <= 1, f"rewind from {current} to {offset}: only the marker's slot"
+        self._db.put(_META + b"checkpoint", _U64.pack(offset), sync=True)
+
 
 class _RequestWindow:
-    """The request-id table during one apply: the last `limit` ids, the oldest evicted at the
-    exact record that overflows the table, whether records come one by one or batched, so that
-    every replica remembers the same ids however its batches were cut."""
+    """The request-id table during one apply. Ids are forgotten oldest first by revision:
 
-    def __init__(self, db: plyvel.DB, limit: int) -> None:
+    - by time: an entry with leader time t forgets every id at the head of the table whose time
+      is below t - horizon (after its own duplicate check, `apply_entries`);
+    - by count: the id that takes the table over `limit` forgets the oldest.
+
+    Both happen at the exact entry that causes them, whether records come one by one or batched,
+    and depend only on the entries' revisions and leader times, never on a local clock: every
+    replica remembers the same ids however its batches were cut.
+
+    Time eviction stops at the first id young enough, so an id written by a leader whose clock
+    lagged a later id's may stay a little longer than the horizon; keeping an id longer is always
+    safe, and the scan stays one seek per apply.
+
+    An id of unknown time (0: written before WalEntry.leader_unix_ms existed) counts as older
+    than any horizon. When forgotten, `evicted_through_ms` takes the evicting entry's time
+    instead of 0: the id committed before that entry was built, which is the best bound known.
+    (So the first timed entry after an upgrade forgets every such id, and retries first attempted
+    up to MAX_CLOCK_SKEW_MS after it are refused once, rather than possibly applied twice. Ids
+    forgotten by count while applying entries without a time add nothing: no bound is known.)
+    """
+
+    def __init__(self, db: plyvel.DB, limit: int, horizon_ms: int) -> None:
         self._db = db
         self._limit = limit
+        self._horizon_ms = horizon_ms
         self.count = int(_U64.unpack(db.get(_META + b"requests") or _U64.pack(0))[0])
+        self.evicted_through_ms = int(_U64.unpack(db.get(_META + b"evicted_through") or _U64.pack(0))[0])
         self.added: dict[str, RequestRecord] = {}  # insertion order = revision order
         self.evicted_stored: list[tuple[int, bytes]] = []
         self._evicted_ids: set[bytes] = set()
-        self._oldest = db.iterator(prefix=_REQUEST_ORDER, include_value=False)
+        self._stored = db.iterator(prefix=_REQUEST_ORDER)  # every stored row is older than this apply's
+        self._stored_head: tuple[int, bytes, int] | None = None  # (revision, id, leader ms), read ahead
+        self._stored_left = True
 
     def seen(self, request_id: str) -> bool:
         if request_id in self.added:
@@ -222,19 +277,46 @@ class _RequestWindow:
         rid = request_id.encode()
         return rid not in self._evicted_ids and self._db.get(_REQUEST + rid) is not None
 
+    def forget_older(self, leader_ms: int) -> None:
+        """Apply the time bound at an entry built at `leader_ms` (> 0)."""
+        assert leader_ms > 0
+        cutoff_ms = leader_ms - self._horizon_ms
+        while (oldest_ms := self._oldest_ms()) is not None and oldest_ms < cutoff_ms:
+            self._evict_oldest(leader_ms)
+
     def add(self, request: RequestRecord) -> None:
+        """Apply the count bound as `request` joins the table."""
         self.added[request.request_id] = request
         self.count += 1
         while self.count > self._limit:
-            self._evict_oldest()
-            self.count -= 1
+            self._evict_oldest(request.leader_unix_ms)
 
-    def _evict_oldest(self) -> None:
-        raw_key = next(self._oldest, None)
-        if raw_key is not None:  # stored rows are all older than this batch's
-            revision = int(_U64.unpack_from(raw_key, len(_REQUEST_ORDER))[0])
-            rid = raw_key[len(_REQUEST_ORDER) + _U64.size:]
+    def _oldest_ms(self) -> int | None:
+        """The leader time of the oldest id kept, or None when the table is empty."""
+        if self._stored_head is None and self._stored_left:
+            row = next(self._stored, None)
+            if row is None:
+                self._stored_left = False
+            else:
+                raw_key, raw_value = row
+                revision = int(_U64.unpack_from(raw_key, len(_REQUEST_ORDER))[0])
+                self._stored_head = (revision, raw_key[len(_REQUEST_ORDER) + _U64.size:],
+                                     int(_U64.unpack(raw_value)[0]))
+        if self._stored_head is not None:
+            return self._stored_head[2]
+        if self.added:
+            return next(iter(self.added.values())).leader_unix_ms
+        return None
+
+    def _evict_oldest(self, evicting_ms: int) -> None:
+        oldest_ms = self._oldest_ms()
+        assert oldest_ms is not None, f"table of {self.count} ids has none to evict"
+        if self._stored_head is not None:
+            revision, rid, _ = self._stored_head
+            self._stored_head = None
             self.evicted_stored.append((revision, rid))
             self._evicted_ids.add(rid)
-            return
-        del self.added[next(iter(self.added))]
+        else:
+            del self.added[next(iter(self.added))]
+        self.count -= 1
+        self.evicted_through_ms = max(self.evicted_through_ms, oldest_ms or evicting_ms)

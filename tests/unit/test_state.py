@@ -19,8 +19,8 @@ def delete(key: bytes) -> pb.Effect:
     return pb.Effect(delete=pb.DeleteEffect(key=key))
 
 
-def entry(*effects: pb.Effect, rid: str = "", response: bytes = b"") -> bytes:
-    return pb.WalEntry(request_id=rid, effects=effects, response=response).SerializeToString()
+def entry(*effects: pb.Effect, rid: str = "", response: bytes = b"", ms: int = 0) -> bytes:
+    return pb.WalEntry(request_id=rid, effects=effects, response=response, leader_unix_ms=ms).SerializeToString()
 
 
 def run(
@@ -154,6 +154,47 @@ def test_apply_entries_changes_and_requests() -> None:
 
 
 @pytest.mark.parametrize(
+    ("ms", "recorded_ms"),
+    [pytest.param(1_700_000_000_123, 1_700_000_000_123, id="stamped"), pytest.param(0, 0, id="old-entry"),
+     pytest.param(-5, 0, id="negative-is-unknown")],
+)
+def test_request_record_keeps_the_leader_time(ms: int, recorded_ms: int) -> None:
+    out = run([(4, entry(put(b"k"), rid="r", response=b"a", ms=ms))])
+    assert out.requests == [RequestRecord("r", 4, b"a", recorded_ms)]
+
+
+def test_leader_times_are_reported_in_order_between_dedup_and_request() -> None:
+    """Every well-formed entry with a time reports it (duplicates and id-less ones too), after its
+    own duplicate check and before its request: the order a bounded table evicts in."""
+    events: list[object] = []
+
+    def seen(request_id: str) -> bool:
+        events.append(("seen", request_id))
+        return request_id == "old" or any(e == ("request", request_id) for e in events)
+
+    apply_entries(
+        {}.get, seen,
+        [
+            (1, entry(put(b"a"), rid="r1", ms=100)),
+            (2, entry(put(b"b"), ms=110)),
+            (3, GARBAGE),
+            (4, entry(put(b"c"), rid="old", ms=120)),
+            (5, entry(put(b"d"), rid="r2")),  # no time: nothing to report
+            (6, entry(put(b"e"), rid="r1", ms=130)),
+        ],
+        on_request=lambda r: events.append(("request", r.request_id)),
+        on_leader_time=lambda ms: events.append(("time", ms)),
+    )
+    assert events == [
+        ("seen", "r1"), ("time", 100), ("request", "r1"),
+        ("time", 110),
+        ("seen", "old"), ("time", 120),
+        ("seen", "r2"), ("request", "r2"),
+        ("seen", "r1"), ("time", 130),
+    ]
+
+
+@pytest.mark.parametrize(
     "offsets",
     [pytest.param([3, 3], id="repeated"), pytest.param([4, 3], id="backwards"), pytest.param([0, 2, 1], id="late")],
 )
@@ -178,7 +219,8 @@ def _random_records(rng: random.Random) -> list[tuple[int, bytes]]:
                 for key in rng.choices(keys, k=rng.randrange(4))
             ]
             rid = rng.choice(["", "", "r0", "r1", "r2", "r3", "r4", "r5"])
-            payload = entry(*effects, rid=rid, response=rid.encode())
+            ms = rng.choice([0, rng.randrange(1_000, 2_000)])
+            payload = entry(*effects, rid=rid, response=rid.encode(), ms=ms)
         records.append((offset, payload))
     return records
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -9,8 +10,10 @@ from pathlib import Path
 import plyvel
 import pytest
 
+from kvstore import limits
+from kvstore.request_horizon import expired
 from kvstore.state import KeyState, RequestRecord, apply_entries
-from kvstore.storage import ShardStore, StorageError
+from kvstore.storage import FORMAT_VERSION, ShardStore, StorageError
 from kvstore.v1 import wal_entry_pb2 as pb
 
 TOPIC = "wal-test"
@@ -18,13 +21,14 @@ GARBAGE = b"\xde\xad\xbe\xef" * 64
 Records = list[tuple[int, bytes]]
 
 
-def put(key: bytes, value: bytes = b"v", rid: str = "", response: bytes = b"") -> bytes:
+def put(key: bytes, value: bytes = b"v", rid: str = "", response: bytes = b"", ms: int = 0) -> bytes:
     effect = pb.Effect(put=pb.PutEffect(key=key, value=value))
-    return pb.WalEntry(request_id=rid, effects=[effect], response=response).SerializeToString()
+    return pb.WalEntry(request_id=rid, effects=[effect], response=response, leader_unix_ms=ms).SerializeToString()
 
 
-def delete(key: bytes) -> bytes:
-    return pb.WalEntry(effects=[pb.Effect(delete=pb.DeleteEffect(key=key))]).SerializeToString()
+def delete(key: bytes, rid: str = "", ms: int = 0) -> bytes:
+    effects = [pb.Effect(delete=pb.DeleteEffect(key=key))]
+    return pb.WalEntry(request_id=rid, effects=effects, leader_unix_ms=ms).SerializeToString()
 
 
 def model(records: Records) -> dict[bytes, KeyState]:
@@ -56,6 +60,7 @@ def store(open_store: Callable[..., ShardStore]) -> ShardStore:
 
 def test_fresh_store(store: ShardStore) -> None:
     assert (store.applied_offset, store.rebuilt_reason, list(store.keys())) == (0, None, [])
+    assert store.evicted_through_ms == 0
     assert store.get(b"k") is None
     assert store.request("r") is None
 
@@ -192,6 +197,163 @@ def test_retry_after_bound_gives_same_state_however_batched(open_store: Callable
     assert list(batched.keys()) == list(single.keys())
 
 
+# ---- request table: time bound and evicted-through --------------------------------------------------
+
+T0 = 1_700_000_000_000  # a plausible leader clock, Unix ms
+HORIZON = 100
+
+
+def ids_kept(store: ShardStore, candidates: list[str]) -> list[str]:
+    return [rid for rid in candidates if store.request(rid) is not None]
+
+
+def test_request_keeps_its_leader_time(open_store: Callable[..., ShardStore]) -> None:
+    store = open_store()
+    store.apply([(0, put(b"k", rid="r1", response=b"ok", ms=T0)), (1, put(b"j", rid="r2"))], 2)
+    store.close()
+    again = open_store()
+    assert again.request("r1") == RequestRecord("r1", 0, b"ok", T0)
+    assert again.request("r2") == RequestRecord("r2", 1, b"", 0)
+
+
+def test_time_bound_forgets_ids_older_than_the_horizon(open_store: Callable[..., ShardStore]) -> None:
+    store = open_store(request_id_horizon_ms=HORIZON)
+    store.apply([(0, put(b"a", rid="r0", ms=T0)), (1, put(b"b", rid="r1", ms=T0 + 50))], 2)
+    store.apply([(2, delete(b"x", ms=T0 + HORIZON))], 3)  # r0 is exactly HORIZON old: kept
+    assert (ids_kept(store, ["r0", "r1"]), store.evicted_through_ms) == (["r0", "r1"], 0)
+    store.apply([(3, delete(b"x", ms=T0 + HORIZON + 1))], 4)  # any entry moves the clock, id or not
+    assert (ids_kept(store, ["r0", "r1"]), store.evicted_through_ms) == (["r1"], T0)
+    store.apply([(4, put(b"c", rid="r2", ms=T0 + 10 * HORIZON))], 5)
+    assert (ids_kept(store, ["r0", "r1", "r2"]), store.evicted_through_ms) == (["r2"], T0 + 50)
+
+
+def test_time_bound_never_forgets_an_id_from_under_its_own_retry(store: ShardStore) -> None:
+    store.apply([(0, put(b"k", b"1", rid="r", response=b"first", ms=T0))], 1)
+    late = T0 + limits.REQUEST_ID_HORIZON_MS + 1  # the retry's entry is itself past the horizon
+    applied = store.apply([(1, put(b"k", b"2", rid="r", ms=late))], 2)
+    assert (applied.duplicates, store.get(b"k"), store.request("r")) == (1, KeyState(b"1", 1, 0, 0), None)
+    assert store.evicted_through_ms == T0
+
+
+def test_time_bound_stops_at_the_first_young_id(open_store: Callable[..., ShardStore]) -> None:
+    """Oldest first by revision: an id whose leader clock lagged stays behind a younger one
+    (kept a little longer is safe); it goes once the ids before it have gone."""
+    store = open_store(request_id_horizon_ms=HORIZON)
+    store.apply([(0, put(b"a", rid="ahead", ms=T0)), (1, put(b"b", rid="lagging", ms=T0 - 40))], 2)
+    store.apply([(2, delete(b"x", ms=T0 + HORIZON - 1))], 3)
+    assert (ids_kept(store, ["ahead", "lagging"]), store.evicted_through_ms) == (["ahead", "lagging"], 0)
+    store.apply([(3, delete(b"x", ms=T0 + HORIZON + 1))], 4)
+    assert (ids_kept(store, ["ahead", "lagging"]), store.evicted_through_ms) == ([], T0)
+
+
+def test_id_of_unknown_time_is_forgotten_at_the_evicting_entrys_time(store: ShardStore) -> None:
+    """Ids from entries written before leader_unix_ms existed: forgotten by the first timed entry,
+    which bounds when they committed, so retries first attempted up to then are refused."""
+    store.apply([(0, put(b"a", rid="old")), (1, put(b"b", rid="older-leader"))], 2)
+    store.apply([(2, put(b"c", rid="new", ms=T0))], 3)
+    assert (ids_kept(store, ["old", "older-leader", "new"]), store.evicted_through_ms) == (["new"], T0)
+
+
+def test_count_bound_records_the_time_of_what_it_forgets(open_store: Callable[..., ShardStore]) -> None:
+    store = open_store(max_request_ids=2)
+    store.apply([(i, put(b"k", rid=f"r{i}", ms=T0 + 10 * i)) for i in range(4)], 4)
+    assert (ids_kept(store, ["r0", "r1", "r2", "r3"]), store.evicted_through_ms) == (["r2", "r3"], T0 + 10)
+    store.apply([(4, put(b"k", rid="r4"))], 5)  # no time: an unknown one counts as the evicting entry's
+    assert (ids_kept(store, ["r2", "r3", "r4"]), store.evicted_through_ms) == (["r3", "r4"], T0 + 20)
+    store.apply([(5, put(b"k", rid="r5", ms=T0 - 1000))], 6)  # a lagging clock never lowers it
+    assert (ids_kept(store, ["r3", "r4", "r5"]), store.evicted_through_ms) == (["r4", "r5"], T0 + 30)
+
+
+def test_evicted_through_survives_reopen(open_store: Callable[..., ShardStore]) -> None:
+    store = open_store(max_request_ids=1)
+    store.apply([(0, put(b"a", rid="r0", ms=T0)), (1, put(b"b", rid="r1", ms=T0 + 5))], 2)
+    store.close()
+    assert open_store(max_request_ids=1).evicted_through_ms == T0
+
+
+def test_a_forgotten_id_is_refused_by_the_horizon_rule(open_store: Callable[..., ShardStore]) -> None:
+    """The contract with the replica: once the table forgot an id (by count here, long before the
+    horizon), a retry of it is refused; a request first attempted after that is let through."""
+    store = open_store(max_request_ids=1)
+    store.apply([(0, put(b"a", rid="r0", ms=T0)), (1, put(b"b", rid="r1", ms=T0 + 1_000))], 2)
+    assert (store.request("r0"), store.evicted_through_ms) == (None, T0)
+    now_ms, skew_ms = T0 + 60_000, limits.MAX_CLOCK_SKEW_MS
+
+    def check(first_attempt_ms: int) -> str | None:
+        return expired(first_attempt_ms, now_ms, store.evicted_through_ms, limits.REQUEST_ID_HORIZON_MS, skew_ms)
+
+    assert check(T0 - 30) is not None  # r0's retry: the client's clock read T0 - 30 when it first sent it
+    assert check(T0 + skew_ms) is not None  # could still be r0, committed by a leader whose clock lagged
+    assert check(T0 + skew_ms + 1) is None
+    assert check(now_ms - 100) is None
+
+
+# ---- request table: however the records are batched, every replica keeps the same ids ---------------
+
+RIDS = [f"r{i}" for i in range(8)]
+
+
+def _random_requests(rng: random.Random) -> Records:
+    """Entries with and without ids, repeated ids, unknown (0) and lagging leader times, garbage."""
+    records: Records = []
+    offset, clock_ms = rng.randrange(3), T0
+    for _ in range(rng.randrange(1, 60)):
+        offset += rng.randrange(1, 3)
+        clock_ms += rng.randrange(0, HORIZON // 2)
+        ms = rng.choice([clock_ms, clock_ms, clock_ms, clock_ms - rng.randrange(HORIZON), 0])
+        rid = rng.choice(["", *RIDS])
+        payload = GARBAGE if rng.random() < 0.05 else put(b"k%d" % rng.randrange(3), b"%d" % offset, rid=rid,
+                                                           response=b"%d" % offset, ms=ms)
+        records.append((offset, payload))
+    return records
+
+
+def _model_table(records: Records, limit: int, horizon_ms: int) -> tuple[list[RequestRecord], int]:
+    """The rule as stated in the issue, on a list: (ids kept in revision order, evicted_through_ms)."""
+    table: list[RequestRecord] = []
+    through_ms = 0
+
+    def evict(evicting_ms: int) -> None:
+        nonlocal through_ms
+        oldest = table.pop(0)
+        through_ms = max(through_ms, oldest.leader_unix_ms or evicting_ms)
+
+    for offset, payload in records:
+        if payload == GARBAGE:
+            continue
+        entry = pb.WalEntry.FromString(payload)
+        rid, ms = entry.request_id, entry.leader_unix_ms
+        duplicate = bool(rid) and any(r.request_id == rid for r in table)
+        while ms > 0 and table and table[0].leader_unix_ms < ms - horizon_ms:
+            evict(ms)
+        if rid and not duplicate:
+            table.append(RequestRecord(rid, offset, bytes(entry.response), ms))
+            while len(table) > limit:
+                evict(ms)
+    return table, through_ms
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_request_table_is_a_function_of_the_entries(tmp_path: Path, seed: int) -> None:
+    rng = random.Random(seed)
+    records = _random_requests(rng)
+    limit = rng.randrange(1, 6)
+    expected_table, expected_through_ms = _model_table(records, limit, HORIZON)
+    n = len(records)
+    cuttings = [[], list(range(1, n)), *(sorted(rng.sample(range(1, n), rng.randrange(n))) for _ in range(2))]
+    outcomes = []
+    for i, cuts in enumerate(cuttings):
+        store = ShardStore(tmp_path / f"s{i}", topic=TOPIC, shard=0, max_request_ids=limit,
+                           request_id_horizon_ms=HORIZON)
+        for lo, hi in zip([0, *cuts], [*cuts, n], strict=True):
+            store.apply(records[lo:hi], records[hi - 1][0] + 1)
+        table = [r for r in (store.request(rid) for rid in RIDS) if r is not None]
+        outcomes.append((sorted(table, key=lambda r: r.revision), store.evicted_through_ms, list(store.keys())))
+        store.close()
+    assert outcomes[0][:2] == (expected_table, expected_through_ms)
+    assert all(outcome == outcomes[0] for outcome in outcomes[1:])
+
+
 # ---- rebuilds ------------------------------------------------------------------------------------
 
 SESSION_1 = [(i, put(b"k%02d" % i, b"v" * 100)) for i in range(50)]
@@ -241,6 +403,9 @@ def _tamper(path: Path, change: Callable[[plyvel.DB], None]) -> None:
     [
         pytest.param(lambda db: db.delete(b"m:checkpoint"), id="no-checkpoint"),
         pytest.param(lambda db: db.put(b"m:format", b"0"), id="other-format"),
+        pytest.param(lambda db: db.put(b"m:format", b"1"), id="format-1-ids-without-times"),
+        pytest.param(lambda db: db.delete(b"m:evicted_through"), id="no-evicted-through"),
+        pytest.param(lambda db: db.delete(b"m:requests"), id="no-request-count"),
         pytest.param(lambda db: db.delete(b"m:format"), id="data-without-format"),
         pytest.param(lambda db: db.delete(b"m:topic"), id="no-topic"),
     ],
@@ -249,6 +414,16 @@ def test_suspect_metadata_is_rebuilt(two_sessions: Path, open_store: Callable[..
                                      change: Callable[[plyvel.DB], None]) -> None:
     _tamper(two_sessions, change)
     assert_rebuilt(open_store())
+
+
+def test_directory_of_the_previous_format_is_rebuilt(two_sessions: Path,
+                                                     open_store: Callable[..., ShardStore]) -> None:
+    """Format 1 kept request ids without their time: it cannot say what to forget when."""
+    assert FORMAT_VERSION == b"2"
+    _tamper(two_sessions, lambda db: db.put(b"m:format", b"1"))
+    store = open_store()
+    assert store.rebuilt_reason == "format b'1', expected b'2'"
+    assert (store.applied_offset, store.evicted_through_ms) == (0, 0)
 
 
 def _garbage(*patterns: str) -> Callable[[Path], None]:
@@ -304,3 +479,13 @@ def test_opening_a_store_that_is_already_open_does_not_wipe_it(open_store: Calla
     live.close()
     again = open_store()
     assert (again.rebuilt_reason, again.applied_offset, dict(again.keys())) == (None, 1, model([(0, put(b"k"))]))
+
+
+def test_rewind_moves_the_checkpoint_back_over_the_marker_slot_only(tmp_path: Path) -> None:
+    store = ShardStore(tmp_path / "s", topic="t", shard=0)
+    store.apply([], 12)  # a leader's batch ended at 10: 11 is the assumed marker slot, 12 upcoming
+    store.rewind(11)
+    assert store.applied_offset == 11
+    with pytest.raises(AssertionError):
+        store.rewind(5)  # never over slots this store applied
+    store.close()
