@@ -13,6 +13,9 @@ Headline: the demo's client-side unavailability (per shard, the longest time bet
 acknowledged writes; `unavailable_ms_max` is the worst shard), against 3 s for SIGKILL (with the
 configured session timeout) and 0.5 s for a clean handover. Each run also gets a timeline from the
 node logs (kill -> rebalance assignment -> fenced -> leading), which shows what bounds the number.
+Each run also carries the demo's write outcomes (W7): `failed` writes, of which
+`unknown_outcomes` the client reported as unknown (`unknown_applied` of those present afterwards)
+and the rest as definitely failed (`failed_but_applied` of those present afterwards: must be 0).
 The last stdout line is one JSON object. How to run it and how to read it: bench/README.md.
 
     python bench/failover.py --quick     # 2 runs per mode, ~1.5 min on 2 cores, including the cluster start
@@ -320,6 +323,9 @@ def summarize(runs: list[dict[str, Any]], mode: str) -> dict[str, Any]:
         "pass_max": worst is not None and worst <= threshold and not errors,
         "acked": sum(r["acked"] for r in mine), "failed": sum(r["failed"] for r in mine),
         "acked_lost": sum(r["acked_lost"] for r in mine), "duplicates": sum(r["duplicates"] for r in mine),
+        "failed_but_applied": sum(r["failed_but_applied"] for r in mine),
+        "unknown_outcomes": sum(r["unknown_outcomes"] for r in mine),
+        "unknown_applied": sum(r["unknown_applied"] for r in mine),
         "replicas_equal": bool(mine) and all(r["replicas_equal"] for r in mine),
         "runs_with_handback_in_window": sum(1 for r in mine if r["timeline"].get("handback_in_window")),
         "runs_not_settled_before": sum(1 for r in mine if not r.get("settled_before", True)),
@@ -331,7 +337,8 @@ def summarize(runs: list[dict[str, Any]], mode: str) -> dict[str, Any]:
 
 def print_table(runs: list[dict[str, Any]], summary: dict[str, dict[str, Any]]) -> None:
     print(f"{'mode':<8} {'shard':>5} {'victim':<7} {'leads':<7} {'takeover':>8} {'unavail':>8} "
-          f"{'assigned':>8} {'fencing':>7} {'boot':>5} {'acked':>6} {'lost':>4} {'dup':>4} {'equal':<5} handback")
+          f"{'assigned':>8} {'fencing':>7} {'boot':>5} {'acked':>6} {'lost':>4} {'dup':>4} {'fail':>4} "
+          f"{'f_app':>5} {'unk':>4} {'u_app':>5} {'equal':<5} handback")
     for r in runs:
         if "error" in r:
             print(f"{r['mode']:<8} {r['shard']:>5} error: {r['error']}")
@@ -341,7 +348,8 @@ def print_table(runs: list[dict[str, Any]], summary: dict[str, dict[str, Any]]) 
         print(f"{r['mode']:<8} {r['shard']:>5} {r['killed']:<7} {','.join(map(str, r['victim_shards'])):<7} "
               f"{r['takeover_ms']:>8} {r['unavailable_ms_max']:>8} {legs.get('assigned_ms', '-'):>8} "
               f"{legs.get('fencing_ms', '-'):>7} {legs.get('bootstrap_ms', '-'):>5} {r['acked']:>6} "
-              f"{r['acked_lost']:>4} {r['duplicates']:>4} {r['replicas_equal']!s:<5} "
+              f"{r['acked_lost']:>4} {r['duplicates']:>4} {r['failed']:>4} {r['failed_but_applied']:>5} "
+              f"{r['unknown_outcomes']:>4} {r['unknown_applied']:>5} {r['replicas_equal']!s:<5} "
               f"{'-' if handback is None else f'+{handback} ms'}"
               f"{' (in window)' if r['timeline'].get('handback_in_window') else ''}")
     for mode, s in summary.items():
@@ -349,6 +357,8 @@ def print_table(runs: list[dict[str, Any]], summary: dict[str, dict[str, Any]]) 
               f"{s['unavailable_ms_max_max']} ms (bound {s['threshold_ms']} ms: "
               f"{'pass' if s['pass_max'] else 'FAIL'}); takeover p50 {s['takeover_ms_p50']} ms; "
               f"acked {s['acked']}, lost {s['acked_lost']}, duplicates {s['duplicates']}, "
+              f"failed {s['failed']} (failed but applied {s['failed_but_applied']}, unknown outcome "
+              f"{s['unknown_outcomes']} of which applied {s['unknown_applied']}), "
               f"replicas equal {s['replicas_equal']}")
 
 
@@ -443,6 +453,10 @@ def main(argv: list[str] | None = None) -> int:
         "acked": sk["acked"] + cl["acked"],
         "acked_lost": sk["acked_lost"] + cl["acked_lost"],
         "duplicates": sk["duplicates"] + cl["duplicates"],
+        "failed": sk["failed"] + cl["failed"],
+        "failed_but_applied": sk["failed_but_applied"] + cl["failed_but_applied"],
+        "unknown_outcomes": sk["unknown_outcomes"] + cl["unknown_outcomes"],
+        "unknown_applied": sk["unknown_applied"] + cl["unknown_applied"],
         "replicas_equal": sk["replicas_equal"] and cl["replicas_equal"],
         "aborted": aborted, "wall_seconds": round(time.monotonic() - wall, 1),
     }

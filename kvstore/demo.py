@@ -4,11 +4,28 @@ One workload and one verification, shared by the demo, the fault tests and bench
 
 * `Workload`: writer threads, a few per shard, each putting fresh keys of its own shard with
   a request id through the client (which routes, follows hints and retries with the same id).
-  Every acknowledgement is recorded with the time it arrived.
+  Every acknowledgement is recorded with the time it arrived, every write the client raised an
+  error for with its key and its outcome (`outcome_of`, W7): `unknown` for `UnknownOutcome`
+  and, for a write, `DeadlineExceeded` (may or may not have committed), `failed` for any other
+  `KvError` (the server said nothing was committed). A writer never retries a key itself, so
+  a key is present afterwards exactly when its one write was applied.
 * `verify`: wait until every replica of every shard reached the partition's end, compare
-  replica digests per shard, read every key back (linearizable) and check that every
-  acknowledged write is there with its value and version 1 (a request applied twice would
-  show version 2).
+  replica digests per shard, read every key of the run back (linearizable, retried while a
+  shard is between leaders, up to a deadline) and check that every acknowledged write is there
+  with its value and version 1 (a request applied twice would show version 2), and that no
+  definitely failed write is there.
+
+The verdict (`Verdict`, and the demo's result: JSON with `--output json`, else a table):
+
+* `acked`, `acked_lost` (acknowledged, not read back), `duplicates` (a key at version > 1),
+  `replicas_equal` (every replica of every shard at one offset with one digest);
+* `failed`: writes the client raised an error for, `unknown_outcomes` of them with an unknown
+  outcome and the rest definitely failed;
+* `failed_but_applied`: definitely failed writes whose key is present afterwards: a lie to the
+  client, must be 0;
+* `unknown_applied`: how many of the `unknown_outcomes` writes are present afterwards (either
+  way is correct; it shows which way the unknowns went);
+* `ok`: `acked_lost == 0`, `duplicates == 0`, `replicas_equal` and `failed_but_applied == 0`.
 
 Unavailability is measured from the client's side: per shard, the longest time between two
 consecutive acknowledgements (and from the last one to the end of the run). It includes the
@@ -28,16 +45,39 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import grpc
 
-from kvstore.client import Client, DeadlineExceeded, KvError, NotLeader, ShardMap, Unavailable, UnknownOutcome
+from kvstore.client import (
+    Client,
+    DeadlineExceeded,
+    KvError,
+    NotLeader,
+    RequestExpired,
+    ShardMap,
+    Unavailable,
+    UnknownOutcome,
+)
 from kvstore.sharding import shard_of
 from kvstore.v1 import cluster_pb2, cluster_pb2_grpc
 
 WRITE_TIMEOUT_S = 10.0  # one put, retries included: longer than any takeover we accept
 MAX_KEYS_PER_WRITER = 1_000_000  # bound on a writer's key space (it stops when it runs out)
+EXAMPLES = 5  # keys listed per problem in the verdict
+
+# A write that raised one of these may or may not have committed (W7). Every other KvError from a
+# write means the server said nothing was committed (the client's contract).
+# RequestExpired: the retry was refused and the first attempt's outcome cannot be learnt any more.
+UNKNOWN_OUTCOME_ERRORS: tuple[type[KvError], ...] = (UnknownOutcome, DeadlineExceeded, RequestExpired)
+
+Outcome = Literal["failed", "unknown"]
+
+
+def outcome_of(error: KvError) -> Outcome:
+    """How the client reported a write that raised `error`: `unknown` (may have committed) or
+    `failed` (definitely not committed)."""
+    return "unknown" if isinstance(error, UNKNOWN_OUTCOME_ERRORS) else "failed"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -47,6 +87,17 @@ class Ack:
     shard: int
     revision: int
     at_s: float  # time.monotonic() when the acknowledgement arrived
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Failure:
+    """A write the client raised an error for (the writer moves on to a fresh key)."""
+
+    key: bytes
+    shard: int
+    outcome: Outcome  # `outcome_of` the error
+    error: str  # the error's class and message
+    at_s: float  # time.monotonic() when the error was raised
 
 
 class Workload:
@@ -60,7 +111,7 @@ class Workload:
         self.prefix = prefix or f"demo/{uuid.uuid4().hex[:8]}"
         self.value_bytes = value_bytes
         self.acks: list[Ack] = []
-        self.failures: list[str] = []  # writes whose outcome the client could not learn in time
+        self.failures: list[Failure] = []  # writes the client raised an error for, classified
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._threads = [threading.Thread(target=self._write, args=(shard, n), daemon=True,
@@ -108,11 +159,25 @@ class Workload:
                 try:
                     result = client.put(key, value, request_id=f"{self.prefix}:{key.decode()}")
                 except KvError as exc:
-                    with self._lock:
-                        self.failures.append(f"{key.decode()}: {exc}")
+                    self.record_failure(key, shard, exc)
                     continue
                 with self._lock:
                     self.acks.append(Ack(key, value, shard, result.revision or 0, time.monotonic()))
+
+    def record_failure(self, key: bytes, shard: int, error: KvError) -> Failure:
+        failure = Failure(key, shard, outcome_of(error), f"{type(error).__name__}: {error}", time.monotonic())
+        with self._lock:
+            self.failures.append(failure)
+        return failure
+
+    def results(self) -> tuple[list[Ack], list[Failure]]:
+        """A copy of the acknowledgements and the failures so far."""
+        with self._lock:
+            return list(self.acks), list(self.failures)
+
+    def unknown_outcomes(self) -> int:
+        with self._lock:
+            return sum(1 for f in self.failures if f.outcome == "unknown")
 
     def unavailable_ms(self, since_s: float | None = None) -> dict[int, int]:
         """Per shard, the longest time without an acknowledgement (ms), from `since_s` (default:
@@ -140,6 +205,28 @@ class Verdict:
     replicas_equal: bool
     replicas: dict[int, list[dict[str, Any]]]  # shard -> per node digest
     lost_examples: list[str]
+    failed: int = 0  # writes the client raised an error for: unknown_outcomes + definitely failed
+    failed_but_applied: int = 0  # definitely failed, yet present afterwards (must be 0)
+    unknown_outcomes: int = 0  # reported as unknown outcome (UnknownOutcome, DeadlineExceeded)
+    unknown_applied: int = 0  # ... of which present afterwards
+    failed_applied_examples: list[str] = dataclasses.field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        """Every check passed: nothing acknowledged lost, nothing applied twice, replicas equal,
+        nothing reported as failed applied."""
+        return (self.acked_lost == 0 and self.duplicates == 0 and self.replicas_equal
+                and self.failed_but_applied == 0)
+
+    def summary(self) -> dict[str, Any]:
+        """The verdict's fields as the demo reports them (without the per-replica digests)."""
+        return {
+            "acked": self.acked, "failed": self.failed, "acked_lost": self.acked_lost,
+            "duplicates": self.duplicates, "replicas_equal": self.replicas_equal,
+            "failed_but_applied": self.failed_but_applied, "unknown_outcomes": self.unknown_outcomes,
+            "unknown_applied": self.unknown_applied, "ok": self.ok,
+            "lost_examples": self.lost_examples, "failed_applied_examples": self.failed_applied_examples,
+        }
 
 
 def replica_digests(addresses: Sequence[str], shards: int,
@@ -185,16 +272,25 @@ def converge(client: Client, timeout_s: float) -> tuple[bool, dict[int, list[clu
 
 
 def verify(client: Client, workload: Workload, timeout_s: float = 60.0) -> Verdict:
+    """Once the writers stopped: converge, read every key of the run back, judge. Every key a
+    writer tried (acknowledged or failed) lies under the workload's prefix, so one linearizable
+    scan of the prefix reads the failed writes' keys back too."""
     deadline = time.monotonic() + timeout_s
     equal, digests = converge(client, timeout_s)
     stored = _read_back(client, workload.prefix.encode() + b"/", deadline)
-    lost = [a.key.decode() for a in workload.acks if stored.get(a.key, (None, 0))[0] != a.value]
+    acks, failures = workload.results()
+    lost = [a.key.decode() for a in acks if stored.get(a.key, (None, 0))[0] != a.value]
     duplicates = sum(1 for _, version in stored.values() if version > 1)
+    failed_applied = [f"{f.key.decode()}: {f.error}" for f in failures if f.outcome == "failed" and f.key in stored]
+    unknown = [f for f in failures if f.outcome == "unknown"]
     return Verdict(
-        acked=len(workload.acks), acked_lost=len(lost), duplicates=duplicates, replicas_equal=equal,
+        acked=len(acks), acked_lost=len(lost), duplicates=duplicates, replicas_equal=equal,
         replicas={shard: [{"node": r.node_id, "applied_offset": r.applied_offset, "sha256": r.sha256[:16],
                            "keys": r.keys} for r in replies] for shard, replies in digests.items()},
-        lost_examples=lost[:5])
+        lost_examples=lost[:EXAMPLES],
+        failed=len(failures), failed_but_applied=len(failed_applied), unknown_outcomes=len(unknown),
+        unknown_applied=sum(1 for f in unknown if f.key in stored),
+        failed_applied_examples=failed_applied[:EXAMPLES])
 
 
 def _read_back(client: Client, prefix: bytes, deadline: float) -> dict[bytes, tuple[bytes, int]]:
@@ -260,8 +356,8 @@ def failover(endpoints: Sequence[str], *, clean: bool = False, shard: int = 0, w
                          f"{(took_over_at - killed_at) * 1000:.0f} ms")
         time.sleep(after_s)
         workload.stop()
-        _say(out, quiet, f"stopped writing: {len(workload.acks)} acknowledged, {len(workload.failures)} failed; "
-                         "verifying ...")
+        _say(out, quiet, f"stopped writing: {len(workload.acks)} acknowledged, {len(workload.failures)} failed "
+                         f"({workload.unknown_outcomes()} with unknown outcome); verifying ...")
         unavailable = workload.unavailable_ms(since_s=workload.started_s + 1.0)
         verdict = verify(client, workload)
     return {
@@ -271,15 +367,10 @@ def failover(endpoints: Sequence[str], *, clean: bool = False, shard: int = 0, w
         "new_leader": new_leader,
         "new_term": term,
         "takeover_ms": int((took_over_at - killed_at) * 1000),
-        "acked": verdict.acked,
-        "failed": len(workload.failures),
-        "acked_lost": verdict.acked_lost,
-        "duplicates": verdict.duplicates,
-        "replicas_equal": verdict.replicas_equal,
+        **verdict.summary(),
         "unavailable_ms_max": max(unavailable.values()),
         "unavailable_ms_by_shard": {str(k): v for k, v in unavailable.items()},
         "replicas": {str(k): v for k, v in verdict.replicas.items()},
-        "lost_examples": verdict.lost_examples,
         "duration_s": round(workload.stopped_s - workload.started_s, 2),
     }
 
@@ -296,7 +387,13 @@ def _ready_map(client: Client, timeout_s: float) -> ShardMap:
         time.sleep(0.2)
 
 
+REPORT_KEYS = ("mode", "shard", "killed", "new_leader", "takeover_ms", "acked", "failed", "acked_lost", "duplicates",
+               "replicas_equal", "failed_but_applied", "unknown_outcomes", "unknown_applied", "unavailable_ms_max",
+               "ok")
+
+
 def report_table(result: dict[str, Any]) -> str:
-    keys = ("mode", "shard", "killed", "new_leader", "takeover_ms", "acked", "failed", "acked_lost", "duplicates",
-            "replicas_equal", "unavailable_ms_max")
-    return "\n".join(f"{k:<20}{json.dumps(result[k])}" for k in keys)
+    lines = [f"{k:<20}{json.dumps(result[k])}" for k in REPORT_KEYS]
+    lines += [f"{'lost':<20}{example}" for example in result.get("lost_examples", [])]
+    lines += [f"{'failed but applied':<20}{example}" for example in result.get("failed_applied_examples", [])]
+    return "\n".join(lines)

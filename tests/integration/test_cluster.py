@@ -93,6 +93,7 @@ def run_and_verify(cluster: Cluster, workload: demo.Workload) -> demo.Verdict:
     assert verdict.acked > 0
     assert verdict.acked_lost == 0, f"acknowledged writes lost: {verdict.lost_examples}"
     assert verdict.duplicates == 0
+    assert verdict.failed_but_applied == 0, f"writes reported failed but applied: {verdict.failed_applied_examples}"
     assert verdict.replicas_equal, verdict.replicas
     return verdict
 
@@ -191,6 +192,7 @@ def test_whole_cluster_restart(cluster: Cluster) -> None:
     with cluster.client() as client:  # everything from before the restart is still there
         verdict = demo.verify(client, workload)
     assert verdict.acked_lost == 0 and verdict.duplicates == 0 and verdict.replicas_equal
+    assert verdict.failed_but_applied == 0
 
 
 def test_broker_restart_under_load(own_kafka: LocalKafka, tmp_path: Path) -> None:

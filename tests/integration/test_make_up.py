@@ -79,6 +79,7 @@ def test_make_up_serves_round_trips_and_resumes(tmp_path: Path) -> None:
         assert demo.returncode == 0, demo.stderr
         result = json.loads(demo.stdout.splitlines()[-1])
         assert result["acked"] > 0 and result["acked_lost"] == 0 and result["duplicates"] == 0, result
+        assert result["failed_but_applied"] == 0 and result["ok"], result
         assert result["replicas_equal"] is True and result["new_leader"] != result["killed"], result
         assert cluster.interrupt() == 0
     finally:
