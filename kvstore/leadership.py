@@ -47,6 +47,9 @@ class Leadership:
         # Set when a rebalance ended: the view is stale now, refresh it at once rather than at
         # the next tick (clients asking another node where a shard went get the new leader).
         self._view_stale = asyncio.Event()
+        # Shards this node cannot lead right now (a replica rebuilding after a failed apply),
+        # with why: while any, the node stays out of the group so that others lead them all.
+        self.unable: dict[int, str] = {}
 
     def start(self) -> None:
         self._member.start()
@@ -59,6 +62,21 @@ class Leadership:
         if self._refresh_task is not None:
             self._refresh_task.cancel()
             await asyncio.gather(self._refresh_task, return_exceptions=True)
+
+    def set_unable(self, shard: int, reason: str | None) -> None:
+        """A replica says it cannot lead (`reason`) or can again (None). The group has no way
+        to give up one partition, so the node leaves it while any shard cannot be led, and the
+        other nodes take every shard of it; it joins again once all its replicas can lead."""
+        if reason is not None:
+            if not self.unable:
+                log.warning("shard %d cannot be led here (%s): leaving the leadership group", shard, reason)
+            self.unable[shard] = reason
+            self._member.step_aside()
+            return
+        self.unable.pop(shard, None)
+        if not self.unable and self._member.away:
+            log.info("every shard can be led here again: rejoining the leadership group")
+            self._member.come_back()
 
     @property
     def joined(self) -> bool:
@@ -125,8 +143,8 @@ class Leadership:
                 # Watchdog: the coordinator's word is final. A member it has not listed for a
                 # while is not in the group, whatever the local consumer believes.
                 now = time.monotonic()
-                if any(m.member_id == self.node_id for m in members):
-                    missing_since = None
+                if self._member.away or any(m.member_id == self.node_id for m in members):
+                    missing_since = None  # out of the group on purpose, or listed
                 elif missing_since is None:
                     missing_since = now
                 elif now - missing_since > self._missing_limit_s:

@@ -30,6 +30,11 @@ class Metrics:
                                       registry=r)
         self.rebuilds = Counter("kvstore_rebuilds", "local state wiped and rebuilt from the WAL", ["shard"],
                                 registry=r)
+        self.unknown_outcomes = Counter("kvstore_unknown_outcomes", "WAL batches whose commit outcome was unknown (W7)",
+                                        ["shard"], registry=r)
+        self.apply_failures = Counter("kvstore_apply_failures",
+                                      "committed batches the local store failed to apply (the shard was given up)",
+                                      ["shard"], registry=r)
         self.open_txn_age = Gauge("kvstore_open_txn_age_seconds", "age of the open WAL transaction (0: none)",
                                   ["shard"], registry=r)
         self.requests = Counter("kvstore_requests", "gRPC requests by method and status code",

@@ -137,6 +137,8 @@ class Node:
                 node_id=self.config.node_id, address=self.address, session_timeout_ms=self.config.session_timeout_ms,
                 replicas=self.replicas, resign_timeout_s=RESIGN_TIMEOUT_S)
             self.leadership.start()
+            for replica in self.replicas.values():
+                replica.on_unable_to_lead = self.leadership.set_unable
         self._ends_task = asyncio.create_task(self._refresh_ends(), name="partition-ends")
 
     async def _refresh_ends(self) -> None:

@@ -11,13 +11,21 @@ Leader life (DESIGN.md §3-4):
      by count, bytes and a short linger; each request is evaluated against state + the pending
      batch at the revision (offset) its record will get; the batch is appended at that expected
      offset (W1, W2) and applied + answered only after commit (W5);
-  4. any abort: fail the batch's requests as retriable and bootstrap again from the partition;
-     unknown outcome: answer "unknown" (W7) and bootstrap again; fenced: step down.
+  4. any abort: fail the batch's requests as retriable and bootstrap again from the partition,
+     from the first slot this leader has not seen (the one it assumed its commit marker took);
+     unknown outcome: answer "unknown" (W7), fence again (which settles the undecided
+     transaction), then bootstrap the same way; fenced: step down.
+
+Once a batch committed its clients get the answers computed before the append, whatever the
+local apply then does (the WAL is the truth): a failed apply gives the shard up and rebuilds the
+replica. Shutdown never cancels an append in flight: it waits (bounded) and otherwise answers
+"unknown outcome"; the producer is closed only once its thread returned.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import enum
@@ -30,7 +38,7 @@ from typing import Any
 import wal
 import wal.clients
 import wal.writer
-from kvstore import errors, limits
+from kvstore import errors, failpoints, limits, request_horizon
 from kvstore.evaluate import Evaluation, Response
 from kvstore.metrics import Metrics
 from kvstore.state import Change, KeyState, Lookup, decode_entry, effect_key, next_key_state
@@ -42,8 +50,12 @@ log = logging.getLogger(__name__)
 FOLLOW_POLL_S = 0.1  # a follower notices "lead now" within this (it cannot interrupt a poll)
 CATCH_UP_POLL_S = 0.02  # a takeover waits for the tail (often one batch and its marker): poll briskly
 REFENCE_PAUSE_S = 1.0  # after being fenced while still assigned the shard, before fencing back
-# How long a checkpoint beyond the partition end must persist before the replica is rebuilt.
-BEYOND_END_GRACE_S = 15.0
+# Kafka's default replica.lag.time.max.ms: for about this long a restarted or newly elected
+# partition leader may report a high watermark below what was acknowledged before.
+BROKER_REPLICA_LAG_TIME_MAX_MS = 30_000
+# How long a checkpoint beyond the partition end must persist before the replica is rebuilt:
+# longer than the broker's own window above, so a stale end is waited out, never wiped over.
+BEYOND_END_GRACE_S = BROKER_REPLICA_LAG_TIME_MAX_MS / 1000 * 1.5
 
 
 class Role(enum.Enum):
@@ -67,6 +79,7 @@ class ReplicaConfig:
     linger_ms: float = limits.BATCH_LINGER_MS
     max_batch_records: int = limits.MAX_BATCH_RECORDS
     max_batch_bytes: int = limits.MAX_BATCH_BYTES
+    max_record_bytes: int = wal.writer.MAX_RECORD_BYTES_DEFAULT
     max_pending_writes: int = limits.MAX_PENDING_WRITES_PER_SHARD
     barrier_timeout_s: float = 10.0
 
@@ -81,6 +94,7 @@ class _Pending:
     size: int
     response_type: type[Any]
     future: asyncio.Future[Response]
+    first_attempt_unix_ms: int = 0
 
 
 class Watcher:
@@ -125,6 +139,18 @@ class ShardReplica:
         self.end_offset = 0  # last known high watermark
         self.watchers: set[Watcher] = set()
         self._queue: asyncio.Queue[_Pending] = asyncio.Queue(maxsize=config.max_pending_writes)
+        # Requests a full batch left over (WAL-entry bytes or count): first in the next batch.
+        # Bounded by one batch's request count.
+        self._carry: collections.deque[_Pending] = collections.deque()
+        # The first WAL slot this leader has not seen itself: after its own commit, the slot it
+        # assumed its commit marker took. A mismatch or unknown outcome replays from here.
+        self._verified: int | None = None
+        # The append running in a worker thread, and the requests it will answer.
+        self._in_flight: asyncio.Future[wal.AppendResult] | None = None
+        # Why this replica gave up leading (a committed batch it could not apply); it leads
+        # again only after a rebuild caught up (never a loop of leading and failing).
+        self._broken: str | None = None
+        self._rebuilding = False
         self._writer: wal.ShardWriter | None = None
         self._upcoming: int | None = None
         self._written_end: int | None = None  # upcoming offset if the in-flight batch commits
@@ -146,6 +172,9 @@ class ShardReplica:
         self._seen_rejected = 0
         # Where the leader is, for "not the leader" answers; the node sets it (group view).
         self.leader_hint: Callable[[], str] = lambda: ""
+        # Told (shard, reason) when this replica cannot lead (it must leave the assignment so
+        # that another node leads) and (shard, None) once it can again; the node sets it.
+        self.on_unable_to_lead: Callable[[int, str | None], None] = lambda shard, reason: None
         label = str(self.shard)
         for family in (metrics.w3_rejections, metrics.fencings, metrics.leader_changes, metrics.rebuilds):
             family.labels(shard=label)  # export zeros from the start, so rates and alerts work
@@ -164,6 +193,10 @@ class ShardReplica:
 
     def set_lead(self, lead: bool) -> None:
         """Gain (or drop, without waiting) leadership; the replica loop acts on it."""
+        if lead and (self._broken is not None or self._rebuilding):
+            log.warning("shard %d: not taking leadership while rebuilding (%s)", self.shard, self._broken)
+            self.on_unable_to_lead(self.shard, self._broken or "rebuilding")
+            return
         self._want_lead = lead
         self._work.set()
 
@@ -186,6 +219,9 @@ class ShardReplica:
         _done, pending = await asyncio.wait(self._tasks, timeout=bound_s) if self._tasks else (set(), set())
         if pending:  # wedged in a WAL call past its own timeouts: cut it off
             log.warning("shard %d: replica loop did not stop within %.1fs; cancelling", self.shard, bound_s)
+            # Cancelling never stops an append's thread, and its batch may still commit: the
+            # append answers its clients "unknown outcome" (W7) as it is cancelled, and the
+            # leader closes its producer only after the thread returned (_close_writer).
             for task in pending:
                 task.cancel()
             await asyncio.gather(*pending, return_exceptions=True)
@@ -203,6 +239,9 @@ class ShardReplica:
         backoff = 0.2
         while not self._stopping:
             try:
+                if self._broken is not None:
+                    await self._start_rebuild()
+                    continue
                 if self._want_lead:
                     self._lead_task = asyncio.create_task(self._lead(), name=f"shard-{self.shard}-lead")
                     try:
@@ -215,7 +254,7 @@ class ShardReplica:
                     pause_until = time.monotonic() + REFENCE_PAUSE_S
                     while self._want_lead and not self._stopping and time.monotonic() < pause_until:
                         await asyncio.sleep(0.05)
-                elif self._standby:
+                elif self._standby or self._rebuilding:
                     await self._follow()
                 else:
                     self.role = Role.FOLLOWER
@@ -234,6 +273,25 @@ class ShardReplica:
                 self.role = Role.FOLLOWER
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 5.0)
+
+    async def _start_rebuild(self) -> None:
+        """A committed batch could not be applied (disk full, I/O error): this replica no longer
+        matches the WAL. Wipe it; following then replays the shard, and once it caught up the
+        replica may lead again. If the wipe itself fails, the loop retries with backoff."""
+        reason = self._broken
+        assert reason is not None
+        self.role = Role.FOLLOWER
+        self.caught_up = False
+        self._rebuilding = True
+        self.store.wipe(f"a committed batch could not be applied: {reason}")
+        self.metrics.rebuilds.labels(shard=str(self.shard)).inc()
+        self._broken = None
+
+    def _rebuilt(self) -> None:
+        if self._rebuilding:
+            self._rebuilding = False
+            log.info("shard %d: rebuilt at offset %d; may lead again", self.shard, self.store.applied_offset)
+            self.on_unable_to_lead(self.shard, None)
 
     async def _wait_work(self, timeout_s: float) -> None:
         """Until something changed (see `_work`) or `timeout_s` passed."""
@@ -256,11 +314,16 @@ class ShardReplica:
                 if self.store.applied_offset > end:
                     self._wipe_beyond_end(end)
                     replayer.seek(0)
-            while not self._stopping and not self._want_lead:
-                records = await asyncio.to_thread(replayer.poll_once, FOLLOW_POLL_S)
+            while not self._stopping and not self._want_lead and self._broken is None:
+                try:
+                    records = await asyncio.to_thread(replayer.poll_once, FOLLOW_POLL_S)
+                except wal.OffsetOutOfRangeError as exc:
+                    await self._out_of_range(exc, replayer)
+                    continue
                 self._apply_replayed(records, replayer)
                 if replayer.position >= end:
                     self.caught_up = True
+                    self._rebuilt()
             if self._want_lead and not self._stopping:
                 # Hand the warm reader to the takeover: its bootstrap continues from here
                 # instead of opening a new consumer (saves a close, a connect and a first fetch).
@@ -268,6 +331,22 @@ class ShardReplica:
         finally:
             if replayer is not None:
                 await asyncio.to_thread(replayer.close)
+
+    async def _out_of_range(self, exc: wal.OffsetOutOfRangeError, replayer: wal.Replayer) -> None:
+        """The WAL no longer covers our position (auto.offset.reset=error: never a silent jump).
+
+        Below the log start the records we need were truncated: only a snapshot can rebuild this
+        replica, so say so and stay behind. Above the end: wait (bounded) for the end to catch
+        up, as after a broker restart; if it does not, the WAL was recreated: rebuild from 0."""
+        if exc.below_start:
+            raise errors.UnavailableError(
+                f"shard {self.shard}: the WAL was truncated at offset {exc.log_start}, above this replica's "
+                f"checkpoint {self.store.applied_offset}; it can only be rebuilt from a snapshot taken at or "
+                f"after {exc.log_start}")
+        end = await self._confirm_beyond_end(exc.log_end, replayer.end_offset)
+        if self.store.applied_offset > end:
+            self._wipe_beyond_end(end)
+        await asyncio.to_thread(replayer.seek, self.store.applied_offset)
 
     def _replayer(self) -> wal.Replayer:
         return wal.Replayer(self.config.bootstrap_servers, self.config.topic, self.shard, self.store.applied_offset,
@@ -345,6 +424,7 @@ class ShardReplica:
             if not self._want_lead or self._stopping:
                 return
             self._upcoming = end
+            self._verified = self.store.applied_offset  # everything below was replayed (W6)
             self.role = Role.LEADER
             self.caught_up = True
             log.info("shard %d: leading at offset %d (term %d) after fencing %d ms, bootstrap %d ms", self.shard,
@@ -353,10 +433,24 @@ class ShardReplica:
         finally:
             self.role = Role.FOLLOWER if not self._stopping else Role.STOPPED
             self._upcoming = None
+            self._verified = None
             self._fail_queued(errors.UnavailableError(f"shard {self.shard}: leadership lost; retry"))
             self._writer = None
             await self._close_tail()
-            await asyncio.to_thread(writer.close)
+            await self._close_writer(writer)
+
+    async def _close_writer(self, writer: wal.ShardWriter) -> None:
+        """Close the producer only once no append runs on it: closing under a running
+        commit_transaction would turn a commit that may still succeed into a crash or a hang."""
+        in_flight = self._in_flight
+        if in_flight is not None and not in_flight.done():
+            bound_s = self.config.call_timeout_s * 2
+            done, _ = await asyncio.wait({in_flight}, timeout=bound_s)
+            if not done:
+                log.warning("shard %d: an append is still running after %.1fs; its producer is left open "
+                            "(the next leader's init_transactions settles its transaction)", self.shard, bound_s)
+                return
+        await asyncio.to_thread(writer.close)
 
     async def _catch_up(self, end: int) -> None:
         """Replay read_committed from the checkpoint up to `end` (bounded by bootstrap_timeout_s)."""
@@ -381,7 +475,11 @@ class ShardReplica:
                 if time.monotonic() > deadline:
                     raise errors.UnavailableError(
                         f"shard {self.shard}: bootstrap stuck at {replayer.position} of {end}")
-                records = await asyncio.to_thread(replayer.poll_once, CATCH_UP_POLL_S)
+                try:
+                    records = await asyncio.to_thread(replayer.poll_once, CATCH_UP_POLL_S)
+                except wal.OffsetOutOfRangeError as exc:
+                    await self._out_of_range(exc, replayer)
+                    continue
                 self._apply_replayed(records, replayer)
         finally:
             await asyncio.to_thread(replayer.close)
@@ -411,14 +509,17 @@ class ShardReplica:
 
     async def _commit_loop(self, writer: wal.ShardWriter) -> None:
         while self._want_lead and not self._stopping:
-            if self._queue.empty():
+            if self._queue.empty() and not self._carry:
                 await self._wait_work(1.0)
                 continue
-            first = self._queue.get_nowait()
-            batch = [first]
-            size = first.size
+            # Left over from a full batch first (their order kept), then the queue. The request
+            # sizes only pre-bound the batch; _commit_batch bounds it by WAL-entry bytes.
+            batch = [self._carry.popleft() for _ in range(min(len(self._carry), self.config.max_batch_records))]
+            if not batch:
+                batch.append(self._queue.get_nowait())
+            size = sum(item.size for item in batch)
             try:
-                if self.config.linger_ms > 0 and self._queue.empty():
+                if self.config.linger_ms > 0 and self._queue.empty() and not self._carry:
                     await asyncio.sleep(self.config.linger_ms / 1000)
                 while (len(batch) < self.config.max_batch_records and size < self.config.max_batch_bytes
                        and not self._queue.empty()):
@@ -437,7 +538,11 @@ class ShardReplica:
                         f"shard {self.shard}: leadership moving or node stopping; retry"))
 
     async def _commit_batch(self, writer: wal.ShardWriter, batch: list[_Pending]) -> bool:
-        """Evaluate, append, apply, answer. False when this node must stop leading."""
+        """Evaluate, append, apply, answer. False when this node must stop leading.
+
+        The batch is bounded by the writer's limits on WAL-entry bytes (responses included) and
+        records: requests that do not fit are taken out of `batch` and go first into the next
+        one, evaluated again there. One entry above the record limit is refused alone."""
         assert self._upcoming is not None
         revision = self._upcoming
         overlay: dict[bytes, KeyState | None] = {}
@@ -445,10 +550,13 @@ class ShardReplica:
         def lookup(key: bytes) -> KeyState | None:
             return overlay[key] if key in overlay else self.store.get(key)
 
+        limits_ = writer.config
         payloads: list[bytes] = []
+        payload_bytes = 0
         answers: list[tuple[_Pending, Response | Exception]] = []
         in_batch: dict[str, Response] = {}
-        for pending in batch:
+        now_ms = int(time.time() * 1000)
+        for index, pending in enumerate(batch):
             if pending.future.done():  # the client gave up (deadline) before we started
                 continue
             if pending.request_id:
@@ -459,32 +567,59 @@ class ShardReplica:
                 if pending.request_id in in_batch:
                     answers.append((pending, in_batch[pending.request_id]))
                     continue
+                why = self._expired(pending.first_attempt_unix_ms, now_ms)
+                if why is not None:
+                    answers.append((pending, errors.RequestExpiredError(why)))
+                    continue
             try:
                 evaluation = pending.build(lookup, revision + len(payloads))
             except ValueError as exc:
                 answers.append((pending, errors.InvalidRequestError(str(exc))))
                 continue
-            if evaluation.entry is not None and evaluation.entry.ByteSize() > wal.writer.MAX_RECORD_BYTES_DEFAULT:
-                # e.g. a Txn whose answer (stored with it for retries) carries large gets.
-                answers.append((pending, errors.InvalidRequestError(
-                    f"WAL record of {evaluation.entry.ByteSize()} bytes exceeds the record limit "
-                    f"{wal.writer.MAX_RECORD_BYTES_DEFAULT}; split the Txn")))
-                continue
             if evaluation.entry is not None:
+                evaluation.entry.leader_unix_ms = now_ms
+                payload = evaluation.entry.SerializeToString()
+                if len(payload) > limits_.max_record_bytes:
+                    # e.g. a Txn whose answer (stored with it for retries) carries large gets.
+                    answers.append((pending, errors.InvalidRequestError(
+                        f"WAL record of {len(payload)} bytes exceeds the record limit "
+                        f"{limits_.max_record_bytes}; split the Txn")))
+                    continue
+                if payloads and (payload_bytes + len(payload) > limits_.max_batch_bytes
+                                 or len(payloads) >= limits_.max_batch_records):
+                    rest = [p for p in batch[index:] if not p.future.done()]
+                    self._carry.extendleft(reversed(rest))
+                    del batch[index:]  # not this batch's any more: its clean-up must not answer them
+                    break
                 record_revision = revision + len(payloads)
                 for effect in evaluation.entry.effects:
                     key = effect_key(effect)
                     overlay[key] = next_key_state(lookup(key), effect, record_revision)
-                payloads.append(evaluation.entry.SerializeToString())
+                payloads.append(payload)
+                payload_bytes += len(payload)
             if pending.request_id:
                 in_batch[pending.request_id] = evaluation.response
             answers.append((pending, evaluation.response))
 
         if payloads:
-            ok = await self._append(writer, payloads, revision, [p for p, _ in answers])
-            if not ok:
+            # Refusals are definite and independent of the append: answer them now.
+            for pending, answer in answers:
+                if isinstance(answer, Exception):
+                    _settle(pending.future, answer)
+            waiting = [p for p, answer in answers if not isinstance(answer, Exception)]
+            result = await self._append(writer, payloads, revision, waiting)
+            if result is None:
                 return self.role is Role.LEADER and not self._stopping
-        elif any(not isinstance(a, Exception) for _, a in answers):
+            apply_error = self._apply_committed(result, payloads)
+            # Committed: the clients get the answers computed before the append, whatever the
+            # local apply did (W7: the WAL is the truth; the replica is rebuilt from it).
+            for pending, answer in answers:
+                _settle(pending.future, answer)
+            if apply_error is not None:
+                self._give_up_after_apply_failure(apply_error)
+                return False
+            return True
+        if any(not isinstance(a, Exception) for _, a in answers):
             # Read-only Txns saw committed state only; a barrier makes their answer linearizable.
             try:
                 await self.barrier()
@@ -496,32 +631,69 @@ class ShardReplica:
             _settle(pending.future, answer)
         return True
 
+    def _expired(self, first_attempt_unix_ms: int, now_unix_ms: int) -> str | None:
+        """Why a request id that is not in the table must be refused (it may have been forgotten)."""
+        return request_horizon.expired(first_attempt_unix_ms, now_unix_ms, self.store.evicted_through_ms,
+                                       limits.REQUEST_ID_HORIZON_MS, limits.MAX_CLOCK_SKEW_MS)
+
     async def _append(self, writer: wal.ShardWriter, payloads: list[bytes], revision: int,
-                      waiting: list[_Pending]) -> bool:
+                      waiting: list[_Pending]) -> wal.AppendResult | None:
+        """Append one batch; None when it failed (its clients are answered then)."""
         self._written_end = revision + len(payloads) + 1
         self._txn_started = time.monotonic()
         started = time.perf_counter()
+        # The thread is shielded: cancelling this task (a shutdown past its bound) must not
+        # make the append look finished while librdkafka may still commit it.
+        in_flight = self._in_flight = asyncio.ensure_future(asyncio.to_thread(writer.append, payloads, revision))
         try:
-            result = await asyncio.to_thread(writer.append, payloads, revision)
+            result = await asyncio.shield(in_flight)
+        except asyncio.CancelledError:
+            self.metrics.unknown_outcomes.labels(shard=str(self.shard)).inc()
+            for pending in waiting:
+                _settle(pending.future, errors.UnknownOutcomeError(
+                    f"shard {self.shard}: node stopping while the batch was committing; "
+                    "retry with the same request id"))
+            raise
         except wal.WalError as exc:
-            self._txn_started = None
             self._written_end = None
             await self._on_append_error(exc, waiting)
-            return False
+            return None
         finally:
             self._txn_started = None
         self.metrics.commit_latency.labels(shard=str(self.shard)).observe(time.perf_counter() - started)
         self.metrics.batch_records.labels(shard=str(self.shard)).observe(len(payloads))
         assert result.offsets == tuple(range(revision, revision + len(payloads))), "W2 broken: guard let it pass"
-        applied = self.store.apply(list(zip(result.offsets, payloads, strict=True)), result.upcoming_offset)  # W5
+        return result
+
+    def _apply_committed(self, result: wal.AppendResult, payloads: list[bytes]) -> Exception | None:
+        """W5: apply a committed batch at the offsets its records were delivered at, with the new
+        checkpoint. Returns the error instead of raising: the batch is committed either way."""
         self._upcoming = result.upcoming_offset
         self._written_end = None
+        self._verified = result.offsets[-1] + 1  # the marker's slot is assumed, not observed
+        try:
+            failpoints.check("apply-after-commit")
+            applied = self.store.apply(list(zip(result.offsets, payloads, strict=True)), result.upcoming_offset)
+        except Exception as exc:
+            return exc
         self._after_apply(applied.changes)
-        return True
+        return None
+
+    def _give_up_after_apply_failure(self, exc: Exception) -> None:
+        """Leave the shard to another node and rebuild this replica (see `_start_rebuild`)."""
+        reason = f"{type(exc).__name__}: {exc}"
+        log.error("shard %d: applying a committed batch failed (%s); giving the shard up and rebuilding",
+                  self.shard, reason)
+        self.metrics.apply_failures.labels(shard=str(self.shard)).inc()
+        self._broken = reason
+        self._want_lead = False
+        self.role = Role.FOLLOWER
+        self.on_unable_to_lead(self.shard, reason)
 
     async def _on_append_error(self, exc: wal.WalError, waiting: list[_Pending]) -> None:
         shard = self.shard
         if isinstance(exc, wal.UnknownOutcomeError):
+            self.metrics.unknown_outcomes.labels(shard=str(shard)).inc()
             error: errors.StoreError = errors.UnknownOutcomeError(
                 f"shard {shard}: commit outcome unknown ({exc}); retry with the same request id")
         elif isinstance(exc, wal.WriterFatalError):
@@ -547,14 +719,30 @@ class ShardReplica:
         self._upcoming = None
         try:
             assert self._writer is not None
-            end = await asyncio.to_thread(self._writer.settled_end_offset)
+            if isinstance(exc, wal.UnknownOutcomeError):
+                # Fence first: a fresh producer's init_transactions completes or aborts our
+                # undecided transaction at once. Waiting for the settled end instead would wait
+                # for the broker's transaction timeout while that transaction holds the LSO.
+                end = await asyncio.to_thread(self._writer.fence)
+            else:
+                end = await asyncio.to_thread(self._writer.settled_end_offset)
+            self._rewind_to_verified()
             await self._catch_up(end)
         except Exception as resync_error:
             log.warning("shard %d: re-bootstrap failed: %s", shard, resync_error)
             self.role = Role.FOLLOWER
             return
         self._upcoming = end
+        self._verified = self.store.applied_offset
         self.role = Role.LEADER
+
+    def _rewind_to_verified(self) -> None:
+        """Replay from the first slot this leader has not seen: after its own last commit it
+        assumed the marker took the next slot; if something else landed there (a writer that
+        bypassed the guard), the followers applied it and so must the leader."""
+        verified = self._verified
+        if verified is not None and self.store.applied_offset == verified + 1:
+            self.store.rewind(verified)
 
     # ---- requests --------------------------------------------------------------------------------
 
@@ -564,16 +752,20 @@ class ShardReplica:
                 raise errors.UnavailableError(f"shard {self.shard}: this node is taking over; retry")
             raise errors.NotLeaderError(self.shard, self.leader_hint() or None)
 
-    async def write(self, build: Build, request_id: str, size: int, response_type: type[Any]) -> Response:
+    async def write(self, build: Build, request_id: str, size: int, response_type: type[Any],
+                    first_attempt_unix_ms: int = 0) -> Response:
         """Queue a write for the next batch and wait for its answer (after commit)."""
         self.require_leader()
         if request_id:
             earlier = self.store.request(request_id)
             if earlier is not None:
                 return _replayed(response_type, earlier.response)
+            why = self._expired(first_attempt_unix_ms, int(time.time() * 1000))
+            if why is not None:
+                raise errors.RequestExpiredError(why)
         future: asyncio.Future[Response] = asyncio.get_running_loop().create_future()
         try:
-            self._queue.put_nowait(_Pending(build, request_id, size, response_type, future))
+            self._queue.put_nowait(_Pending(build, request_id, size, response_type, future, first_attempt_unix_ms))
             self._work.set()
         except asyncio.QueueFull:
             raise errors.OverloadedError(
@@ -646,6 +838,8 @@ class ShardReplica:
         return int((time.monotonic() - started) * 1000) if started is not None else 0
 
     def _fail_queued(self, error: errors.StoreError) -> None:
+        while self._carry:
+            _settle(self._carry.popleft().future, error)
         while not self._queue.empty():
             _settle(self._queue.get_nowait().future, error)
 
@@ -658,7 +852,8 @@ def writer_config(config: ReplicaConfig) -> wal.WriterConfig:
         transactional_id=wal.shard_transactional_id(config.topic, config.shard),
         writer=wal.WriterIdentity(config.node_id, 0),
         transaction_timeout_ms=config.transaction_timeout_ms, call_timeout_s=config.call_timeout_s,
-        max_batch_records=config.max_batch_records, max_batch_bytes=config.max_batch_bytes)
+        max_batch_records=config.max_batch_records, max_batch_bytes=config.max_batch_bytes,
+        max_record_bytes=config.max_record_bytes)
 
 
 def _settle(future: asyncio.Future[Response], answer: Response | Exception) -> None:

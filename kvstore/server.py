@@ -119,7 +119,7 @@ class KVService(kv_pb2_grpc.KVServicer):
         shard = self.node.shard_for(request.key)
         response = await self._leader(shard).write(
             lambda lookup, rev: evaluate_put(request, lookup, shard, rev), request.request_id,
-            request.ByteSize(), kv_pb2.PutResponse)
+            request.ByteSize(), kv_pb2.PutResponse, request.first_attempt_unix_ms)
         assert isinstance(response, kv_pb2.PutResponse)
         return response
 
@@ -129,7 +129,7 @@ class KVService(kv_pb2_grpc.KVServicer):
         shard = self.node.shard_for(request.key)
         response = await self._leader(shard).write(
             lambda lookup, rev: evaluate_delete(request, lookup, shard, rev), request.request_id,
-            request.ByteSize(), kv_pb2.DeleteResponse)
+            request.ByteSize(), kv_pb2.DeleteResponse, request.first_attempt_unix_ms)
         assert isinstance(response, kv_pb2.DeleteResponse)
         return response
 
@@ -138,7 +138,7 @@ class KVService(kv_pb2_grpc.KVServicer):
         shard = validation.check_txn(request, self.node.config.shards)
         response = await self._leader(shard).write(
             lambda lookup, rev: evaluate_txn(request, lookup, shard, rev), request.request_id,
-            request.ByteSize(), kv_pb2.TxnResponse)
+            request.ByteSize(), kv_pb2.TxnResponse, request.first_attempt_unix_ms)
         assert isinstance(response, kv_pb2.TxnResponse)
         return response
 

@@ -83,9 +83,13 @@ class OffsetMismatchError(BatchAbortedError):
 
 
 class UnknownOutcomeError(WalError):
-    """The commit's outcome is unknown (timeout, connection loss, fenced while committing).
+    """The commit's outcome is unknown (W7): anything but success once commit_transaction was
+    called (a timeout, a lost connection, fenced while committing, a fatal error, a refusal after
+    EndTxn may have been sent, an abort that failed), except a refusal librdkafka raised before it
+    sent EndTxn followed by a successful abort, which is a `BatchAbortedError`.
 
-    Never report this as success or failure (W7). The producer is re-initialised before the
+    Never report this as success or failure. The producer is retired: closed, and a fresh one's
+    init_transactions (which completes or aborts the transaction on the broker) runs before the
     next batch; the log itself tells the outcome to whoever replays it.
     """
 
@@ -135,6 +139,26 @@ _RETRIABLE_NAMES = frozenset(
         "LEADER_NOT_AVAILABLE",
     }
 )
+
+
+# How librdkafka's commit_transaction words the errors it raises *before* it sends EndTxn
+# (src/rdkafka_txnmgr.c: rd_kafka_txn_require_state in the begin-commit and commit ops, the
+# flush before the commit, the delivery-failure check, no PID, EndTxn not sendable). A commit
+# error not recognised here is taken as raised after EndTxn may have gone out: unknown outcome.
+_BEFORE_END_TXN_MESSAGES = (
+    "Operation not valid in state",
+    "Failed to flush all outstanding messages",
+    "message(s) failed delivery",
+    "No PID available",
+    "Failed to send EndTxn request",
+)
+
+
+def raised_before_end_txn(message: str) -> bool:
+    """Whether a commit_transaction error is one librdkafka raises before it sends EndTxn, so
+    the commit cannot have reached the transaction coordinator. Conservative: unknown wording
+    answers False (the caller then reports an unknown outcome, never a definite failure)."""
+    return any(fragment in message for fragment in _BEFORE_END_TXN_MESSAGES)
 
 
 def classify(name: str, *, fatal: bool, retriable: bool, txn_requires_abort: bool) -> ErrorClass:

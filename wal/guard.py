@@ -210,6 +210,7 @@ class Guard:
         self._abort_error: WalError | None = None
         # commit_transaction was called for the batch in progress: from then on only success
         # keeps the producer (see the module docstring).
+        self._delivered: tuple[int, ...] = ()
         self._commit_called = False
         # A commit attempt of this batch may have sent EndTxn (any commit failure not known to
         # be raised before it): no abort can make the outcome definite any more.
@@ -241,7 +242,8 @@ class Guard:
         if isinstance(event, Committed):
             self._expect(Phase.COMMITTING, event)
             assert self._batch is not None
-            offsets = tuple(range(self._batch.first_offset, self._batch.first_offset + self._batch.count))
+            offsets = self._delivered  # where the records landed, each checked against its own slot (W2)
+            assert offsets == tuple(range(self._batch.first_offset, self._batch.first_offset + self._batch.count))
             # W1: the commit marker takes one offset after the batch's last record.
             self.upcoming_offset = offsets[-1] + 2
             self.stats.commits += 1
@@ -320,6 +322,7 @@ class Guard:
                 return self._abort(OffsetMismatchError(message, expected=expected, actual=actual))
         self.phase = Phase.COMMITTING
         self._attempts = 0
+        self._delivered = event.offsets
         self._commit_called = True
         return [CommitTransaction()]
 
@@ -427,6 +430,7 @@ class Guard:
         self._batch = None
         self._abort_error = None
         self._attempts = 0
+        self._delivered = ()
         self._commit_called = False
         self._end_txn_maybe_sent = False
 

@@ -126,6 +126,7 @@ class GroupMember:
         self._config["error_cb"] = self._on_error
         self._fatal: KafkaError | None = None
         self._rejoin = threading.Event()
+        self._away = threading.Event()  # out of the group on purpose until come_back()
         self._bootstrap_servers = bootstrap_servers
         self._on_assigned = on_assigned
         self._on_revoked = on_revoked
@@ -158,6 +159,19 @@ class GroupMember:
             if self._thread.is_alive():
                 log.warning("group member %s did not leave within %.1fs", self.member_id, timeout_s + 1)
 
+    def step_aside(self) -> None:
+        """Leave the group (every partition handed over, revocation callbacks first) and stay
+        out until `come_back()`: a consumer group cannot give up one partition alone, and a
+        member that cannot serve one of its partitions must not keep it."""
+        self._away.set()
+
+    def come_back(self) -> None:
+        self._away.clear()
+
+    @property
+    def away(self) -> bool:
+        return self._away.is_set()
+
     def rejoin(self) -> None:
         """Start over with a new consumer: for a member the coordinator no longer lists while
         librdkafka believes it is in the group (seen after a broker restart: a fatal
@@ -181,6 +195,9 @@ class GroupMember:
 
     def _run(self) -> None:
         while not self._stop.is_set():
+            if self._away.is_set():
+                self._stop.wait(0.1)
+                continue
             try:
                 self._membership()
             except KafkaException as exc:
@@ -197,7 +214,7 @@ class GroupMember:
         try:
             consumer.subscribe([self.topic], on_assign=self._assigned, on_revoke=self._revoked,
                                on_lost=self._lost)
-            while not self._stop.is_set():
+            while not self._stop.is_set() and not self._away.is_set():
                 message = consumer.poll(POLL_INTERVAL_S)
                 if message is not None and message.error() is not None:
                     log.debug("group member %s: %s", self.member_id, message.error())

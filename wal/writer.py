@@ -23,7 +23,7 @@ from typing import Any
 from confluent_kafka import KafkaError, KafkaException, Message, Producer
 
 from wal import clients, record
-from wal.errors import ErrorClass, InvalidBatchError, UnavailableError, classify
+from wal.errors import ErrorClass, InvalidBatchError, UnavailableError, classify, raised_before_end_txn
 from wal.guard import (
     Aborted,
     AbortTransaction,
@@ -336,7 +336,8 @@ class ShardWriter:
 def _failed(op: Op, err: KafkaError) -> Failed:
     cls = classify(err.name(), fatal=err.fatal(), retriable=err.retriable(),
                    txn_requires_abort=err.txn_requires_abort())
-    return Failed(op, cls, f"{err.name()}: {err.str()}")
+    before_end_txn = op is Op.COMMIT and raised_before_end_txn(err.str())
+    return Failed(op, cls, f"{err.name()}: {err.str()}", before_end_txn)
 
 
 def _reraise_interrupts(exc: SystemError) -> None:

@@ -162,3 +162,24 @@ def test_two_deployments_sharing_a_topic_share_transactional_ids(tmp_path: Path)
 
     assert tid("blue", "shared.wal") == tid("green", "shared.wal")
     assert tid("blue", "blue.wal") != tid("blue", "other.wal")
+
+
+@pytest.mark.parametrize(
+    ("message", "before"),
+    [
+        ("Operation not valid in state AbortableError", True),
+        ("Failed to flush all outstanding messages within the API timeout: 3 message(s) remaining", True),
+        ("2 message(s) failed delivery (see individual delivery reports)", True),
+        ("No PID available (idempotence state WaitPID)", True),
+        ("Failed to send EndTxn request: Local: Broker transport failure", True),
+        # After EndTxn was sent, or wording we do not know: never taken as definite.
+        ("EndTxn commit failed: Broker: Request timed out", False),
+        ("Transactional API operation (commit_transaction) timed out", False),
+        ("Broker: Producer attempted to produce with an old epoch", False),
+        ("", False),
+    ],
+)
+def test_commit_errors_raised_before_end_txn(message: str, before: bool) -> None:
+    from wal.errors import raised_before_end_txn
+
+    assert raised_before_end_txn(message) is before

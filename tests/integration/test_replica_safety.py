@@ -1,0 +1,272 @@
+"""W7 and W2 at the replica, through seams, against a real broker (issue 9).
+
+Each test runs one or two real `ShardReplica`s (real Kafka, real LevelDB) in this process and
+disturbs them at one exact point: a failed apply after a commit, a commit whose outcome is
+unknown, a shutdown while a commit runs, a record slipped into the commit marker's slot, batches
+that must be cut by WAL-entry bytes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from confluent_kafka import KafkaError, KafkaException, Producer
+
+from kvstore import errors, failpoints
+from kvstore.evaluate import evaluate_put
+from kvstore.metrics import Metrics
+from kvstore.replica import ReplicaConfig, Role, ShardReplica
+from kvstore.v1 import kv_pb2, wal_entry_pb2
+from tests.conftest import unique
+from wal.broker import LocalKafka
+from wal.record import WriterIdentity, encode
+
+pytestmark = pytest.mark.kafka
+
+
+def _config(kafka: LocalKafka, topic: str, data_dir: Path, node: str, **overrides: Any) -> ReplicaConfig:
+    return ReplicaConfig(cluster="safety", topic=topic, shard=0, bootstrap_servers=kafka.bootstrap_servers,
+                         node_id=node, data_dir=data_dir / node, transaction_timeout_ms=20_000,
+                         call_timeout_s=3.0, **overrides)
+
+
+@contextlib.asynccontextmanager
+async def _replica(config: ReplicaConfig, *, lead: bool) -> AsyncIterator[ShardReplica]:
+    replica = ShardReplica(config, Metrics())
+    replica.start(lead=lead)
+    try:
+        yield replica
+    finally:
+        await replica.stop()
+
+
+async def _until(predicate: Callable[[], bool], timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"{what} not reached within {timeout_s}s"
+        await asyncio.sleep(0.02)
+
+
+async def _put(replica: ShardReplica, key: bytes, value: bytes, request_id: str = "") -> kv_pb2.PutResponse:
+    request = kv_pb2.PutRequest(key=key, value=value, request_id=request_id,
+                                first_attempt_unix_ms=int(time.time() * 1000))
+    response = await replica.write(lambda lookup, rev: evaluate_put(request, lookup, 0, rev), request_id,
+                                   request.ByteSize(), kv_pb2.PutResponse, request.first_attempt_unix_ms)
+    assert isinstance(response, kv_pb2.PutResponse)
+    return response
+
+
+def _metric(replica: ShardReplica, name: str, **labels: str) -> float:
+    value = replica.metrics.registry.get_sample_value(name, {"shard": str(replica.shard), **labels})
+    return 0.0 if value is None else value
+
+
+def _topic(kafka: LocalKafka) -> str:
+    name = unique("safety")
+    kafka.create_topic(name, partitions=1)
+    return name
+
+
+def test_failed_apply_after_commit_answers_committed_and_gives_the_shard_up(kafka: LocalKafka,
+                                                                           tmp_path: Path) -> None:
+    """The WAL commit succeeded and LevelDB then failed: the client still gets its committed
+    answer, the replica gives the shard up (never re-leads in a loop) and rebuilds from the WAL."""
+    topic = _topic(kafka)
+
+    async def scenario() -> None:
+        async with _replica(_config(kafka, topic, tmp_path, "a"), lead=True) as replica:
+            told: list[str | None] = []
+            replica.on_unable_to_lead = lambda shard, reason: told.append(reason)
+            await _until(lambda: replica.role is Role.LEADER, 30, "leading")
+            await _put(replica, b"before", b"1")
+            failpoints.arm("apply-after-commit", 1)
+            response = await _put(replica, b"k", b"v", "rid-1")  # committed: answered as such
+            assert response.HasField("result") and response.result.revision > 0
+            assert told and told[0] is not None and "failpoint" in told[0]
+            assert replica.role is not Role.LEADER
+            replica.set_lead(True)  # the group offering it back at once: refused until rebuilt
+            await _until(lambda: None in told, 30, "rebuilt")
+            assert replica.store.get(b"k") is not None and replica.store.get(b"before") is not None
+            assert replica.store.request("rid-1") is not None  # a retry is answered, not applied again
+            assert _metric(replica, "kvstore_leader_changes_total") == 1, "re-led while rebuilding"
+            assert _metric(replica, "kvstore_apply_failures_total") == 1
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        failpoints.arm("apply-after-commit", 0)
+
+
+def test_unknown_commit_outcome_fences_then_continues(kafka: LocalKafka, tmp_path: Path) -> None:
+    """commit_transaction keeps timing out (injected before it is called, so nothing reaches
+    the coordinator and the transaction stays open): the client hears "unknown outcome", and the
+    leader fences first (aborting that transaction at once) instead of waiting for the broker's
+    transaction timeout with the LSO held back; it leads again within seconds."""
+    topic = _topic(kafka)
+
+    async def scenario() -> None:
+        async with _replica(_config(kafka, topic, tmp_path, "a"), lead=True) as replica:
+            await _until(lambda: replica.role is Role.LEADER, 30, "leading")
+            writer = replica._writer
+            assert writer is not None
+            failing = {"on": True}
+
+            def commit_times_out() -> None:
+                if failing["on"]:
+                    raise KafkaException(KafkaError(KafkaError._TIMED_OUT, "injected", retriable=True))
+
+            # A producer that cannot reach the coordinator cannot abort on close either: keep the
+            # retired one alive and unclosed, so its transaction really stays open on the broker.
+            retired: list[Any] = []
+
+            def retire_without_closing() -> None:
+                if writer._producer is not None:
+                    retired.append(writer._producer)
+                writer._producer = None
+
+            writer._before_commit = commit_times_out
+            writer._close_producer = retire_without_closing  # type: ignore[method-assign]
+            writer._guard.retry_limit = 1
+            with pytest.raises(errors.UnknownOutcomeError):
+                await _put(replica, b"maybe", b"?", "rid-maybe")
+            failing["on"] = False
+            await _until(lambda: replica.role is Role.LEADER, 15, "leading again")
+            # Fenced and caught up without losing the leadership: waiting for the settled end
+            # instead would time out on the open transaction and start the takeover over.
+            assert _metric(replica, "kvstore_leader_changes_total") == 1
+            await _put(replica, b"after", b"ok")
+            assert replica.store.get(b"maybe") is None  # the fence aborted it: the log says so
+            assert replica.store.get(b"after") is not None
+            assert _metric(replica, "kvstore_unknown_outcomes_total") == 1
+            for producer in retired:
+                producer.purge()
+
+    asyncio.run(scenario())
+
+
+def test_shutdown_waits_for_the_append_and_answers_unknown_past_its_bound(kafka: LocalKafka,
+                                                                          tmp_path: Path) -> None:
+    """A commit that outlives the shutdown bound: its client hears "unknown outcome" (never
+    "nothing written"), the producer is closed only after the append's thread returned, and the
+    batch did commit (so "unknown" was the honest answer)."""
+    topic = _topic(kafka)
+    events: list[str] = []
+    release = threading.Event()
+
+    async def scenario() -> None:
+        replica = ShardReplica(_config(kafka, topic, tmp_path, "a"), Metrics())
+        replica.start(lead=True)
+        await _until(lambda: replica.role is Role.LEADER, 30, "leading")
+        writer = replica._writer
+        assert writer is not None
+
+        def slow_commit() -> None:
+            events.append("commit-starts")
+            release.wait(30)
+            events.append("commit-proceeds")
+
+        original_close = writer.close
+
+        def close() -> None:
+            events.append("writer-closed")
+            original_close()
+
+        writer._before_commit = slow_commit
+        writer.close = close  # type: ignore[method-assign]
+        put = asyncio.create_task(_put(replica, b"slow", b"v", "rid-slow"))
+        await _until(lambda: "commit-starts" in events, 10, "commit under way")
+        stopping = asyncio.create_task(replica.stop())
+        with pytest.raises(errors.UnknownOutcomeError):
+            await asyncio.wait_for(put, 20)  # the stop bound (2 x call_timeout_s) passed
+        assert "writer-closed" not in events, "producer closed under a running commit"
+        release.set()
+        await asyncio.wait_for(stopping, 30)
+        assert events.index("commit-proceeds") < events.index("writer-closed")
+
+    asyncio.run(scenario())
+    from tests.integration.helpers import replay_all
+
+    records, _ = replay_all(kafka.bootstrap_servers, topic)
+    entries = [wal_entry_pb2.WalEntry.FromString(r.payload) for r in records]
+    assert any(e.request_id == "rid-slow" for e in entries), "the unknown-outcome batch did commit"
+
+
+def test_record_in_the_marker_slot_is_applied_by_the_leader_as_by_followers(kafka: LocalKafka,
+                                                                          tmp_path: Path) -> None:
+    """A writer that bypasses the guard slips a well-formed record into the slot right after the
+    leader's batch, before the leader's commit marker. Followers accept it (W3); the leader's
+    next batch misses its expected offset (W2) and the leader replays from the first slot it did
+    not see itself (last record + 1), so it applies the record too: the replicas stay equal."""
+    topic = _topic(kafka)
+
+    async def scenario() -> None:
+        async with _replica(_config(kafka, topic, tmp_path, "leader"), lead=True) as leader, \
+                _replica(_config(kafka, topic, tmp_path, "follower"), lead=False) as follower:
+            await _until(lambda: leader.role is Role.LEADER, 30, "leading")
+            await _put(leader, b"a", b"1")
+            writer = leader._writer
+            assert writer is not None
+            intruder = Producer({"bootstrap.servers": kafka.bootstrap_servers})
+            slipped: list[int] = []
+
+            def slip_in() -> None:
+                if slipped:
+                    return
+                slot = leader._written_end - 1  # type: ignore[operator]  # last record + 1
+                entry = wal_entry_pb2.WalEntry(effects=[wal_entry_pb2.Effect(
+                    put=wal_entry_pb2.PutEffect(key=b"slipped", value=b"in"))])
+                value, headers = encode(slot, WriterIdentity("intruder"), entry.SerializeToString())
+                intruder.produce(topic, value, partition=0, headers=headers)
+                assert intruder.flush(10) == 0
+                slipped.append(slot)
+
+            writer._before_commit = slip_in
+            await _put(leader, b"b", b"2")  # commits; the marker lands one slot later than assumed
+            with pytest.raises(errors.UnavailableError):
+                await _put(leader, b"c", b"3")  # W2: aborted, definite
+            await _until(lambda: leader.role is Role.LEADER, 15, "leading again")
+            await _put(leader, b"c", b"3")
+            await _until(lambda: follower.store.applied_offset >= leader.store.applied_offset, 15, "follower")
+            assert leader.store.get(b"slipped") is not None, "the leader skipped the slot it never saw"
+            assert follower.store.get(b"slipped") is not None
+            assert leader.store.get(b"slipped").mod_revision == slipped[0]  # type: ignore[union-attr]
+            assert leader.store.digest() == follower.store.digest()
+
+    asyncio.run(scenario())
+
+
+def test_group_commit_is_bounded_by_wal_entry_bytes(kafka: LocalKafka, tmp_path: Path) -> None:
+    """Requests whose WAL entries together exceed the writer's batch limit are split over
+    several transactions (never an InvalidBatchError that fails them all), and an entry above
+    the record limit is refused alone with INVALID_ARGUMENT while the rest commit."""
+    topic = _topic(kafka)
+    config = _config(kafka, topic, tmp_path, "a", max_batch_bytes=8_000, max_record_bytes=5_000)
+
+    async def scenario() -> None:
+        async with _replica(config, lead=True) as replica:
+            await _until(lambda: replica.role is Role.LEADER, 30, "leading")
+            values = [bytes([65 + i]) * 3_000 for i in range(6)]  # ~3 KB entries: at most 2 a batch
+            puts = [_put(replica, f"k{i}".encode(), v, f"rid-{i}") for i, v in enumerate(values)]
+            too_big = _put(replica, b"huge", b"x" * 6_000, "rid-huge")
+            results = await asyncio.gather(*puts, too_big, return_exceptions=True)
+            assert all(isinstance(r, kv_pb2.PutResponse) for r in results[:-1]), results
+            assert isinstance(results[-1], errors.InvalidRequestError)
+            assert "record limit" in str(results[-1])
+            revisions = sorted(r.result.revision for r in results[:-1])  # type: ignore[union-attr]
+            # Every committed batch had at most two of these entries (~3 KB each, limit 8,000 bytes).
+            assert _metric(replica, "kvstore_batch_records_sum") == len(values)
+            batches = _metric(replica, "kvstore_batch_records_count")
+            assert batches >= 3 and _metric(replica, "kvstore_batch_records_bucket", le="2.0") == batches
+            for i in range(6):
+                assert replica.store.get(f"k{i}".encode()) is not None
+            assert replica.store.get(b"huge") is None
+            assert len(set(revisions)) == len(values)
+
+    asyncio.run(scenario())
