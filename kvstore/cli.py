@@ -578,6 +578,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=float, default=3.0, metavar="S", help="seconds of writes before (default 3)")
     p.add_argument("--after", type=float, default=5.0, metavar="S", help="seconds of writes after the takeover")
     p.add_argument("--writers-per-shard", type=_non_negative_int, default=2)
+    p.add_argument("--write-timeout", type=float, default=10.0, metavar="S",
+                   help="deadline of one put, retries included (default 10); below the takeover time writes "
+                        "fail during it, which failed_but_applied then checks")
     sub.add_parser("serve", add_help=False, help="run a server node (all further arguments go to the server)")
     return parser
 
@@ -667,7 +670,8 @@ def _demo(args: argparse.Namespace, printer: Printer) -> int:
     try:
         result = demo.failover(parse_endpoints(args.endpoints), clean=args.clean, shard=args.shard,
                                warmup_s=args.warmup, after_s=args.after,
-                               writers_per_shard=max(1, args.writers_per_shard))
+                               writers_per_shard=max(1, args.writers_per_shard),
+                               write_timeout_s=args.write_timeout if args.write_timeout > 0 else 10.0)
     except (RuntimeError, TimeoutError, ValueError, ProcessLookupError, PermissionError) as exc:
         print(f"kvstore: demo failed: {_one_line(str(exc))}", file=sys.stderr)
         return EXIT_ERROR

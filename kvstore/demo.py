@@ -105,7 +105,13 @@ class Workload:
     shard without a leader stalls only its own writers and the others keep measuring."""
 
     def __init__(self, endpoints: Sequence[str], shards: int, *, writers_per_shard: int = 2,
-                 prefix: str | None = None, value_bytes: int = 100) -> None:
+                 prefix: str | None = None, value_bytes: int = 100,
+                 write_timeout_s: float = WRITE_TIMEOUT_S) -> None:
+        """`write_timeout_s` bounds one put, retries included. Shorter than a takeover, writes
+        fail during it: that is how a user with tight deadlines sees the cluster, and what
+        `failed_but_applied` checks (a write reported as failed must not be there)."""
+        assert write_timeout_s > 0
+        self.write_timeout_s = write_timeout_s
         self.endpoints = list(endpoints)
         self.shards = shards
         self.prefix = prefix or f"demo/{uuid.uuid4().hex[:8]}"
@@ -129,7 +135,7 @@ class Workload:
     def stop(self) -> None:
         self._stop.set()
         for thread in self._threads:
-            thread.join(WRITE_TIMEOUT_S + 5)
+            thread.join(self.write_timeout_s + 5)
         self.stopped_s = time.monotonic()
 
     def _keys(self, shard: int, writer: int) -> Callable[[], bytes | None]:
@@ -150,7 +156,7 @@ class Workload:
         next_key = self._keys(shard, writer)
         # A short back-off cap: the measured unavailability should be the cluster's, not the
         # client waiting out a long back-off after the new leader is already there.
-        with Client(self.endpoints, timeout_s=WRITE_TIMEOUT_S, max_attempts=100, max_backoff_s=0.1) as client:
+        with Client(self.endpoints, timeout_s=self.write_timeout_s, max_attempts=100, max_backoff_s=0.1) as client:
             while not self._stop.is_set():
                 key = next_key()
                 if key is None:
@@ -328,7 +334,8 @@ def _say(out: Any, quiet: bool, text: str) -> None:
 
 
 def failover(endpoints: Sequence[str], *, clean: bool = False, shard: int = 0, warmup_s: float = 3.0,
-             after_s: float = 5.0, writers_per_shard: int = 2, quiet: bool = False) -> dict[str, Any]:
+             after_s: float = 5.0, writers_per_shard: int = 2, quiet: bool = False,
+             write_timeout_s: float = WRITE_TIMEOUT_S) -> dict[str, Any]:
     """The demo. Signals a local process: the cluster must run on this machine (`make up`)."""
     out = sys.stderr
     with Client(endpoints, timeout_s=10) as client:
@@ -344,7 +351,8 @@ def failover(endpoints: Sequence[str], *, clean: bool = False, shard: int = 0, w
         _say(out, quiet, f"cluster: {len(smap.nodes)} nodes; shard {shard} is led by {victim.node_id} "
                          f"({victim.address}, pid {victim.pid}, term {info.term})")
         everyone = list(dict.fromkeys([*endpoints, *(n.address for n in smap.nodes)]))
-        workload = Workload(everyone, smap.shard_count, writers_per_shard=writers_per_shard).start()
+        workload = Workload(everyone, smap.shard_count, writers_per_shard=writers_per_shard,
+                            write_timeout_s=write_timeout_s).start()
         _say(out, quiet, f"writing through the client ({writers_per_shard} writers per shard) for {warmup_s}s ...")
         time.sleep(warmup_s)
         sig = signal.SIGTERM if clean else signal.SIGKILL

@@ -270,3 +270,82 @@ def test_group_commit_is_bounded_by_wal_entry_bytes(kafka: LocalKafka, tmp_path:
             assert len(set(revisions)) == len(values)
 
     asyncio.run(scenario())
+
+
+def test_replica_below_a_truncated_log_start_stays_behind_instead_of_jumping(kafka: LocalKafka,
+                                                                            tmp_path: Path) -> None:
+    """auto.offset.reset=error at the replica: a fresh follower (checkpoint 0) of a WAL whose
+    start was truncated to N > 0 must not jump to N and serve a state missing everything below
+    it; it stays at its checkpoint, not caught up, saying it needs a snapshot."""
+    from tests.integration.test_replay import _delete_records_before
+
+    topic = _topic(kafka)
+
+    async def scenario() -> None:
+        async with _replica(_config(kafka, topic, tmp_path, "leader"), lead=True) as leader:
+            await _until(lambda: leader.role is Role.LEADER, 30, "leading")
+            for i in range(3):
+                await _put(leader, f"k{i}".encode(), b"v")
+            start = leader.store.applied_offset - 2  # the last put's record
+        _delete_records_before(kafka.bootstrap_servers, topic, start)
+        async with _replica(_config(kafka, topic, tmp_path, "late"), lead=False) as late:
+            await asyncio.sleep(3)
+            assert late.store.applied_offset == 0 and not late.caught_up
+            assert late.store.get(b"k2") is None  # nothing applied past the gap
+
+    asyncio.run(scenario())
+
+
+def test_checkpoint_beyond_the_end_waits_out_the_grace_then_rebuilds(kafka: LocalKafka, tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A checkpoint beyond the partition's end (the WAL was recreated, or a restarted broker
+    reports a stale end) is trusted for the grace period, then the replica is rebuilt from 0."""
+    import kvstore.replica as replica_module
+
+    assert replica_module.BEYOND_END_GRACE_S * 1000 > replica_module.BROKER_REPLICA_LAG_TIME_MAX_MS
+    monkeypatch.setattr(replica_module, "BEYOND_END_GRACE_S", 4.0)
+    topic = _topic(kafka)
+    config = _config(kafka, topic, tmp_path, "a")
+
+    async def scenario() -> None:
+        async with _replica(config, lead=True) as leader:
+            await _until(lambda: leader.role is Role.LEADER, 30, "leading")
+            await _put(leader, b"real", b"1")
+        # The same replica's directory, but ahead of the log: as if the topic had been recreated.
+        from kvstore.storage import ShardStore
+
+        store = ShardStore(config.data_dir / "shard-0", topic=topic, shard=0)
+        store.apply([], store.applied_offset + 50)
+        ahead = store.applied_offset
+        store.close()
+        async with _replica(config, lead=False) as follower:
+            await asyncio.sleep(2.0)
+            assert follower.store.applied_offset == ahead, "wiped before the grace passed"
+            await _until(lambda: follower.caught_up and follower.store.applied_offset < ahead, 20, "rebuilt")
+            assert follower.store.get(b"real") is not None
+
+    asyncio.run(scenario())
+
+
+def test_a_retry_older_than_the_request_id_horizon_is_refused_not_applied(kafka: LocalKafka,
+                                                                         tmp_path: Path) -> None:
+    """A request id the table may have forgotten is refused as expired (definite: nothing is
+    queued), never applied a second time; one the table still holds is answered from it."""
+    topic = _topic(kafka)
+
+    async def scenario() -> None:
+        async with _replica(_config(kafka, topic, tmp_path, "a"), lead=True) as replica:
+            await _until(lambda: replica.role is Role.LEADER, 30, "leading")
+            first = await _put(replica, b"k", b"v", "rid-kept")
+            two_hours_ago = int(time.time() * 1000) - 2 * 3_600_000
+            request = kv_pb2.PutRequest(key=b"old", value=b"v", request_id="rid-old",
+                                        first_attempt_unix_ms=two_hours_ago)
+            with pytest.raises(errors.RequestExpiredError) as info:
+                await replica.write(lambda lookup, rev: evaluate_put(request, lookup, 0, rev), "rid-old",
+                                    request.ByteSize(), kv_pb2.PutResponse, two_hours_ago)
+            assert "expired" in str(info.value) and info.value.definite
+            assert replica.store.get(b"old") is None
+            again = await _put(replica, b"k", b"v", "rid-kept")  # still remembered: the original answer
+            assert again.result.replayed and again.result.revision == first.result.revision
+
+    asyncio.run(scenario())

@@ -601,3 +601,11 @@ def test_cli_unreachable_cluster_exits_1(capsys: pytest.CaptureFixture[str]) -> 
 
     rc, out, err = run(["get", "k", "--endpoints", _free_address(), "--timeout", "2"], capsys)
     assert rc == 1 and out == "" and err.startswith("kvstore: unavailable: ") and err.count("\n") == 1
+
+
+def test_demo_write_timeout_is_parsed() -> None:
+    from kvstore.cli import build_parser
+
+    args = build_parser().parse_args(["demo", "failover", "--write-timeout", "0.5"])
+    assert args.write_timeout == 0.5
+    assert build_parser().parse_args(["demo", "failover"]).write_timeout == 10.0

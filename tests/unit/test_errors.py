@@ -183,3 +183,22 @@ def test_commit_errors_raised_before_end_txn(message: str, before: bool) -> None
     from wal.errors import raised_before_end_txn
 
     assert raised_before_end_txn(message) is before
+
+
+def test_store_errors_are_tagged_definite_or_unknown_in_one_place() -> None:
+    import grpc
+
+    from kvstore import errors as store_errors
+
+    definite = [store_errors.InvalidRequestError("x"), store_errors.NotLeaderError(1, "h:1"),
+                store_errors.OverloadedError("x"), store_errors.UnavailableError("x"),
+                store_errors.RequestExpiredError("x")]
+    for error in definite:
+        _code, _details, metadata = store_errors.to_status(error)
+        assert (store_errors.OUTCOME_KEY, store_errors.OUTCOME_NONE) in metadata, error
+    code, _details, metadata = store_errors.to_status(store_errors.UnknownOutcomeError("x"))
+    assert code is grpc.StatusCode.UNKNOWN
+    assert dict(metadata)[store_errors.OUTCOME_KEY] == store_errors.OUTCOME_UNKNOWN
+    code, _details, metadata = store_errors.to_status(store_errors.RequestExpiredError("x"))
+    assert code is grpc.StatusCode.FAILED_PRECONDITION
+    assert dict(metadata)[store_errors.REASON_KEY] == store_errors.REASON_REQUEST_ID_EXPIRED
