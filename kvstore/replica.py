@@ -610,11 +610,14 @@ class ShardReplica:
             result = await self._append(writer, payloads, revision, waiting)
             if result is None:
                 return self.role is Role.LEADER and not self._stopping
-            apply_error = self._apply_committed(result, payloads)
-            # Committed: the clients get the answers computed before the append, whatever the
-            # local apply did (W7: the WAL is the truth; the replica is rebuilt from it).
-            for pending, answer in answers:
-                _settle(pending.future, answer)
+            try:
+                apply_error = self._apply_committed(result, payloads, revision)
+            finally:
+                # Committed: the clients get the answers computed before the append, whatever
+                # the local apply did, even a bug raising here (W7: the WAL is the truth; the
+                # replica is rebuilt from it). Nothing below may answer "nothing written".
+                for pending, answer in answers:
+                    _settle(pending.future, answer)
             if apply_error is not None:
                 self._give_up_after_apply_failure(apply_error)
                 return False
@@ -662,21 +665,22 @@ class ShardReplica:
             self._txn_started = None
         self.metrics.commit_latency.labels(shard=str(self.shard)).observe(time.perf_counter() - started)
         self.metrics.batch_records.labels(shard=str(self.shard)).observe(len(payloads))
-        assert result.offsets == tuple(range(revision, revision + len(payloads))), "W2 broken: guard let it pass"
         return result
 
-    def _apply_committed(self, result: wal.AppendResult, payloads: list[bytes]) -> Exception | None:
+    def _apply_committed(self, result: wal.AppendResult, payloads: list[bytes], revision: int) -> Exception | None:
         """W5: apply a committed batch at the offsets its records were delivered at, with the new
         checkpoint. Returns the error instead of raising: the batch is committed either way."""
+        assert result.offsets == tuple(range(revision, revision + len(payloads))), (
+            "W2 broken: the guard let a batch pass that did not land where it expected")
         self._upcoming = result.upcoming_offset
         self._written_end = None
         self._verified = result.offsets[-1] + 1  # the marker's slot is assumed, not observed
         try:
             failpoints.check("apply-after-commit")
             applied = self.store.apply(list(zip(result.offsets, payloads, strict=True)), result.upcoming_offset)
+            self._after_apply(applied.changes)
         except Exception as exc:
             return exc
-        self._after_apply(applied.changes)
         return None
 
     def _give_up_after_apply_failure(self, exc: Exception) -> None:
