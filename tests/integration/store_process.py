@@ -31,6 +31,7 @@ class StoreProcess:
         self.address = f"127.0.0.1:{self.port}"
         self.proc: subprocess.Popen[bytes] | None = None
         self.channel: grpc.Channel | None = None
+        self.env: dict[str, str] = {}  # extra environment, e.g. KVSTORE_FAILPOINTS
 
     def start(self, timeout_s: float = 60.0) -> StoreProcess:
         self.data_dir.mkdir(parents=True, exist_ok=True)
@@ -39,7 +40,7 @@ class StoreProcess:
                "--listen", self.address, "--cluster", self.cluster, "--shards", str(self.shards),
                "--transaction-timeout-ms", "20000", "--node-id", self.node_id, *self.extra_args]
         self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
-                                     env={**os.environ, "PYTHONPATH": str(REPO)})
+                                     env={**os.environ, "PYTHONPATH": str(REPO), **self.env})
         log.close()
         self.channel = grpc.insecure_channel(self.address)
         self.wait_serving(timeout_s)
