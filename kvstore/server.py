@@ -415,8 +415,11 @@ async def _health_loop(node: Node, servicer: health.HealthServicer, stop: asynci
 async def serve(config: NodeConfig, ready: Callable[[str], None] | None = None) -> None:
     """Run a node until SIGTERM/SIGINT."""
     node = Node(config)
+    # gRPC binds with SO_REUSEPORT by default: a second process on the same address would share
+    # its connections with the first without a word (two nodes answering as one). Refuse instead.
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", limits.GRPC_MAX_MESSAGE_BYTES),
-                                      ("grpc.max_send_message_length", limits.GRPC_MAX_MESSAGE_BYTES)])
+                                      ("grpc.max_send_message_length", limits.GRPC_MAX_MESSAGE_BYTES),
+                                      ("grpc.so_reuseport", 0)])
     peers = Peers()
     kv_pb2_grpc.add_KVServicer_to_server(KVService(node, peers), server)  # type: ignore[no-untyped-call]
     cluster_pb2_grpc.add_ClusterServicer_to_server(ClusterService(node, peers), server)  # type: ignore[no-untyped-call]
@@ -427,7 +430,10 @@ async def serve(config: NodeConfig, ready: Callable[[str], None] | None = None) 
         cluster_pb2.DESCRIPTOR.services_by_name["Cluster"].full_name,
         health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
         reflection.SERVICE_NAME), server)
-    port = server.add_insecure_port(config.listen)
+    try:
+        port = server.add_insecure_port(config.listen)
+    except RuntimeError as exc:  # grpc raises instead of returning 0 when the address is taken
+        raise SystemExit(f"cannot listen on {config.listen}: {exc} (another process there?)") from exc
     if port == 0:
         raise SystemExit(f"cannot listen on {config.listen}")
     if config.metrics_port:

@@ -8,6 +8,8 @@ librdkafka's `fatal` / `txn_requires_abort` / `retriable` flags):
 * `UnknownOutcomeError`: the batch may or may not be committed (W7); retry only with an
   idempotency key the reader can check.
 * `UnavailableError`: the broker could not be reached within the retry bound; nothing written.
+* `OffsetOutOfRangeError`: a reader's position left the log (truncated below it, or the log is
+  behind it); readers never jump silently (auto.offset.reset=error).
 """
 
 from __future__ import annotations
