@@ -77,6 +77,9 @@ class Leadership:
         if not self.unable and self._member.away:
             log.info("every shard can be led here again: rejoining the leadership group")
             self._member.come_back()
+            # If the member thread never got to leave (a quick rebuild), the group still gives
+            # us these shards and nobody else leads them: lead them again.
+            self._lead(sorted(self.assigned))
 
     @property
     def joined(self) -> bool:

@@ -142,15 +142,15 @@ class ShardReplica:
         # Requests a full batch left over (WAL-entry bytes or count): first in the next batch.
         # Bounded by one batch's request count.
         self._carry: collections.deque[_Pending] = collections.deque()
-        # The first WAL slot this leader has not seen itself: after its own commit, the slot it
-        # assumed its commit marker took. A mismatch or unknown outcome replays from here.
-        self._verified: int | None = None
         # The append running in a worker thread, and the requests it will answer.
         self._in_flight: asyncio.Future[wal.AppendResult] | None = None
         # Why this replica gave up leading (a committed batch it could not apply); it leads
         # again only after a rebuild caught up (never a loop of leading and failing).
         self._broken: str | None = None
         self._rebuilding = False
+        # Request ids with an attempt queued or committing here (see `write`). Bounded by the
+        # queue plus one batch.
+        self._ids_in_progress: set[str] = set()
         self._writer: wal.ShardWriter | None = None
         self._upcoming: int | None = None
         self._written_end: int | None = None  # upcoming offset if the in-flight batch commits
@@ -304,6 +304,8 @@ class ShardReplica:
     async def _follow(self) -> None:
         """Tail the partition read_committed and apply, with the same function as bootstrap."""
         self.role = Role.FOLLOWER
+        # This node may have led the shard: read the marker slot it assumed, as every replica does.
+        self.store.rewind_unverified()
         replayer: wal.Replayer | None = await asyncio.to_thread(self._replayer)
         assert replayer is not None
         try:
@@ -424,7 +426,6 @@ class ShardReplica:
             if not self._want_lead or self._stopping:
                 return
             self._upcoming = end
-            self._verified = self.store.applied_offset  # everything below was replayed (W6)
             self.role = Role.LEADER
             self.caught_up = True
             log.info("shard %d: leading at offset %d (term %d) after fencing %d ms, bootstrap %d ms", self.shard,
@@ -433,7 +434,6 @@ class ShardReplica:
         finally:
             self.role = Role.FOLLOWER if not self._stopping else Role.STOPPED
             self._upcoming = None
-            self._verified = None
             self._fail_queued(errors.UnavailableError(f"shard {self.shard}: leadership lost; retry"))
             self._writer = None
             await self._close_tail()
@@ -454,6 +454,7 @@ class ShardReplica:
 
     async def _catch_up(self, end: int) -> None:
         """Replay read_committed from the checkpoint up to `end` (bounded by bootstrap_timeout_s)."""
+        self.store.rewind_unverified()  # a marker slot this node assumed when it led before
         if self.store.applied_offset > end:
             later = await self._confirm_beyond_end(
                 end, lambda: self.ends.high_watermark(self.config.topic, self.shard))
@@ -489,16 +490,26 @@ class ShardReplica:
         restarted broker reports a stale high watermark for a moment (it reloads it from a
         periodic checkpoint). Wait, bounded, for the end to catch up before concluding."""
         deadline = time.monotonic() + BEYOND_END_GRACE_S
+        fresh = True  # the end in hand was read by the last attempt, not kept from an earlier one
         while self.store.applied_offset > end and time.monotonic() < deadline and not self._stopping:
             await asyncio.sleep(0.5)
             try:
                 end = await asyncio.to_thread(read_end)
+                fresh = True
             except Exception as exc:  # the broker is coming back: keep the last value, ask again
                 log.debug("shard %d: reading the partition end: %s", self.shard, exc)
+                fresh = False
+        if not fresh and self.store.applied_offset > end:
+            # Never conclude "the WAL was recreated" from an end we could not read again.
+            raise errors.UnavailableError(f"shard {self.shard}: partition end unreadable while the checkpoint "
+                                          f"{self.store.applied_offset} is beyond the last one read ({end})")
         return end
 
     def _wipe_beyond_end(self, end: int) -> None:
-        # Our checkpoint is beyond the partition: the WAL was recreated. Never trust it.
+        # Our checkpoint is beyond the partition: the WAL was recreated. Never trust it. A stop
+        # ends the wait early: then nothing is concluded (the end may just have been stale).
+        if self._stopping:
+            raise errors.UnavailableError(f"shard {self.shard}: stopping; checkpoint beyond the end unconfirmed")
         self.store.wipe(f"checkpoint {self.store.applied_offset} beyond WAL end {end}")
         self.metrics.rebuilds.labels(shard=str(self.shard)).inc()
 
@@ -562,7 +573,9 @@ class ShardReplica:
             if pending.request_id:
                 earlier = self.store.request(pending.request_id)
                 if earlier is not None:
-                    answers.append((pending, _replayed(pending.response_type, earlier.response)))
+                    # Committed before: answered now, never tied to this batch's append or barrier
+                    # (an abort of this batch says nothing about that earlier commit).
+                    _settle(pending.future, _replayed(pending.response_type, earlier.response))
                     continue
                 if pending.request_id in in_batch:
                     answers.append((pending, in_batch[pending.request_id]))
@@ -661,6 +674,14 @@ class ShardReplica:
             self._written_end = None
             await self._on_append_error(exc, waiting)
             return None
+        except Exception:
+            # Not the WAL's word (a bug, a client library error): commit_transaction may have
+            # run, so the outcome is unknown (W7); the loop restarts this leadership.
+            self.metrics.unknown_outcomes.labels(shard=str(self.shard)).inc()
+            for pending in waiting:
+                _settle(pending.future, errors.UnknownOutcomeError(
+                    f"shard {self.shard}: the append failed unexpectedly; retry with the same request id"))
+            raise
         finally:
             self._txn_started = None
         self.metrics.commit_latency.labels(shard=str(self.shard)).observe(time.perf_counter() - started)
@@ -674,10 +695,11 @@ class ShardReplica:
             "W2 broken: the guard let a batch pass that did not land where it expected")
         self._upcoming = result.upcoming_offset
         self._written_end = None
-        self._verified = result.offsets[-1] + 1  # the marker's slot is assumed, not observed
         try:
             failpoints.check("apply-after-commit")
-            applied = self.store.apply(list(zip(result.offsets, payloads, strict=True)), result.upcoming_offset)
+            # The marker's slot (last record + 1) is assumed, not observed: the store remembers it.
+            applied = self.store.apply(list(zip(result.offsets, payloads, strict=True)), result.upcoming_offset,
+                                       unverified=result.offsets[-1] + 1)
             self._after_apply(applied.changes)
         except Exception as exc:
             return exc
@@ -730,23 +752,14 @@ class ShardReplica:
                 end = await asyncio.to_thread(self._writer.fence)
             else:
                 end = await asyncio.to_thread(self._writer.settled_end_offset)
-            self._rewind_to_verified()
+            self.store.rewind_unverified()
             await self._catch_up(end)
         except Exception as resync_error:
             log.warning("shard %d: re-bootstrap failed: %s", shard, resync_error)
             self.role = Role.FOLLOWER
             return
         self._upcoming = end
-        self._verified = self.store.applied_offset
         self.role = Role.LEADER
-
-    def _rewind_to_verified(self) -> None:
-        """Replay from the first slot this leader has not seen: after its own last commit it
-        assumed the marker took the next slot; if something else landed there (a writer that
-        bypassed the guard), the followers applied it and so must the leader."""
-        verified = self._verified
-        if verified is not None and self.store.applied_offset == verified + 1:
-            self.store.rewind(verified)
 
     # ---- requests --------------------------------------------------------------------------------
 
@@ -767,11 +780,22 @@ class ShardReplica:
             why = self._expired(first_attempt_unix_ms, int(time.time() * 1000))
             if why is not None:
                 raise errors.RequestExpiredError(why)
+            if request_id in self._ids_in_progress:
+                # An earlier attempt with this id is queued or committing: this one must not
+                # end in a definite refusal (leadership lost, node stopping) while that one may
+                # commit. Unknown for now; a retry finds the id in the table or free again.
+                raise errors.UnknownOutcomeError(
+                    f"shard {self.shard}: an earlier attempt with this request id is in progress; "
+                    "retry with the same request id")
         future: asyncio.Future[Response] = asyncio.get_running_loop().create_future()
+        if request_id:
+            self._ids_in_progress.add(request_id)
+            future.add_done_callback(lambda _f: self._ids_in_progress.discard(request_id))
         try:
             self._queue.put_nowait(_Pending(build, request_id, size, response_type, future, first_attempt_unix_ms))
             self._work.set()
         except asyncio.QueueFull:
+            future.cancel()  # never queued: frees its request id
             raise errors.OverloadedError(
                 f"shard {self.shard}: {self.config.max_pending_writes} writes pending "
                 f"(limit MAX_PENDING_WRITES_PER_SHARD); back off") from None

@@ -198,8 +198,21 @@ class ShardStore:
 
     # ---- apply -------------------------------------------------------------------------------------
 
-    def apply(self, records: Sequence[tuple[int, bytes]], new_checkpoint: int, *, sync: bool = False) -> Applied:
-        """Apply accepted WAL records (offset, payload) and move the checkpoint, atomically (W5)."""
+    @property
+    def unverified(self) -> int | None:
+        """The slot just below the checkpoint that a leader assumed its commit marker took
+        without reading it, or None. A replay must look at it (`rewind_unverified`)."""
+        raw = self._db.get(_META + b"unverified")
+        return None if raw is None else int(_U64.unpack(raw)[0])
+
+    def apply(self, records: Sequence[tuple[int, bytes]], new_checkpoint: int, *, sync: bool = False,
+              unverified: int | None = None) -> Applied:
+        """Apply accepted WAL records (offset, payload) and move the checkpoint, atomically (W5).
+
+        `unverified`: the leader's own commit, whose marker slot (new_checkpoint - 1) was assumed,
+        not read; it is remembered until a later apply moves the checkpoint on (a replay read the
+        slot, or the leader's next batch landed right after it, which proves the marker there)."""
+        assert unverified is None or unverified == new_checkpoint - 1, "only the marker's slot is unverified"
         current = self.applied_offset
         assert new_checkpoint >= current, f"checkpoint would go back from {current} to {new_checkpoint}"
         assert all(current <= offset < new_checkpoint for offset, _ in records), (
@@ -224,15 +237,24 @@ class ShardStore:
             batch.put(_META + b"requests", _U64.pack(window.count))
             batch.put(_META + b"evicted_through", _U64.pack(window.evicted_through_ms))
             batch.put(_META + b"checkpoint", _U64.pack(new_checkpoint))
+            if unverified is not None:
+                batch.put(_META + b"unverified", _U64.pack(unverified))
+            elif new_checkpoint > current:
+                batch.delete(_META + b"unverified")
         return applied
 
-    def rewind(self, offset: int) -> None:
-        """Move the checkpoint back over the one slot a leader assumed its commit marker took,
-        so that a replay looks at that slot (DESIGN.md §3: the marker's slot is assumed, not
-        observed). Only that slot: nothing this store applied may lie at or above `offset`."""
-        current = self.applied_offset
-        assert 0 <= current - offset <= 1, f"rewind from {current} to {offset}: only the marker's slot"
-        self._db.put(_META + b"checkpoint", _U64.pack(offset), sync=True)
+    def rewind_unverified(self) -> bool:
+        """Move the checkpoint back over the slot a leader assumed its commit marker took, so
+        that the next replay reads it (DESIGN.md §3: the marker's slot is assumed, not observed):
+        if a writer that bypassed the guard slipped a record in there, every replica applies it.
+        True if it moved. Nothing this store applied lies in that slot."""
+        unverified = self.unverified
+        if unverified is None or self.applied_offset != unverified + 1:
+            return False
+        with self._db.write_batch(sync=True) as batch:
+            batch.put(_META + b"checkpoint", _U64.pack(unverified))
+            batch.delete(_META + b"unverified")
+        return True
 
 
 class _RequestWindow:

@@ -349,3 +349,63 @@ def test_a_retry_older_than_the_request_id_horizon_is_refused_not_applied(kafka:
             assert again.result.replayed and again.result.revision == first.result.revision
 
     asyncio.run(scenario())
+
+
+def test_marker_slot_assumed_before_a_resign_is_read_when_following(kafka: LocalKafka, tmp_path: Path) -> None:
+    """The slipped record of the test above, but the leader resigns right after that commit
+    instead of appending again: the slot it assumed was its marker is remembered in the store,
+    and following (or leading again later) reads it, like every other replica."""
+    topic = _topic(kafka)
+
+    async def scenario() -> None:
+        async with _replica(_config(kafka, topic, tmp_path, "leader"), lead=True) as leader, \
+                _replica(_config(kafka, topic, tmp_path, "follower"), lead=False) as follower:
+            await _until(lambda: leader.role is Role.LEADER, 30, "leading")
+            writer = leader._writer
+            assert writer is not None
+            intruder = Producer({"bootstrap.servers": kafka.bootstrap_servers})
+
+            def slip_in() -> None:
+                slot = leader._written_end - 1  # type: ignore[operator]
+                entry = wal_entry_pb2.WalEntry(effects=[wal_entry_pb2.Effect(
+                    put=wal_entry_pb2.PutEffect(key=b"slipped", value=b"in"))])
+                value, headers = encode(slot, WriterIdentity("intruder"), entry.SerializeToString())
+                intruder.produce(topic, value, partition=0, headers=headers)
+                assert intruder.flush(10) == 0
+                writer._before_commit = None
+
+            writer._before_commit = slip_in
+            await _put(leader, b"b", b"2")
+            assert leader.store.unverified is not None
+            await leader.resign(10)
+            await _until(lambda: leader.role is Role.FOLLOWER and leader.store.get(b"slipped") is not None, 15,
+                         "the former leader read the slot it had assumed")
+            await _until(lambda: follower.store.applied_offset == leader.store.applied_offset, 15, "follower")
+            assert leader.store.digest() == follower.store.digest()
+
+    asyncio.run(scenario())
+
+
+def test_a_second_attempt_while_the_first_commits_is_unknown_not_refused(kafka: LocalKafka,
+                                                                        tmp_path: Path) -> None:
+    """A retry with the same request id arriving while the first attempt is committing gets
+    "unknown outcome", never a definite refusal; once committed, a retry gets the original."""
+    topic = _topic(kafka)
+    release = threading.Event()
+
+    async def scenario() -> None:
+        async with _replica(_config(kafka, topic, tmp_path, "a"), lead=True) as replica:
+            await _until(lambda: replica.role is Role.LEADER, 30, "leading")
+            writer = replica._writer
+            assert writer is not None
+            writer._before_commit = lambda: release.wait(20)
+            first = asyncio.create_task(_put(replica, b"k", b"v", "rid-twice"))
+            await _until(lambda: replica._txn_started is not None, 10, "committing")
+            with pytest.raises(errors.UnknownOutcomeError):
+                await _put(replica, b"k", b"v", "rid-twice")
+            release.set()
+            original = await first
+            again = await _put(replica, b"k", b"v", "rid-twice")
+            assert again.result.replayed and again.result.revision == original.result.revision
+
+    asyncio.run(scenario())

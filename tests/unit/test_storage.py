@@ -481,11 +481,23 @@ def test_opening_a_store_that_is_already_open_does_not_wipe_it(open_store: Calla
     assert (again.rebuilt_reason, again.applied_offset, dict(again.keys())) == (None, 1, model([(0, put(b"k"))]))
 
 
-def test_rewind_moves_the_checkpoint_back_over_the_marker_slot_only(tmp_path: Path) -> None:
+def test_the_assumed_marker_slot_is_remembered_until_read(tmp_path: Path) -> None:
+    """A leader's commit ending at 10 assumes its marker at 11: the store remembers that slot
+    (across a reopen) until a later apply moves the checkpoint on; rewinding reads it again."""
     store = ShardStore(tmp_path / "s", topic="t", shard=0)
-    store.apply([], 12)  # a leader's batch ended at 10: 11 is the assumed marker slot, 12 upcoming
-    store.rewind(11)
-    assert store.applied_offset == 11
+    store.apply([], 12, unverified=11)
+    assert store.unverified == 11
+    store.close()
+    store = ShardStore(tmp_path / "s", topic="t", shard=0)
+    assert store.unverified == 11 and store.applied_offset == 12
+    assert store.rewind_unverified() and store.applied_offset == 11 and store.unverified is None
+    assert not store.rewind_unverified()  # nothing left to read again
+    store.apply([], 12)  # the replay passed the slot (a marker)
+    store.apply([], 15, unverified=14)
+    store.apply([], 15)  # a poll that moved nothing: the slot is still unread
+    assert store.unverified == 14
+    store.apply([], 18)  # the checkpoint moved on past it: read
+    assert store.unverified is None and not store.rewind_unverified()
     with pytest.raises(AssertionError):
-        store.rewind(5)  # never over slots this store applied
+        store.apply([], 20, unverified=5)  # only the slot just below the new checkpoint
     store.close()
