@@ -148,6 +148,9 @@ class ShardReplica:
         # again only after a rebuild caught up (never a loop of leading and failing).
         self._broken: str | None = None
         self._rebuilding = False
+        # Why this replica cannot catch up from the WAL at all (its checkpoint is below a
+        # truncated log start): only a snapshot can rebuild it; it does not lead until then.
+        self._needs_snapshot: str | None = None
         # Request ids with an attempt queued or committing here (see `write`). Bounded by the
         # queue plus one batch.
         self._ids_in_progress: set[str] = set()
@@ -193,9 +196,10 @@ class ShardReplica:
 
     def set_lead(self, lead: bool) -> None:
         """Gain (or drop, without waiting) leadership; the replica loop acts on it."""
-        if lead and (self._broken is not None or self._rebuilding):
-            log.warning("shard %d: not taking leadership while rebuilding (%s)", self.shard, self._broken)
-            self.on_unable_to_lead(self.shard, self._broken or "rebuilding")
+        unable = self._needs_snapshot or self._broken or ("rebuilding" if self._rebuilding else None)
+        if lead and unable is not None:
+            log.warning("shard %d: not taking leadership: %s", self.shard, unable)
+            self.on_unable_to_lead(self.shard, unable)
             return
         self._want_lead = lead
         self._work.set()
@@ -341,10 +345,17 @@ class ShardReplica:
         replica, so say so and stay behind. Above the end: wait (bounded) for the end to catch
         up, as after a broker restart; if it does not, the WAL was recreated: rebuild from 0."""
         if exc.below_start:
-            raise errors.UnavailableError(
-                f"shard {self.shard}: the WAL was truncated at offset {exc.log_start}, above this replica's "
-                f"checkpoint {self.store.applied_offset}; it can only be rebuilt from a snapshot taken at or "
-                f"after {exc.log_start}")
+            why = (f"shard {self.shard}: the WAL was truncated at offset {exc.log_start}, above this replica's "
+                   f"checkpoint {self.store.applied_offset}; it can only be rebuilt from a snapshot taken at or "
+                   f"after {exc.log_start}")
+            if self._needs_snapshot is None:
+                log.error("%s; not leading it", why)
+                # Leading from here would serve a state missing everything below the log start,
+                # and retrying leadership would loop: leave the shard to a node that can.
+                self._needs_snapshot = why
+                self._want_lead = False
+                self.on_unable_to_lead(self.shard, why)
+            raise errors.UnavailableError(why)
         end = await self._confirm_beyond_end(exc.log_end, replayer.end_offset)
         if self.store.applied_offset > end:
             self._wipe_beyond_end(end)

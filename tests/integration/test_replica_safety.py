@@ -289,9 +289,15 @@ def test_replica_below_a_truncated_log_start_stays_behind_instead_of_jumping(kaf
             start = leader.store.applied_offset - 2  # the last put's record
         _delete_records_before(kafka.bootstrap_servers, topic, start)
         async with _replica(_config(kafka, topic, tmp_path, "late"), lead=False) as late:
+            told: list[str | None] = []
+            late.on_unable_to_lead = lambda shard, reason: told.append(reason)
             await asyncio.sleep(3)
             assert late.store.applied_offset == 0 and not late.caught_up
             assert late.store.get(b"k2") is None  # nothing applied past the gap
+            assert told and told[0] is not None and "snapshot" in told[0]  # leaves the shard to others
+            late.set_lead(True)  # the group offering it: refused, not a loop of failing takeovers
+            await asyncio.sleep(1)
+            assert late.role is not Role.LEADER and late.store.applied_offset == 0
 
     asyncio.run(scenario())
 
