@@ -1,17 +1,17 @@
 # Everything a fresh clone needs: Python 3.11+, Java 17+ and Maven on the machine.
 #   make up    - start a local Kafka (KRaft) and three store nodes on loopback; print endpoints and examples
-#   make test  - virtualenv, project + dev tools, Kafka jars, lint, the whole test suite
+#   make test  - virtualenv, project + dev tools, Kafka and Spark jars, lint, the whole test suite
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 PROTOS := $(shell find proto -name '*.proto')
 
-.PHONY: up test unit lint proto kafka venv bench-quick clean
+.PHONY: up test unit lint proto kafka spark venv bench-quick clean
 
 up: venv proto kafka
 	$(PY) -m kvstore.devcluster --data-dir .data
 
-test: venv proto kafka lint
+test: venv proto kafka spark lint
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 unit: venv proto
@@ -35,6 +35,10 @@ proto: venv
 
 kafka: venv
 	$(PY) -m wal.broker fetch
+
+# Spark's Kafka connector (Maven Central) and the pipeline's WAL decoders (javac), for kvstore.pipeline.
+spark: venv proto
+	$(PY) -m kvstore.pipeline.jars fetch
 
 bench-quick: venv proto kafka
 	$(PY) -m pip install -q -e '.[dev,bench]'

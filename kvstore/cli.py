@@ -581,6 +581,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--write-timeout", type=float, default=10.0, metavar="S",
                    help="deadline of one put, retries included (default 10); below the takeover time writes "
                         "fail during it, which failed_but_applied then checks")
+    from kvstore.pipeline import commands as pipeline_commands  # argparse only: no pyspark import
+
+    pipeline_commands.register(sub, common)
     sub.add_parser("serve", add_help=False, help="run a server node (all further arguments go to the server)")
     return parser
 
@@ -625,6 +628,8 @@ def _run(args: argparse.Namespace, printer: Printer) -> int:
     command: str = args.command
     if command == "demo":
         return _demo(args, printer)
+    if getattr(args, "pipeline", None):
+        return _pipeline(args, printer)
     if command == "txn" and args.action == "list":
         if args.compares or args.success or args.failure:
             raise InvalidArgument("`txn list` takes no --if/--then/--else")
@@ -681,6 +686,17 @@ def _demo(args: argparse.Namespace, printer: Printer) -> int:
         printer.line(demo.report_table(result))
     ok = bool(result["ok"])  # acked_lost, duplicates and failed_but_applied 0, replicas equal
     return EXIT_OK if ok else EXIT_ERROR
+
+
+def _pipeline(args: argparse.Namespace, printer: Printer) -> int:
+    from kvstore.pipeline import commands
+    from kvstore.pipeline.errors import PipelineError
+
+    try:
+        return commands.run(args, printer)
+    except PipelineError as exc:
+        print(f"kvstore: {args.command}: {_one_line(str(exc))}", file=sys.stderr)
+        return EXIT_ERROR
 
 
 _DURATION_UNITS_MS = {"ms": 1, "s": 1000, "m": 60_000, "h": 3_600_000}

@@ -6,6 +6,7 @@ Layout (one LevelDB directory per shard, all keys prefixed):
     r<request id>          -> revision (8 bytes) + leader_unix_ms (8 bytes) + original response
     q<revision:8><id>      -> leader_unix_ms (8 bytes)   (request ids in commit order, to bound the table)
     m:format, m:topic, m:shard, m:checkpoint, m:requests (ids kept), m:evicted_through (ms)
+    m:loading              present while a snapshot is being loaded (`load_snapshot`)
 
 W5: the writes of a committed batch and the new checkpoint (the next WAL offset to read) go in
 one LevelDB write batch, so state and checkpoint never disagree. A directory that cannot be
@@ -23,7 +24,7 @@ import hashlib
 import logging
 import shutil
 import struct
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 
 import plyvel
@@ -106,6 +107,8 @@ class ShardStore:
             return f"format {fmt!r}, expected {FORMAT_VERSION!r}"
         if db.get(_META + b"topic") != self.topic.encode() or db.get(_META + b"shard") != str(self.shard).encode():
             return "written for another topic or shard"
+        if db.get(_META + b"loading") is not None:
+            return "a snapshot load did not finish"
         if db.get(_META + b"checkpoint") is None:
             return "no checkpoint"
         if db.get(_META + b"requests") is None or db.get(_META + b"evicted_through") is None:
@@ -186,6 +189,19 @@ class ShardStore:
         for raw_key, raw_value in self._db.iterator(prefix=_DATA):
             yield raw_key[len(_DATA):], KeyState.decode(raw_value)
 
+    def requests(self) -> Iterator[RequestRecord]:
+        """The request-id table in commit (revision) order, what a snapshot must carry."""
+        for raw_key, _ in self._db.iterator(prefix=_REQUEST_ORDER):
+            rid = raw_key[len(_REQUEST_ORDER) + _U64.size:]
+            record = self.request(rid.decode())
+            if record is None:
+                raise StorageError(f"shard {self.shard}: request id {rid!r} is ordered but missing")
+            yield record
+
+    @property
+    def request_count(self) -> int:
+        return int(_U64.unpack(self._db.get(_META + b"requests") or _U64.pack(0))[0])
+
     def digest(self) -> tuple[str, int]:
         """(SHA-256 hex, key count) over every key with its full state, in key order: two
         replicas at the same checkpoint must agree (W5 + one shared apply function)."""
@@ -242,6 +258,48 @@ class ShardStore:
             elif new_checkpoint > current:
                 batch.delete(_META + b"unverified")
         return applied
+
+    def load_snapshot(self, key_batches: Iterable[Sequence[tuple[bytes, KeyState]]],
+                      request_batches: Iterable[Sequence[RequestRecord]], *, checkpoint: int,
+                      evicted_through_ms: int, on_progress: Callable[[int, int], None] | None = None) -> None:
+        """Replace this replica by a snapshot's state at `checkpoint` (its cut).
+
+        The directory is wiped first and marked `m:loading` until the last write batch, which
+        sets the checkpoint and drops the mark: a load cut short by a crash leaves a directory
+        that `_suspect` wipes at the next open, never a half state that looks whole.
+        `on_progress(keys, requests)` is told the totals after each write batch.
+        """
+        assert checkpoint >= 0 and evicted_through_ms >= 0
+        self._db.close()
+        shutil.rmtree(self.path, ignore_errors=True)
+        self._db = plyvel.DB(str(self.path), **_DB_OPTIONS)
+        self.rebuilt_reason = None
+        self._initialise(self._db)
+        self._db.put(_META + b"loading", b"1", sync=True)
+        keys = requests = 0
+        for batch_rows in key_batches:
+            with self._db.write_batch() as batch:
+                for key, state in batch_rows:
+                    batch.put(_DATA + key, state.encode())
+            keys += len(batch_rows)
+            if on_progress is not None:
+                on_progress(keys, requests)
+        for request_rows in request_batches:
+            with self._db.write_batch() as batch:
+                for req in request_rows:
+                    assert req.revision < checkpoint, f"request {req.request_id} at {req.revision} >= cut {checkpoint}"
+                    rid = req.request_id.encode()
+                    batch.put(_REQUEST + rid, _REQUEST_HEAD.pack(req.revision, req.leader_unix_ms) + req.response)
+                    batch.put(_REQUEST_ORDER + _U64.pack(req.revision) + rid, _U64.pack(req.leader_unix_ms))
+            requests += len(request_rows)
+            if on_progress is not None:
+                on_progress(keys, requests)
+        with self._db.write_batch(sync=True) as batch:
+            batch.put(_META + b"requests", _U64.pack(requests))
+            batch.put(_META + b"evicted_through", _U64.pack(evicted_through_ms))
+            batch.put(_META + b"checkpoint", _U64.pack(checkpoint))
+            batch.delete(_META + b"unverified")
+            batch.delete(_META + b"loading")
 
     def rewind_unverified(self) -> bool:
         """Move the checkpoint back over the slot a leader assumed its commit marker took, so

@@ -20,7 +20,7 @@ from wal.errors import (
 from wal.guard import AppendResult
 from wal.record import AcceptedRecord, WriterIdentity
 from wal.replayer import Replayer, ReplayStats
-from wal.topic import TopicMismatchError, ensure_wal_topic
+from wal.topic import TopicMismatchError, delete_below, ensure_wal_topic, partition_count
 from wal.writer import ShardWriter, WriterConfig
 
 __all__ = [
@@ -42,6 +42,8 @@ __all__ = [
     "WriterConfig",
     "WriterFatalError",
     "WriterIdentity",
+    "delete_below",
     "ensure_wal_topic",
+    "partition_count",
     "shard_transactional_id",
 ]

@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import time
 
-from confluent_kafka import KafkaError, KafkaException
+from confluent_kafka import KafkaError, KafkaException, TopicPartition
 from confluent_kafka.admin import AdminClient, AlterConfigOpType, ConfigEntry, ConfigResource, NewTopic, ResourceType
 
 from wal.errors import UnavailableError, WalError
@@ -113,3 +113,44 @@ def _keep_everything(admin: AdminClient, topic: str, timeout_s: float) -> None:
         ConfigEntry(name, KEEP_FOREVER, incremental_operation=AlterConfigOpType.SET) for name in finite])
     for future in admin.incremental_alter_configs([alter], request_timeout=timeout_s).values():
         future.result(timeout_s)
+
+
+def partition_count(bootstrap_servers: str, topic: str, timeout_s: float = 30.0) -> int:
+    """How many partitions (shards) the WAL topic has. Raises UnavailableError if it does not
+    exist or the brokers cannot be asked."""
+    admin = AdminClient({"bootstrap.servers": bootstrap_servers, "client.id": "wal-topic"})
+    try:
+        meta = admin.list_topics(topic=topic, timeout=timeout_s)
+    except KafkaException as exc:
+        raise UnavailableError(f"WAL topic {topic}: {exc.args[0]}") from exc
+    described = meta.topics.get(topic)
+    if described is None or described.error is not None or not described.partitions:
+        why = described.error if described is not None else "not found"
+        raise UnavailableError(f"WAL topic {topic} on {bootstrap_servers}: {why}")
+    return len(described.partitions)
+
+
+def delete_below(bootstrap_servers: str, topic: str, offsets: dict[int, int],
+                 timeout_s: float = 30.0) -> dict[int, int]:
+    """Delete every record below `offsets[partition]` (Kafka DeleteRecords; KIP-107) and return
+    each partition's new log start. The only way records leave the WAL (retention is off): the
+    caller decides what is safe to drop (`kvstore wal truncate`: below a snapshot's cut).
+
+    A partition whose log start is already at or above the offset is left alone by the broker
+    (its log start never moves back). Raises UnavailableError if any partition failed; the
+    others may have been truncated by then (each is independent and idempotent: run it again).
+    """
+    assert offsets and all(o >= 0 for o in offsets.values()), f"bad truncation offsets {offsets}"
+    admin = AdminClient({"bootstrap.servers": bootstrap_servers, "client.id": "wal-truncate"})
+    futures = admin.delete_records([TopicPartition(topic, p, o) for p, o in sorted(offsets.items())],
+                                   request_timeout=timeout_s, operation_timeout=timeout_s)
+    out: dict[int, int] = {}
+    failures: list[str] = []
+    for tp, future in futures.items():
+        try:
+            out[tp.partition] = int(future.result(timeout=timeout_s + 1).low_watermark)
+        except KafkaException as exc:
+            failures.append(f"{topic}[{tp.partition}] below {tp.offset}: {exc.args[0]}")
+    if failures:
+        raise UnavailableError("delete_records failed: " + "; ".join(failures))
+    return out

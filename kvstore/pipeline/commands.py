@@ -1,0 +1,125 @@
+"""The pipeline's commands in the `kvstore` CLI: snapshot, wal truncate, audit, load, changes.
+
+Registered by `kvstore.cli.build_parser`; each command's work lives in the module named after
+it, imported only when that command runs (pyspark takes a second to import, and the client
+commands never need it). Every command takes `--output table|json`; with json its last line is
+one JSON object (the job's result), whatever Spark printed before it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Protocol
+
+from kvstore.pipeline.errors import PipelineError
+from kvstore.pipeline.target import KAFKA_ENV, WalTarget, resolve
+
+
+class Printer(Protocol):
+    json: bool
+
+    def line(self, text: str) -> None: ...
+
+    def record(self, record: dict[str, Any]) -> None: ...
+
+
+# command name -> "module:function"; the function takes (args, target, printer) and returns an exit status.
+_HANDLERS = {
+    "snapshot-create": "kvstore.pipeline.snapshot_job:create_command",
+    "snapshot-list": "kvstore.pipeline.snapshot_job:list_command",
+    "wal-truncate": "kvstore.pipeline.truncate:command",
+    "audit": "kvstore.pipeline.audit:command",
+    "load": "kvstore.pipeline.load:command",
+    "changes": "kvstore.pipeline.changes:command",
+}
+
+
+def register(sub: Any, common: argparse.ArgumentParser) -> None:
+    """Add the pipeline's subcommands to the CLI's subparsers."""
+    wal_opts = argparse.ArgumentParser(add_help=False)
+    wal_opts.add_argument("--kafka", default=None, help=f"Kafka bootstrap servers (default ${KAFKA_ENV})")
+    wal_opts.add_argument("--topic", default=None,
+                          help="WAL topic (default: asked from a node at --endpoints, else <--cluster>.wal)")
+    wal_opts.add_argument("--cluster", default=None, help="cluster name, to derive the topic when no node answers")
+    spark_opts = argparse.ArgumentParser(add_help=False)
+    spark_opts.add_argument("--master", default=None,
+                            help="Spark master: local[*] (default, or $KVSTORE_SPARK_MASTER), spark://HOST:7077, "
+                                 "k8s://..., yarn")
+    spark_opts.add_argument("--conf", action="append", default=[], metavar="KEY=VALUE",
+                            help="a Spark setting, as spark-submit takes it (repeatable)")
+    parents = [common, wal_opts]
+
+    snap = sub.add_parser("snapshot", parents=[common], help="per-shard snapshots of the store built from the WAL")
+    snap_sub = snap.add_subparsers(dest="snapshot_action", metavar="ACTION", required=True)
+    p = snap_sub.add_parser("create", parents=[*parents, spark_opts],
+                            help="snapshot every shard as of its committed end (from the newest snapshot + WAL)")
+    p.add_argument("--dir", required=True, help="snapshot directory (a local path or a Hadoop URI)")
+    p.set_defaults(pipeline="snapshot-create")
+    p = snap_sub.add_parser("list", parents=[common], help="the snapshots in a directory, newest first")
+    p.add_argument("--dir", required=True)
+    p.set_defaults(pipeline="snapshot-list")
+
+    wal = sub.add_parser("wal", parents=[common], help="operate on the WAL topic")
+    wal_sub = wal.add_subparsers(dest="wal_action", metavar="ACTION", required=True)
+    p = wal_sub.add_parser("truncate", parents=parents,
+                           help="delete WAL records below the newest snapshot's cut, per shard")
+    p.add_argument("--dir", required=True, help="the snapshot directory")
+    p.add_argument("--dry-run", action="store_true", help="say what would be deleted, delete nothing")
+    p.set_defaults(pipeline="wal-truncate")
+
+    p = sub.add_parser("audit", parents=[*parents, spark_opts],
+                       help="check the WAL (W3), the newest snapshot and every live replica; exit 1 on an anomaly")
+    p.add_argument("--dir", required=True, help="the snapshot directory")
+    p.set_defaults(pipeline="audit")
+
+    p = sub.add_parser("load", parents=[*parents, spark_opts],
+                       help="bulk-load a dataset (Parquet, CSV or JSON lines) through the shard leaders")
+    p.add_argument("file", help="the dataset: a file or directory, local path or Hadoop URI")
+    p.add_argument("--format", choices=("parquet", "csv", "json"), default=None,
+                   help="default: from the file name's extension")
+    p.add_argument("--batch-rows", type=int, default=None, help="rows per write to a leader")
+    p.set_defaults(pipeline="load")
+
+    p = sub.add_parser("changes", parents=[*parents, spark_opts],
+                       help="the accepted operations as a Parquet table, exactly once (Structured Streaming)")
+    p.add_argument("--to", required=True, help="output directory (local path or Hadoop URI)")
+    p.add_argument("--follow", action="store_true", help="keep running and append new operations as they commit")
+    p.add_argument("--checkpoint", default=None, help="streaming checkpoint (default <--to>/_checkpoint)")
+    p.add_argument("--interval", type=float, default=5.0, metavar="S", help="with --follow: seconds between batches")
+    p.set_defaults(pipeline="changes")
+
+
+def run(args: argparse.Namespace, printer: Printer) -> int:
+    """Run the pipeline command `args.pipeline`."""
+    name: str = args.pipeline
+    module_name, _, function = _HANDLERS[name].partition(":")
+    handler: Callable[..., int] = getattr(importlib.import_module(module_name), function)
+    target: WalTarget | None = None
+    if hasattr(args, "kafka"):  # commands that read or write the WAL
+        endpoints = [e.strip() for e in args.endpoints.split(",") if e.strip()]
+        target = resolve(args.kafka, args.topic, args.cluster, endpoints, args.timeout)
+    return handler(args, target, printer)
+
+
+def spark_for(args: argparse.Namespace, app_name: str) -> Any:
+    """The session for a command's `--master` and `--conf`."""
+    from kvstore.pipeline.session import parse_conf, spark_session
+
+    try:
+        conf = parse_conf(args.conf)
+    except ValueError as exc:
+        raise PipelineError(str(exc)) from exc
+    return spark_session(args.master, app_name=app_name, conf=conf)
+
+
+def local_path(uri: str) -> Path | None:
+    """The local path of a `file://` URI or a plain path; None for other schemes (s3a://, ...)."""
+    if uri.startswith("file://"):
+        return Path(uri[len("file://"):])
+    if "://" in uri:
+        return None
+    return Path(os.path.abspath(uri))

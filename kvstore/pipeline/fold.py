@@ -1,0 +1,158 @@
+"""The per-shard fold that Spark runs in a task: base snapshot + accepted WAL records -> state.
+
+A shard's state is a fold over its log, which is sequential by nature; Spark gives the
+parallelism across shards (one group per shard) and does the I/O (the Kafka read, W3, Parquet).
+Inside the task the fold is the replicas' own code: a `ShardStore` in a scratch directory,
+loaded with `ShardStore.load_snapshot` (what a node bootstrapping from a snapshot runs) and
+advanced with `ShardStore.apply` (what every replica runs), digested with `ShardStore.digest`
+(what `Cluster.ShardDigest` answers). So a snapshot cannot disagree with a replica at the same
+offset unless one of them was altered, which is what the audit looks for.
+
+Input rows (FOLD_INPUT, one Arrow table per shard): one `control` row (the cut, the base's cut
+and evicted-through time, offsets to digest at), the base snapshot's `key` and `request` rows,
+and the accepted `wal` records in [base cut, cut). Output rows (FOLD_OUTPUT): the state at the
+cut as `key` and `request` rows, and one `meta` row per digest point (the cut's marked).
+"""
+
+from __future__ import annotations
+
+import itertools
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from kvstore.state import KeyState, RequestRecord
+from kvstore.storage import ShardStore
+
+APPLY_CHUNK_RECORDS = 10_000  # records per LevelDB write batch while folding
+
+FOLD_INPUT = pa.schema([
+    ("shard", pa.int32()), ("kind", pa.string()), ("offset", pa.int64()), ("payload", pa.binary()),
+    ("key", pa.binary()), ("value", pa.binary()), ("version", pa.int64()), ("mod_revision", pa.int64()),
+    ("create_revision", pa.int64()), ("request_id", pa.string()), ("revision", pa.int64()),
+    ("leader_unix_ms", pa.int64()), ("response", pa.binary()), ("base_offset", pa.int64()),
+    ("evicted_through_ms", pa.int64()), ("digest_at", pa.list_(pa.int64())),
+])
+FOLD_OUTPUT = pa.schema([
+    ("shard", pa.int32()), ("kind", pa.string()),
+    ("key", pa.binary()), ("value", pa.binary()), ("version", pa.int64()), ("mod_revision", pa.int64()),
+    ("create_revision", pa.int64()), ("request_id", pa.string()), ("revision", pa.int64()),
+    ("leader_unix_ms", pa.int64()), ("response", pa.binary()),
+    ("offset", pa.int64()), ("digest", pa.string()), ("keys", pa.int64()), ("requests", pa.int64()),
+    ("evicted_through_ms", pa.int64()), ("wal_records", pa.int64()), ("duplicates", pa.int64()),
+    ("malformed_entries", pa.int64()), ("is_cut", pa.bool_()),
+])
+# The same schemas as Spark DDL, for createDataFrame and applyInArrow.
+FOLD_INPUT_DDL = ("shard int, kind string, offset bigint, payload binary, key binary, value binary, version bigint, "
+                  "mod_revision bigint, create_revision bigint, request_id string, revision bigint, "
+                  "leader_unix_ms bigint, response binary, base_offset bigint, evicted_through_ms bigint, "
+                  "digest_at array<bigint>")
+FOLD_OUTPUT_DDL = ("shard int, kind string, key binary, value binary, version bigint, mod_revision bigint, "
+                   "create_revision bigint, request_id string, revision bigint, leader_unix_ms bigint, "
+                   "response binary, offset bigint, digest string, keys bigint, requests bigint, "
+                   "evicted_through_ms bigint, wal_records bigint, duplicates bigint, malformed_entries bigint, "
+                   "is_cut boolean")
+
+
+class FoldError(Exception):
+    """The rows handed to a shard's fold do not describe one consistent range of its log."""
+
+
+def fold(table: pa.Table, *, topic: str, max_request_ids: int, request_id_horizon_ms: int,
+         scratch_dir: str | None = None) -> pa.Table:
+    """Fold one shard's rows (FOLD_INPUT) into its state at the cut (FOLD_OUTPUT)."""
+    shards = pc.unique(table.column("shard")).to_pylist()
+    if len(shards) != 1:
+        raise FoldError(f"a fold is one shard's, got shards {sorted(shards)}")
+    shard = int(shards[0])
+    (cuts, base_offsets, evicted, digest_at) = _columns(table, "control", "offset", "base_offset",
+                                                        "evicted_through_ms", "digest_at")
+    if len(cuts) != 1:
+        raise FoldError(f"shard {shard}: {len(cuts)} control rows, expected 1")
+    cut, base_offset = int(cuts[0]), int(base_offsets[0])
+    offsets, payloads = _columns(table, "wal", "offset", "payload")
+    wal = sorted(zip(offsets, payloads, strict=True))
+    if wal and not (base_offset <= wal[0][0] and wal[-1][0] < cut):
+        raise FoldError(f"shard {shard}: WAL records [{wal[0][0]}, {wal[-1][0]}] outside [{base_offset}, {cut})")
+    points = sorted({p for p in (digest_at[0] or ()) if base_offset <= p <= cut} | {cut})
+
+    scratch = Path(tempfile.mkdtemp(prefix=f"kvstore-fold-{shard}-", dir=scratch_dir))
+    store = ShardStore(scratch / "db", topic=topic, shard=shard, max_request_ids=max_request_ids,
+                       request_id_horizon_ms=request_id_horizon_ms)
+    try:
+        keys_cols = _columns(table, "key", "key", "value", "version", "mod_revision", "create_revision")
+        base_keys = [(k, KeyState(v, ver, mod, create)) for k, v, ver, mod, create in zip(*keys_cols, strict=True)]
+        req_cols = _columns(table, "request", "request_id", "revision", "response", "leader_unix_ms")
+        base_requests = sorted(itertools.starmap(RequestRecord, zip(*req_cols, strict=True)),
+                               key=lambda q: q.revision)
+        del keys_cols, req_cols
+        store.load_snapshot([base_keys], [base_requests], checkpoint=base_offset,
+                            evicted_through_ms=int(evicted[0] or 0))
+        del base_keys, base_requests
+        out = _Output(shard)
+        duplicates = malformed = 0
+        i = 0
+        for point in points:
+            while i < len(wal) and wal[i][0] < point:
+                chunk = [rec for rec in wal[i:i + APPLY_CHUNK_RECORDS] if rec[0] < point]
+                i += len(chunk)
+                done = i >= len(wal) or wal[i][0] >= point
+                applied = store.apply(chunk, point if done else chunk[-1][0] + 1)
+                duplicates += applied.duplicates
+                malformed += applied.malformed
+            if store.applied_offset < point:
+                store.apply([], point)
+            digest, keys = store.digest()
+            out.meta(point, digest, keys, store.request_count, store.evicted_through_ms, len(wal), duplicates,
+                     malformed, point == cut)
+        for key, state in store.keys():  # noqa: SIM118 (a LevelDB scan, not a dict)
+            out.key(key, state)
+        for request in store.requests():
+            out.request(request)
+        return out.table()
+    finally:
+        store.close()
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+class _Output:
+    """Column lists for FOLD_OUTPUT, built row by row (one Python list per column is the
+    cheapest way to hand a million rows to Arrow)."""
+
+    def __init__(self, shard: int) -> None:
+        self._shard = shard
+        self._cols: dict[str, list[object]] = {name: [] for name in FOLD_OUTPUT.names}
+
+    def _row(self, kind: str, **values: object) -> None:
+        for name, column in self._cols.items():
+            column.append(values.get(name))
+        self._cols["shard"][-1] = self._shard
+        self._cols["kind"][-1] = kind
+
+    def key(self, key: bytes, state: KeyState) -> None:
+        self._row("key", key=key, value=state.value, version=state.version, mod_revision=state.mod_revision,
+                  create_revision=state.create_revision)
+
+    def request(self, req: RequestRecord) -> None:
+        self._row("request", request_id=req.request_id, revision=req.revision, leader_unix_ms=req.leader_unix_ms,
+                  response=req.response)
+
+    def meta(self, offset: int, digest: str, keys: int, requests: int, evicted_through_ms: int, wal_records: int,
+             duplicates: int, malformed: int, is_cut: bool) -> None:
+        self._row("meta", offset=offset, digest=digest, keys=keys, requests=requests,
+                  evicted_through_ms=evicted_through_ms, wal_records=wal_records, duplicates=duplicates,
+                  malformed_entries=malformed, is_cut=is_cut)
+
+    def table(self) -> pa.Table:
+        return pa.table(self._cols, schema=FOLD_OUTPUT)
+
+
+def _columns(table: pa.Table, kind: str, *names: str) -> list[list[Any]]:
+    """The named columns of the rows of one kind, as Python lists (column-wise: one list per
+    column costs far less than a dict per row)."""
+    rows = table.filter(pc.equal(table.column("kind"), kind))
+    return [rows.column(name).to_pylist() for name in names]

@@ -1,0 +1,203 @@
+"""`kvstore snapshot create|list`: per-shard snapshots built by Spark from the newest one + the WAL.
+
+The cut of each shard is its last stable offset when the job starts (everything below it is
+committed or aborted, so a read_committed read up to it is final). The job reads the accepted
+records between the newest usable snapshot's cut and the new cut (W3 in SQL,
+`kvstore.pipeline.wal_source`), folds them per shard onto that snapshot's state in one Spark
+task per shard (`kvstore.pipeline.fold`: the replicas' own apply code), writes the state as
+Parquet, then the manifest (`kvstore.snapshot`). Cost: the WAL since the last snapshot plus
+one pass over the state, never the whole history once a snapshot exists.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import logging
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import functions as F
+
+from kvstore import snapshot
+from kvstore.limits import MAX_REQUEST_IDS, REQUEST_ID_HORIZON_MS
+from kvstore.pipeline import fold, wal_source
+from kvstore.pipeline.commands import Printer, spark_for
+from kvstore.pipeline.errors import PipelineError, SnapshotError, WalGapError
+from kvstore.pipeline.target import WalTarget
+
+log = logging.getLogger(__name__)
+
+
+def wal_ends(target: WalTarget, timeout_s: float = 30.0) -> dict[int, tuple[int, int]]:
+    """Per shard (log start, last stable offset), read through `wal/`."""
+    from confluent_kafka import KafkaException
+
+    from wal.clients import PartitionEnds
+
+    ends = PartitionEnds(target.bootstrap_servers, timeout_s)
+    out: dict[int, tuple[int, int]] = {}
+    try:
+        for shard in range(target.shards):
+            out[shard] = (ends.log_start(target.topic, shard), ends.stable_offset(target.topic, shard))
+    except KafkaException as exc:
+        raise PipelineError(f"cannot read the WAL's offsets ({target.topic}): {exc}") from exc
+    return out
+
+
+def check_range(target: WalTarget, base: snapshot.Manifest | None, ends: Mapping[int, tuple[int, int]]) -> None:
+    """Refuse a range the WAL cannot supply: records truncated away that no snapshot covers."""
+    for shard, (log_start, stable) in sorted(ends.items()):
+        start = base.shard(shard).offset if base else 0
+        if log_start > start:
+            covered = f"the newest snapshot {base.name} ends at {start}" if base else "there is no snapshot"
+            raise WalGapError(f"shard {shard}: the WAL starts at {log_start} (truncated) but {covered}; the records "
+                              "in between are gone. Use the snapshot directory the WAL was truncated with.")
+        if stable < start:
+            name = base.name if base else ""
+            raise SnapshotError(f"shard {shard}: the WAL ends at {stable}, below snapshot {name}'s cut {start}: is "
+                                f"this the same topic ({target.topic}), or was it recreated?")
+
+
+def build_states(spark: SparkSession, target: WalTarget, root: str, base: snapshot.Manifest | None,
+                 cuts: Mapping[int, int], digest_at: Mapping[int, Sequence[int]] | None = None,
+                 *, kafka_extra: Mapping[str, str] | None = None) -> DataFrame:
+    """Every shard's state at `cuts` (FOLD_OUTPUT rows), from `base` plus the WAL after it, and
+    digests at the offsets of `digest_at` (per shard) on the way."""
+    base_offsets = {s: (base.shard(s).offset if base else 0) for s in range(target.shards)}
+    frames: list[DataFrame] = []
+    control_rows = [
+        (s, "control", cuts[s], base_offsets[s], base.shard(s).evicted_through_ms if base else 0,
+         list((digest_at or {}).get(s, ())))
+        for s in range(target.shards)
+    ]
+    control = spark.createDataFrame(
+        control_rows, "shard int, kind string, offset bigint, base_offset bigint, evicted_through_ms bigint, "
+                      "digest_at array<bigint>")
+    frames.append(control)
+    ranges = {s: (base_offsets[s], cuts[s]) for s in range(target.shards) if cuts[s] > base_offsets[s]}
+    if ranges:
+        raw = wal_source.read_wal(spark, target.bootstrap_servers, target.topic, ranges, kafka_extra=kafka_extra)
+        accepted = wal_source.accepted(wal_source.judged(raw))
+        frames.append(accepted.select("shard", F.lit("wal").alias("kind"), "offset", "payload"))
+    if base is not None:
+        uri = snapshot.snapshot_uri(root, base.name)
+        if snapshot.has_table(root, base.name, "keys"):
+            frames.append(spark.read.parquet(f"{uri}/keys").select(
+                F.col("shard").cast("int"), F.lit("key").alias("kind"), "key", "value", "version", "mod_revision",
+                "create_revision"))
+        if snapshot.has_table(root, base.name, "requests"):
+            frames.append(spark.read.parquet(f"{uri}/requests").select(
+                F.col("shard").cast("int"), F.lit("request").alias("kind"), "request_id", "revision",
+                "leader_unix_ms", "response"))
+    rows = functools.reduce(lambda a, b: a.unionByName(b), [_as_fold_input(f) for f in frames])
+    topic = target.topic
+    # A lambda, not functools.partial: pyspark infers applyInArrow's flavour from the function's
+    # type hints, and a partial of an annotated function with keywords makes it fail.
+    return rows.groupBy("shard").applyInArrow(
+        lambda table: fold.fold(table, topic=topic, max_request_ids=MAX_REQUEST_IDS,
+                                request_id_horizon_ms=REQUEST_ID_HORIZON_MS),
+        fold.FOLD_OUTPUT_DDL)
+
+
+def _as_fold_input(frame: DataFrame) -> DataFrame:
+    """Every FOLD_INPUT column, in order, typed; NULL where this kind of row has none."""
+    types = dict(part.strip().split(" ", 1) for part in fold.FOLD_INPUT_DDL.split(", "))
+    have = set(frame.columns)
+    return frame.select(*[(F.col(name) if name in have else F.lit(None)).cast(types[name]).alias(name)
+                          for name in fold.FOLD_INPUT.names])
+
+
+def create(spark: SparkSession, target: WalTarget, root: str, *,
+           kafka_extra: Mapping[str, str] | None = None) -> tuple[snapshot.Manifest, bool]:
+    """Build a new snapshot in `root`; returns it and True, or the newest existing one and
+    False when no shard has anything new since its cut."""
+    base = snapshot.newest(root, target.topic, target.shards)
+    ends = wal_ends(target)
+    check_range(target, base, ends)
+    cuts = {s: stable for s, (_, stable) in ends.items()}
+    if base is not None and all(base.shard(s).offset == cuts[s] for s in cuts):
+        return base, False
+    name = snapshot.new_name()
+    uri = snapshot.snapshot_uri(root, name)
+    started = time.monotonic()
+    states = build_states(spark, target, root, base, cuts, kafka_extra=kafka_extra).persist()
+    try:
+        (states.where(F.col("kind") == "key").select("shard", *snapshot.KEYS_SCHEMA.names)
+         .write.partitionBy("shard").parquet(f"{uri}/keys"))
+        (states.where(F.col("kind") == "request").select("shard", *snapshot.REQUESTS_SCHEMA.names)
+         .write.partitionBy("shard").parquet(f"{uri}/requests"))
+        metas = states.where(F.col("kind") == "meta").where(F.col("is_cut")).collect()
+    finally:
+        states.unpersist()
+    by_shard = {int(m["shard"]): m for m in metas}
+    if sorted(by_shard) != list(range(target.shards)):
+        raise SnapshotError(f"the job returned shards {sorted(by_shard)} of {target.shards}: not writing a manifest")
+    manifest = snapshot.Manifest(
+        name=name, topic=target.topic, shard_count=target.shards, created_unix_ms=int(time.time() * 1000),
+        base=base.name if base else None, max_request_ids=MAX_REQUEST_IDS,
+        request_id_horizon_ms=REQUEST_ID_HORIZON_MS,
+        shards=tuple(snapshot.ShardSnapshot(shard=s, offset=int(m["offset"]), keys=int(m["keys"]),
+                                            digest=str(m["digest"]), requests=int(m["requests"]),
+                                            evicted_through_ms=int(m["evicted_through_ms"]))
+                     for s, m in sorted(by_shard.items())))
+    snapshot.write_manifest(root, manifest)
+    log.info("snapshot %s: %d shards, %d keys, %.1fs", name, target.shards, sum(s.keys for s in manifest.shards),
+             time.monotonic() - started)
+    return manifest, True
+
+
+def manifest_record(root: str, manifest: snapshot.Manifest) -> dict[str, Any]:
+    return {"dir": snapshot.snapshot_uri(root, manifest.name), "name": manifest.name,
+            "created_unix_ms": manifest.created_unix_ms, "base": manifest.base,
+            "shards": [{"shard": s.shard, "offset": s.offset, "keys": s.keys, "digest": s.digest,
+                        "requests": s.requests} for s in manifest.shards]}
+
+
+def create_command(args: argparse.Namespace, target: WalTarget, printer: Printer) -> int:
+    spark = spark_for(args, "kvstore-snapshot")
+    try:
+        manifest, created = create(spark, target, args.dir)
+    except snapshot.SnapshotFormatError as exc:
+        raise SnapshotError(str(exc)) from exc
+    record = manifest_record(args.dir, manifest) | {"created": created}
+    if printer.json:
+        printer.record(record)
+        return 0
+    what = "created" if created else "nothing new since"
+    printer.line(f"{what} {record['dir']}")
+    printer.line(_table(manifest))
+    return 0
+
+
+def list_command(args: argparse.Namespace, target: object, printer: Printer) -> int:
+    try:
+        found = snapshot.list_snapshots(args.dir)
+    except snapshot.SnapshotFormatError as exc:
+        raise SnapshotError(str(exc)) from exc
+    records = []
+    for manifest, name in found:
+        if manifest is None:
+            print(f"kvstore: snapshot list: skipping {name}", file=sys.stderr)
+            continue
+        records.append(manifest_record(args.dir, manifest) | {"topic": manifest.topic})
+    if printer.json:
+        printer.record({"dir": args.dir, "snapshots": records})
+        return 0
+    if not records:
+        printer.line(f"no snapshots in {args.dir}")
+    for manifest, _ in found:
+        if manifest is not None:
+            printer.line(f"{manifest.name}  topic {manifest.topic}  base {manifest.base or '-'}")
+            printer.line(_table(manifest))
+    return 0
+
+
+def _table(manifest: snapshot.Manifest) -> str:
+    from kvstore.cli import format_table
+
+    return format_table(("SHARD", "CUT", "KEYS", "REQUEST IDS", "DIGEST"),
+                        [(s.shard, s.offset, s.keys, s.requests, s.digest[:16]) for s in manifest.shards])

@@ -1,0 +1,257 @@
+"""Snapshots: a shard's replica state as of a WAL offset (the *cut*), as Parquet plus a manifest.
+
+Written by the Spark job (`kvstore snapshot create`, `kvstore.pipeline.snapshot_job`), read by
+nodes that bootstrap from one (`kvstore serve --snapshot-dir`), by the next snapshot (built from
+this one plus the WAL since its cut) and by `kvstore wal truncate` and `kvstore audit`. This
+module is the format's one definition and needs no Spark: pyarrow only.
+
+Layout of a snapshot directory DIR (a local path, `file://`, or any URI pyarrow's filesystems
+take: `s3://`, `gs://`, `hdfs://`; Spark's `s3a://` is read as `s3://`):
+
+    DIR/snap-<created unix ms, 13 digits>/
+        keys/shard=<s>/*.parquet       key, value, version, mod_revision, create_revision
+        requests/shard=<s>/*.parquet   request_id, revision, leader_unix_ms, response
+        manifest.json                  written last: a snapshot without one is incomplete
+
+What a replica needs to continue exactly where the WAL left it (W5 at the cut): every live key
+with its full state (so versions and revisions continue), and the request-id table with each
+id's revision, leader time and original answer, the table's `evicted_through_ms`, and the
+bounds it was kept with (so a retry of a request made before the cut is still answered once,
+and an expired one still refused). The checkpoint is the cut: every record below it is in.
+
+The manifest per shard: `offset` (the cut), `keys`, `digest` (`ShardStore.digest`, equal to
+`Cluster.ShardDigest` of a replica whose checkpoint is the cut), `requests`,
+`evicted_through_ms`, and the schema version `format`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import re
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.dataset as pads
+import pyarrow.fs as pafs
+
+from kvstore.state import KeyState, RequestRecord
+from kvstore.storage import ShardStore
+
+log = logging.getLogger(__name__)
+
+FORMAT = 1
+MANIFEST = "manifest.json"
+_NAME = re.compile(r"^snap-(\d{13})$")
+
+KEYS_SCHEMA = pa.schema([
+    ("key", pa.binary()), ("value", pa.binary()), ("version", pa.int64()), ("mod_revision", pa.int64()),
+    ("create_revision", pa.int64()),
+])
+REQUESTS_SCHEMA = pa.schema([
+    ("request_id", pa.string()), ("revision", pa.int64()), ("leader_unix_ms", pa.int64()), ("response", pa.binary()),
+])
+
+
+class SnapshotFormatError(Exception):
+    """A snapshot (or its directory) cannot be used: the message says which and why."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardSnapshot:
+    shard: int
+    offset: int  # the cut: every WAL record below it is in the state, none at or above it
+    keys: int
+    digest: str
+    requests: int
+    evicted_through_ms: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Manifest:
+    name: str
+    topic: str
+    shard_count: int
+    created_unix_ms: int
+    base: str | None  # the snapshot this one was built from (plus the WAL since its cut)
+    max_request_ids: int
+    request_id_horizon_ms: int
+    shards: tuple[ShardSnapshot, ...]
+    format: int = FORMAT
+
+    def shard(self, shard: int) -> ShardSnapshot:
+        for s in self.shards:
+            if s.shard == shard:
+                return s
+        raise SnapshotFormatError(f"snapshot {self.name} has no shard {shard}")
+
+    def to_json(self) -> str:
+        body = dataclasses.asdict(self)
+        body["shards"] = [dataclasses.asdict(s) for s in self.shards]
+        return json.dumps(body, indent=2, sort_keys=True) + "\n"
+
+    @staticmethod
+    def from_json(text: str, where: str) -> Manifest:
+        try:
+            body: dict[str, Any] = json.loads(text)
+            if body.get("format") != FORMAT:
+                raise SnapshotFormatError(f"{where}: format {body.get('format')!r}, this version reads {FORMAT}")
+            shards = tuple(ShardSnapshot(**s) for s in body.pop("shards"))
+            manifest = Manifest(shards=shards, **body)
+        except (ValueError, TypeError, KeyError) as exc:
+            raise SnapshotFormatError(f"{where}: not a snapshot manifest: {exc}") from exc
+        if sorted(s.shard for s in shards) != list(range(manifest.shard_count)):
+            raise SnapshotFormatError(f"{where}: shards {[s.shard for s in shards]} of {manifest.shard_count}")
+        return manifest
+
+
+def new_name(now_ms: int | None = None) -> str:
+    return f"snap-{int(time.time() * 1000) if now_ms is None else now_ms:013d}"
+
+
+# ---- where snapshots live -------------------------------------------------------------------------
+
+
+def _filesystem(uri: str) -> tuple[pafs.FileSystem, str]:
+    """pyarrow's filesystem for a snapshot URI. `s3a://` is Hadoop's name for S3."""
+    if uri.startswith("s3a://"):
+        uri = "s3://" + uri[len("s3a://"):]
+    if uri.startswith("file://"):
+        uri = uri[len("file://"):]
+    if "://" not in uri:
+        return pafs.LocalFileSystem(), os.path.abspath(uri)
+    fs, path = pafs.FileSystem.from_uri(uri)
+    return fs, path
+
+
+def _join(base: str, *parts: str) -> str:
+    return "/".join([base.rstrip("/"), *parts])
+
+
+def snapshot_uri(root: str, name: str) -> str:
+    return _join(root, name)
+
+
+def list_snapshots(root: str) -> list[tuple[Manifest | None, str]]:
+    """Every snapshot directory under `root`, newest first, with its manifest or, for an
+    incomplete or unreadable one, None and why."""
+    fs, path = _filesystem(root)
+    try:
+        infos = fs.get_file_info(pafs.FileSelector(path, allow_not_found=True))
+    except OSError as exc:
+        raise SnapshotFormatError(f"cannot list {root}: {exc}") from exc
+    names = sorted((i.base_name for i in infos if i.type == pafs.FileType.Directory and _NAME.match(i.base_name)),
+                   reverse=True)
+    out: list[tuple[Manifest | None, str]] = []
+    for name in names:
+        try:
+            out.append((read_manifest(root, name), name))
+        except SnapshotFormatError as exc:
+            out.append((None, f"{name}: {exc}"))
+    return out
+
+
+def read_manifest(root: str, name: str) -> Manifest:
+    fs, path = _filesystem(_join(root, name, MANIFEST))
+    try:
+        with fs.open_input_stream(path) as stream:
+            text = stream.read().decode("utf-8")
+    except FileNotFoundError as exc:
+        raise SnapshotFormatError(f"{name} has no {MANIFEST} (incomplete: its job did not finish)") from exc
+    except (OSError, UnicodeDecodeError) as exc:
+        raise SnapshotFormatError(f"{name}: cannot read {MANIFEST}: {exc}") from exc
+    manifest = Manifest.from_json(text, f"{name}/{MANIFEST}")
+    if manifest.name != name:
+        raise SnapshotFormatError(f"{name}: its manifest names {manifest.name}")
+    return manifest
+
+
+def write_manifest(root: str, manifest: Manifest) -> None:
+    """Written last, in one piece: its presence is what makes the snapshot complete."""
+    fs, path = _filesystem(_join(root, manifest.name, MANIFEST))
+    tmp = path + ".tmp"
+    with fs.open_output_stream(tmp) as stream:
+        stream.write(manifest.to_json().encode())
+    fs.move(tmp, path)
+
+
+def newest(root: str, topic: str, shard_count: int) -> Manifest | None:
+    """The newest complete snapshot of this WAL, or None. Snapshots of another topic or shard
+    count in the same directory are skipped loudly: they cannot be this cluster's state."""
+    for manifest, name in list_snapshots(root):
+        if manifest is None:
+            log.warning("skipping snapshot %s", name)
+            continue
+        if manifest.topic != topic or manifest.shard_count != shard_count:
+            log.warning("skipping snapshot %s: it is of %s with %d shards, not %s with %d", name, manifest.topic,
+                        manifest.shard_count, topic, shard_count)
+            continue
+        return manifest
+    return None
+
+
+# ---- reading a shard's rows ---------------------------------------------------------------------------
+
+
+def has_table(root: str, name: str, table: str) -> bool:
+    """Whether Spark wrote `table` at all (it writes nothing for a DataFrame without rows... or
+    an empty directory: both read as no rows)."""
+    fs, path = _filesystem(_join(root, name, table))
+    return bool(fs.get_file_info(path).type == pafs.FileType.Directory)
+
+
+def _shard_batches(root: str, name: str, table: str, shard: int, schema: pa.Schema,
+                   batch_rows: int) -> Iterator[pa.RecordBatch]:
+    fs, path = _filesystem(_join(root, name, table, f"shard={shard}"))
+    info = fs.get_file_info(path)
+    if info.type == pafs.FileType.NotFound:
+        return  # Spark writes no directory for a shard without rows
+    dataset = pads.dataset(path, filesystem=fs, format="parquet", schema=schema)
+    yield from dataset.to_batches(batch_size=batch_rows)
+
+
+def key_states(root: str, name: str, shard: int, batch_rows: int = 65_536) -> Iterator[list[tuple[bytes, KeyState]]]:
+    """The shard's keys in batches; order is Parquet's, not the keys'."""
+    for batch in _shard_batches(root, name, "keys", shard, KEYS_SCHEMA, batch_rows):
+        cols = [batch.column(i).to_pylist() for i in range(5)]
+        yield [(k, KeyState(v, ver, mod, create)) for k, v, ver, mod, create in zip(*cols, strict=True)]
+
+
+def requests(root: str, name: str, shard: int, batch_rows: int = 65_536) -> Iterator[list[RequestRecord]]:
+    for batch in _shard_batches(root, name, "requests", shard, REQUESTS_SCHEMA, batch_rows):
+        cols = [batch.column(i).to_pylist() for i in range(4)]
+        yield [RequestRecord(rid, rev, resp, ms) for rid, rev, ms, resp in zip(*cols, strict=True)]
+
+
+# ---- loading into a replica -----------------------------------------------------------------------
+
+
+def load_into(store: ShardStore, root: str, manifest: Manifest, *, batch_rows: int = 65_536,
+              on_progress: Callable[[int, int], None] | None = None) -> ShardSnapshot:
+    """Replace `store`'s state by the snapshot's for its shard, then check it: key count and
+    digest must be the manifest's, or the store is wiped again and SnapshotFormatError raised
+    (a snapshot that does not reproduce its own digest is not a state to serve)."""
+    if manifest.topic != store.topic:
+        raise SnapshotFormatError(f"snapshot {manifest.name} is of topic {manifest.topic}, not {store.topic}")
+    if (manifest.max_request_ids, manifest.request_id_horizon_ms) != (store.max_request_ids,
+                                                                       store.request_id_horizon_ms):
+        # Replicas with other bounds would keep other ids: their states would drift apart.
+        raise SnapshotFormatError(
+            f"snapshot {manifest.name} kept {manifest.max_request_ids} request ids for "
+            f"{manifest.request_id_horizon_ms} ms; this replica keeps {store.max_request_ids} for "
+            f"{store.request_id_horizon_ms} ms")
+    meta = manifest.shard(store.shard)
+    store.load_snapshot(key_states(root, manifest.name, store.shard, batch_rows),
+                        requests(root, manifest.name, store.shard, batch_rows),
+                        checkpoint=meta.offset, evicted_through_ms=meta.evicted_through_ms, on_progress=on_progress)
+    digest, keys = store.digest()
+    if (digest, keys, store.request_count) != (meta.digest, meta.keys, meta.requests):
+        store.wipe(f"snapshot {manifest.name} did not load to its own digest")
+        raise SnapshotFormatError(
+            f"snapshot {manifest.name} shard {store.shard}: loaded {keys} keys, {store.request_count} request ids, "
+            f"digest {digest[:12]}; its manifest says {meta.keys}, {meta.requests}, {meta.digest[:12]}")
+    return meta

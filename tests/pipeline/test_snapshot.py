@@ -1,0 +1,104 @@
+"""Snapshots built by Spark from the WAL equal the live replicas (digest, keys, request ids)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from pyspark.sql import SparkSession
+
+from kvstore import cli, snapshot
+from kvstore.client import Client, Op
+from kvstore.v1 import cluster_pb2
+from tests.conftest import unique
+from tests.integration.store_process import StoreProcess
+from wal.broker import LocalKafka
+
+pytestmark = [pytest.mark.kafka, pytest.mark.pipeline]
+
+SHARDS = 2
+
+
+@pytest.fixture
+def node(kafka: LocalKafka, tmp_path: Path) -> Iterator[StoreProcess]:
+    store = StoreProcess(kafka.bootstrap_servers, tmp_path / "node", unique("snap").replace("-", ""), shards=SHARDS)
+    store.start()
+    try:
+        yield store
+    finally:
+        store.stop()
+
+
+def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> dict[str, object]:
+    assert cli.main(list(argv)) == 0, capsys.readouterr().err
+    out = capsys.readouterr().out.strip().splitlines()
+    result: dict[str, object] = json.loads(out[-1])
+    return result
+
+
+def digests(node: StoreProcess) -> dict[int, tuple[int, str, int]]:
+    out = {}
+    for shard in range(SHARDS):
+        d = node.cluster_stub.ShardDigest(cluster_pb2.ShardDigestRequest(shard=shard), timeout=10)
+        out[shard] = (d.applied_offset, d.sha256, d.keys)
+    return out
+
+
+def snapshot_keys(root: str, name: str, shard: int) -> dict[bytes, tuple[bytes, int, int, int]]:
+    return {k: (s.value, s.version, s.mod_revision, s.create_revision)
+            for batch in snapshot.key_states(root, name, shard) for k, s in batch}
+
+
+def test_snapshot_equals_the_live_state_and_builds_on_the_previous_one(
+        node: StoreProcess, kafka: LocalKafka, tmp_path: Path, spark: SparkSession,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    root = str(tmp_path / "snaps")
+    common = ["--endpoints", node.address, "--output", "json"]
+    wal_args = ["--kafka", kafka.bootstrap_servers, "--topic", f"{node.cluster}.wal", "--master", "local[2]"]
+    with Client([node.address], timeout_s=20) as client:
+        for i in range(200):
+            client.put(f"k{i:03d}", f"v{i}")
+        for i in range(0, 200, 3):
+            client.put(f"k{i:03d}", f"w{i}")  # version 2
+        for i in range(0, 200, 7):
+            client.delete(f"k{i:03d}")
+        client.put("once", "1", request_id="rid-before-the-cut")
+        client.txn([], [Op.put("t1", "a"), Op.put("t3", "b")], [])  # both on shard 1
+
+    first = run_cli(capsys, *common, "snapshot", "create", "--dir", root, *wal_args)
+    assert first["created"] is True
+    name = str(first["name"])
+    manifest = snapshot.read_manifest(root, name)
+    assert manifest.base is None and manifest.shard_count == SHARDS
+    live = digests(node)
+    for s in manifest.shards:
+        applied, sha, keys = live[s.shard]
+        assert (s.offset, s.digest, s.keys) == (applied, sha, keys), f"shard {s.shard}"
+    assert sum(s.keys for s in manifest.shards) == 200 - len(range(0, 200, 7)) + 3
+    assert sum(s.requests for s in manifest.shards) >= 1  # rid-before-the-cut (the client's ids too)
+    with Client([node.address], timeout_s=20) as client:
+        scanned = {kv.key: (kv.value, kv.version, kv.mod_revision, kv.create_revision) for kv in client.scan_all()}
+    in_snapshot = {k: v for s in range(SHARDS) for k, v in snapshot_keys(root, name, s).items()}
+    assert in_snapshot == scanned
+    request_ids = {r.request_id for s in range(SHARDS) for batch in snapshot.requests(root, name, s) for r in batch}
+    assert "rid-before-the-cut" in request_ids
+
+    # Nothing new: no second copy.
+    again = run_cli(capsys, *common, "snapshot", "create", "--dir", root, *wal_args)
+    assert again["created"] is False and again["name"] == name
+
+    with Client([node.address], timeout_s=20) as client:
+        for i in range(150, 260):
+            client.put(f"k{i:03d}", f"x{i}")
+    second = run_cli(capsys, *common, "snapshot", "create", "--dir", root, *wal_args)
+    assert second["created"] is True
+    manifest2 = snapshot.read_manifest(root, str(second["name"]))
+    assert manifest2.base == name  # built from the first plus the WAL since its cut
+    live = digests(node)
+    for s in manifest2.shards:
+        assert (s.offset, s.digest, s.keys) == live[s.shard]
+
+    listed = run_cli(capsys, *common, "snapshot", "list", "--dir", root)
+    assert [s["name"] for s in listed["snapshots"]] == [manifest2.name, name]  # type: ignore[index,union-attr]
