@@ -30,6 +30,8 @@ class Metrics:
                                       registry=r)
         self.rebuilds = Counter("kvstore_rebuilds", "local state wiped and rebuilt from the WAL", ["shard"],
                                 registry=r)
+        self.snapshot_loads = Counter("kvstore_snapshot_loads", "times a replica was loaded from a snapshot",
+                                      ["shard"], registry=r)
         self.unknown_outcomes = Counter("kvstore_unknown_outcomes", "WAL batches whose commit outcome was unknown (W7)",
                                         ["shard"], registry=r)
         self.apply_failures = Counter("kvstore_apply_failures",

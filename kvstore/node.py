@@ -55,6 +55,10 @@ class NodeConfig:
     # before the group gives them away (the SIGKILL failover time is about this plus ~0.5 s).
     session_timeout_ms: int = 1500
     group: str = ""  # defaults to "<cluster>.leaders"
+    # Where `kvstore snapshot create` writes (a path or URI pyarrow reads). A replica that is
+    # empty, was wiped as suspect, or finds its checkpoint below the WAL's log start (truncated)
+    # loads the newest usable snapshot from here and replays only the tail. "" = none.
+    snapshot_dir: str = ""
 
     @property
     def wal_topic(self) -> str:
@@ -126,7 +130,8 @@ class Node:
                 cluster=self.config.cluster, topic=self.config.wal_topic, shard=shard,
                 bootstrap_servers=self.config.kafka, node_id=self.config.node_id,
                 data_dir=self.config.data_dir, transaction_timeout_ms=self.config.transaction_timeout_ms,
-                max_pending_writes=self.config.max_pending_writes),
+                max_pending_writes=self.config.max_pending_writes,
+                snapshot_dir=self.config.snapshot_dir or None),
                 self.metrics)
             self.replicas[shard] = replica
             replica.leader_hint = functools.partial(self.leader_address, shard)

@@ -30,6 +30,8 @@ import contextlib
 import dataclasses
 import enum
 import logging
+import os
+import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -42,7 +44,7 @@ from kvstore import errors, failpoints, limits, request_horizon
 from kvstore.evaluate import Evaluation, Response
 from kvstore.metrics import Metrics
 from kvstore.state import Change, KeyState, Lookup, decode_entry, effect_key, next_key_state
-from kvstore.storage import ShardStore
+from kvstore.storage import ShardStore, StorageError
 from kvstore.v1 import kv_pb2, wal_entry_pb2
 
 log = logging.getLogger(__name__)
@@ -50,6 +52,7 @@ log = logging.getLogger(__name__)
 FOLLOW_POLL_S = 0.1  # a follower notices "lead now" within this (it cannot interrupt a poll)
 CATCH_UP_POLL_S = 0.02  # a takeover waits for the tail (often one batch and its marker): poll briskly
 REFENCE_PAUSE_S = 1.0  # after being fenced while still assigned the shard, before fencing back
+PROGRESS_LOG_S = 2.0  # how often a snapshot load logs its progress
 # Kafka's default replica.lag.time.max.ms: for about this long a restarted or newly elected
 # partition leader may report a high watermark below what was acknowledged before.
 BROKER_REPLICA_LAG_TIME_MAX_MS = 30_000
@@ -82,6 +85,8 @@ class ReplicaConfig:
     max_record_bytes: int = wal.writer.MAX_RECORD_BYTES_DEFAULT
     max_pending_writes: int = limits.MAX_PENDING_WRITES_PER_SHARD
     barrier_timeout_s: float = 10.0
+    # Snapshots to load when this replica is empty or below the WAL's log start (None: replay only).
+    snapshot_dir: str | None = None
 
 
 Build = Callable[[Lookup, int], Evaluation]
@@ -133,6 +138,8 @@ class ShardReplica:
         self.shard = config.shard
         self.metrics = metrics
         self.store = ShardStore(config.data_dir / f"shard-{config.shard}", topic=config.topic, shard=config.shard)
+        # A snapshot load cut short (crash) leaves its scratch directory: never trust it.
+        shutil.rmtree(self._loading_path(), ignore_errors=True)
         self.role = Role.FOLLOWER
         self.caught_up = False  # a follower reached the partition end seen when it started
         self.term = 0
@@ -179,7 +186,8 @@ class ShardReplica:
         # that another node leads) and (shard, None) once it can again; the node sets it.
         self.on_unable_to_lead: Callable[[int, str | None], None] = lambda shard, reason: None
         label = str(self.shard)
-        for family in (metrics.w3_rejections, metrics.fencings, metrics.leader_changes, metrics.rebuilds):
+        for family in (metrics.w3_rejections, metrics.fencings, metrics.leader_changes, metrics.rebuilds,
+                       metrics.snapshot_loads):
             family.labels(shard=label)  # export zeros from the start, so rates and alerts work
         metrics.applied_offset.labels(shard=label).set(self.store.applied_offset)
         if self.store.rebuilt_reason:
@@ -310,6 +318,8 @@ class ShardReplica:
         self.role = Role.FOLLOWER
         # This node may have led the shard: read the marker slot it assumed, as every replica does.
         self.store.rewind_unverified()
+        if self.store.applied_offset == 0:
+            await self._restore(0, "the replica is empty")
         replayer: wal.Replayer | None = await asyncio.to_thread(self._replayer)
         assert replayer is not None
         try:
@@ -345,6 +355,13 @@ class ShardReplica:
         replica, so say so and stay behind. Above the end: wait (bounded) for the end to catch
         up, as after a broker restart; if it does not, the WAL was recreated: rebuild from 0."""
         if exc.below_start:
+            if await self._restore(exc.log_start, f"the WAL starts at {exc.log_start}, above the checkpoint "
+                                                  f"{self.store.applied_offset} (truncated)"):
+                if self._needs_snapshot is not None:
+                    self._needs_snapshot = None
+                    self.on_unable_to_lead(self.shard, None)
+                await asyncio.to_thread(replayer.seek, self.store.applied_offset)
+                return
             why = (f"shard {self.shard}: the WAL was truncated at offset {exc.log_start}, above this replica's "
                    f"checkpoint {self.store.applied_offset}; it can only be rebuilt from a snapshot taken at or "
                    f"after {exc.log_start}")
@@ -360,6 +377,101 @@ class ShardReplica:
         if self.store.applied_offset > end:
             self._wipe_beyond_end(end)
         await asyncio.to_thread(replayer.seek, self.store.applied_offset)
+
+    # ---- snapshots -----------------------------------------------------------------------------
+
+    def _loading_path(self) -> Path:
+        return self.store.path.with_name(self.store.path.name + ".snapshot-load")
+
+    async def _restore(self, at_least: int, why: str) -> bool:
+        """Replace this replica by the newest usable snapshot whose cut is at least `at_least`
+        and beyond its checkpoint (`kvstore serve --snapshot-dir`); True if one was loaded.
+
+        Usable: complete, of this topic, and not beyond the partition's end (a cut beyond it is
+        of another WAL, e.g. a recreated topic). One that does not load to its own digest is
+        skipped for the next older one. The load runs into a scratch directory while this
+        replica keeps serving what it has; the swap is one step on the event loop.
+        """
+        root = self.config.snapshot_dir
+        if root is None:
+            return False
+        from kvstore import snapshot  # pyarrow: only nodes that use snapshots pay for it
+
+        try:
+            found = await asyncio.to_thread(snapshot.list_snapshots, root)
+        except snapshot.SnapshotFormatError as exc:
+            log.warning("shard %d: %s; cannot look for a snapshot: %s", self.shard, why, exc)
+            return False
+        end = await asyncio.to_thread(self.ends.high_watermark, self.config.topic, self.shard)
+        for manifest, name in found:
+            if manifest is None:
+                log.warning("shard %d: skipping snapshot %s", self.shard, name)
+                continue
+            if manifest.topic != self.config.topic:
+                continue
+            cut = manifest.shard(self.shard).offset
+            if cut < at_least or cut <= self.store.applied_offset:
+                log.warning("shard %d: %s, and the newest snapshot (%s, cut %d) does not help", self.shard, why,
+                            manifest.name, cut)
+                return False  # newest first: the older ones are older still
+            if cut > end:
+                log.warning("shard %d: skipping snapshot %s: its cut %d is beyond the WAL's end %d (another WAL?)",
+                            self.shard, manifest.name, cut, end)
+                continue
+            log.info("shard %d: %s: loading snapshot %s (cut %d, %d keys)", self.shard, why, manifest.name, cut,
+                     manifest.shard(self.shard).keys)
+            started = time.monotonic()
+            try:
+                loaded = await asyncio.to_thread(self._load_snapshot, root, manifest)
+            except (snapshot.SnapshotFormatError, OSError, StorageError) as exc:
+                log.warning("shard %d: snapshot %s is unusable: %s", self.shard, manifest.name, exc)
+                continue
+            self._swap_in(loaded)
+            elapsed = time.monotonic() - started
+            keys = manifest.shard(self.shard).keys
+            log.info("shard %d: loaded snapshot %s: %d keys in %.1fs (%.0f keys/s); replaying the WAL from %d",
+                     self.shard, manifest.name, keys, elapsed, keys / max(elapsed, 1e-6), cut)
+            self.metrics.snapshot_loads.labels(shard=str(self.shard)).inc()
+            self.metrics.applied_offset.labels(shard=str(self.shard)).set(cut)
+            return True
+        return False
+
+    def _load_snapshot(self, root: str, manifest: Any) -> Path:
+        """In a worker thread: the snapshot into a scratch store next to ours; returns its path."""
+        from kvstore import snapshot
+
+        path = self._loading_path()
+        shutil.rmtree(path, ignore_errors=True)
+        scratch = ShardStore(path, topic=self.config.topic, shard=self.shard)
+        total = manifest.shard(self.shard).keys
+        last_log = [time.monotonic()]
+
+        def progress(keys: int, requests: int) -> None:
+            if time.monotonic() - last_log[0] >= PROGRESS_LOG_S:
+                last_log[0] = time.monotonic()
+                log.info("shard %d: loading snapshot %s: %d of %d keys, %d request ids", self.shard, manifest.name,
+                         keys, total, requests)
+
+        try:
+            snapshot.load_into(scratch, root, manifest, on_progress=progress)
+        except BaseException:
+            scratch.close()
+            shutil.rmtree(path, ignore_errors=True)
+            raise
+        scratch.close()
+        return path
+
+    def _swap_in(self, loaded: Path) -> None:
+        """Make the loaded scratch store this replica's (on the event loop: no read or apply
+        runs in between). A crash in here leaves no directory or a complete one: both are safe
+        (an empty replica loads again)."""
+        path = self.store.path
+        self.store.close()
+        shutil.rmtree(path)
+        os.replace(loaded, path)
+        self.store = ShardStore(path, topic=self.config.topic, shard=self.shard)
+        if self.store.rebuilt_reason:
+            raise StorageError(f"shard {self.shard}: the loaded snapshot did not reopen: {self.store.rebuilt_reason}")
 
     def _replayer(self) -> wal.Replayer:
         return wal.Replayer(self.config.bootstrap_servers, self.config.topic, self.shard, self.store.applied_offset,
@@ -466,6 +578,8 @@ class ShardReplica:
     async def _catch_up(self, end: int) -> None:
         """Replay read_committed from the checkpoint up to `end` (bounded by bootstrap_timeout_s)."""
         self.store.rewind_unverified()  # a marker slot this node assumed when it led before
+        if self.store.applied_offset == 0 and end > 0:
+            await self._restore(0, "the replica is empty")
         if self.store.applied_offset > end:
             later = await self._confirm_beyond_end(
                 end, lambda: self.ends.high_watermark(self.config.topic, self.shard))

@@ -509,6 +509,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--session-timeout-ms", type=int,
                         help="leadership group session timeout: how long a dead node keeps its shards "
                              "(env KVSTORE_SESSION_TIMEOUT_MS, default 1500)")
+    parser.add_argument("--snapshot-dir",
+                        help="snapshots (`kvstore snapshot create --dir`) to bootstrap an empty, suspect or "
+                             "truncated-below replica from (env KVSTORE_SNAPSHOT_DIR)")
     parser.add_argument("--log-format", choices=("json", "text"), default="json")
     args = parser.parse_args(argv)
     handler = logging.StreamHandler(sys.stderr)
@@ -523,7 +526,8 @@ def main(argv: list[str] | None = None) -> int:
                                      transaction_timeout_ms=args.transaction_timeout_ms,
                                      max_pending_writes=args.max_pending_writes,
                                      lead=False if args.follower else None, standby=args.standby,
-                                     session_timeout_ms=args.session_timeout_ms)
+                                     session_timeout_ms=args.session_timeout_ms,
+                                     snapshot_dir=args.snapshot_dir)
     except (ValueError, TypeError) as exc:
         print(f"kvstore serve: {exc}", file=sys.stderr)
         return 2
