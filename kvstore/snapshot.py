@@ -173,6 +173,7 @@ def read_manifest(root: str, name: str) -> Manifest:
 def write_manifest(root: str, manifest: Manifest) -> None:
     """Written last, in one piece: its presence is what makes the snapshot complete."""
     fs, path = _filesystem(_join(root, manifest.name, MANIFEST))
+    fs.create_dir(path.rsplit("/", 1)[0], recursive=True)
     tmp = path + ".tmp"
     with fs.open_output_stream(tmp) as stream:
         stream.write(manifest.to_json().encode())

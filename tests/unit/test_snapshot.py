@@ -1,0 +1,261 @@
+"""Snapshots without Spark: the per-shard fold, the format, and loading into a replica.
+
+The fold (`kvstore.pipeline.fold`) is what the Spark job runs per shard; these tests hand it
+Arrow tables directly and hold it to the replicas' own apply: folding a log in one go, or a
+prefix and then the rest on top of the prefix's snapshot, gives the state (digest, keys, request
+ids, evicted-through time) a replica reaches applying the same records.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from kvstore import snapshot
+from kvstore.pipeline.fold import FOLD_INPUT, FOLD_OUTPUT, FoldError, fold
+from kvstore.state import KeyState, RequestRecord
+from kvstore.storage import ShardStore
+from kvstore.v1 import wal_entry_pb2 as pb
+
+TOPIC = "wal-test"
+MAX_IDS = 7
+HORIZON_MS = 1_000
+
+
+def entry(rng: random.Random, offset: int) -> bytes:
+    effects = []
+    for _ in range(rng.randint(1, 3)):
+        key = f"k{rng.randint(0, 15)}".encode()
+        if rng.random() < 0.25:
+            effects.append(pb.Effect(delete=pb.DeleteEffect(key=key)))
+        else:
+            effects.append(pb.Effect(put=pb.PutEffect(key=key, value=f"v{offset}".encode())))
+    rid = f"r{rng.randint(0, 30)}" if rng.random() < 0.6 else ""
+    return pb.WalEntry(request_id=rid, effects=effects, response=f"resp{offset}".encode(),
+                       leader_unix_ms=10_000 + offset * 97).SerializeToString()
+
+
+def wal_log(seed: int, n: int = 120) -> list[tuple[int, bytes]]:
+    """Records at increasing offsets with gaps (markers, rejected records) and one non-entry."""
+    rng = random.Random(seed)
+    out, offset = [], 0
+    for i in range(n):
+        offset += rng.choice((1, 1, 1, 2))
+        out.append((offset, b"\xff not an entry" if i == n // 2 else entry(rng, offset)))
+    return out
+
+
+def rows(shard: int, cut: int, wal: list[tuple[int, bytes]], base: pa.Table | None = None, base_offset: int = 0,
+         evicted_ms: int = 0, digest_at: list[int] | None = None) -> pa.Table:
+    cols: dict[str, list[Any]] = {name: [] for name in FOLD_INPUT.names}
+
+    def add(**values: Any) -> None:
+        for name, column in cols.items():
+            column.append(values.get(name))
+
+    add(shard=shard, kind="control", offset=cut, base_offset=base_offset, evicted_through_ms=evicted_ms,
+        digest_at=digest_at or [])
+    for offset, payload in wal:
+        add(shard=shard, kind="wal", offset=offset, payload=payload)
+    if base is not None:
+        for r in base.to_pylist():
+            if r["kind"] in ("key", "request"):
+                add(**{k: v for k, v in r.items() if k in cols})
+    return pa.table(cols, schema=FOLD_INPUT)
+
+
+def replica(tmp_path: Path, records: list[tuple[int, bytes]], checkpoint: int) -> ShardStore:
+    store = ShardStore(tmp_path / "replica", topic=TOPIC, shard=0, max_request_ids=MAX_IDS,
+                       request_id_horizon_ms=HORIZON_MS)
+    store.apply(records, checkpoint)
+    return store
+
+
+def meta(out: pa.Table, offset: int | None = None) -> dict[str, Any]:
+    metas = [r for r in out.to_pylist() if r["kind"] == "meta" and (r["is_cut"] if offset is None
+                                                                      else r["offset"] == offset)]
+    assert len(metas) == 1
+    return metas[0]
+
+
+def run(table: pa.Table) -> pa.Table:
+    return fold(table, topic=TOPIC, max_request_ids=MAX_IDS, request_id_horizon_ms=HORIZON_MS)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_fold_in_two_steps_equals_one_step_and_the_replica(tmp_path: Path, seed: int) -> None:
+    wal = wal_log(seed)
+    cut = wal[-1][0] + 2  # a marker after the last record
+    split = wal[len(wal) // 3][0]  # a snapshot cut inside the log (the record at `split` comes after)
+
+    whole = run(rows(0, cut, wal))
+    prefix = run(rows(0, split, [r for r in wal if r[0] < split]))
+    m = meta(prefix)
+    on_top = run(rows(0, cut, [r for r in wal if r[0] >= split], base=prefix, base_offset=split,
+                      evicted_ms=m["evicted_through_ms"]))
+    store = replica(tmp_path, wal, cut)
+    digest, keys = store.digest()
+    expected = {"offset": cut, "digest": digest, "keys": keys, "requests": store.request_count,
+                "evicted_through_ms": store.evicted_through_ms}
+    for out in (whole, on_top):
+        assert {k: meta(out)[k] for k in expected} == expected
+        assert out.schema == FOLD_OUTPUT
+        state = {r["key"]: (r["value"], r["version"], r["mod_revision"], r["create_revision"])
+                 for r in out.to_pylist() if r["kind"] == "key"}
+        assert state == {k: tuple(s) for k, s in store.keys()}  # noqa: SIM118
+        ids = [(r["request_id"], r["revision"], r["response"], r["leader_unix_ms"])
+               for r in out.to_pylist() if r["kind"] == "request"]
+        assert sorted(ids, key=lambda x: x[1]) == [(q.request_id, q.revision, q.response, q.leader_unix_ms)
+                                                   for q in store.requests()]
+    assert meta(whole)["malformed_entries"] == 1
+    store.close()
+
+
+def test_digest_points_match_a_replica_at_that_checkpoint(tmp_path: Path) -> None:
+    wal = wal_log(42)
+    cut = wal[-1][0] + 1
+    point = wal[40][0]  # a replica whose checkpoint is here has applied records below it
+    out = run(rows(0, cut, wal, digest_at=[point, cut + 100, -1]))  # out-of-range points are ignored
+    store = replica(tmp_path, [r for r in wal if r[0] < point], point)
+    assert meta(out, point)["digest"] == store.digest()[0] and not meta(out, point)["is_cut"]
+    assert len([r for r in out.to_pylist() if r["kind"] == "meta"]) == 2
+    store.close()
+
+
+def test_fold_refuses_inconsistent_input() -> None:
+    wal = wal_log(1, 10)
+    with pytest.raises(FoldError, match="outside"):
+        run(rows(0, wal[3][0], wal))  # records at and beyond the cut
+    table = pa.concat_tables([rows(0, 100, []), rows(0, 100, [])])
+    with pytest.raises(FoldError, match="2 control rows"):
+        run(table)
+
+
+# ---- the format and loading ----------------------------------------------------------------------------
+
+
+def write_snapshot(root: Path, name: str, out: pa.Table, cut: int, shards: int = 1, topic: str = TOPIC,
+                   manifest_digest: str | None = None) -> snapshot.Manifest:
+    """Lay out the fold's output as the Spark job does (Hive-style shard directories)."""
+    data = out.to_pylist()
+    for table, schema in (("keys", snapshot.KEYS_SCHEMA), ("requests", snapshot.REQUESTS_SCHEMA)):
+        kind = "key" if table == "keys" else "request"
+        part = [r for r in data if r["kind"] == kind]
+        if part:
+            directory = root / name / table / "shard=0"
+            directory.mkdir(parents=True)
+            pq.write_table(pa.Table.from_pylist([{c: r[c] for c in schema.names} for r in part], schema=schema),
+                           directory / "part-0.parquet")
+    m = meta(out)
+    manifest = snapshot.Manifest(
+        name=name, topic=topic, shard_count=shards, created_unix_ms=1, base=None, max_request_ids=MAX_IDS,
+        request_id_horizon_ms=HORIZON_MS,
+        shards=tuple(snapshot.ShardSnapshot(shard=s, offset=cut, keys=m["keys"] if s == 0 else 0,
+                                            digest=(manifest_digest or m["digest"]) if s == 0 else "",
+                                            requests=m["requests"] if s == 0 else 0,
+                                            evicted_through_ms=m["evicted_through_ms"])
+                     for s in range(shards)))
+    snapshot.write_manifest(str(root), manifest)
+    return manifest
+
+
+def fresh(tmp_path: Path, name: str = "fresh") -> ShardStore:
+    return ShardStore(tmp_path / name, topic=TOPIC, shard=0, max_request_ids=MAX_IDS,
+                      request_id_horizon_ms=HORIZON_MS)
+
+
+def test_load_into_a_replica_gives_the_snapshots_state(tmp_path: Path) -> None:
+    wal = wal_log(7)
+    cut = wal[-1][0] + 1
+    out = run(rows(0, cut, wal))
+    manifest = write_snapshot(tmp_path / "snaps", snapshot.new_name(5), out, cut)
+    store = fresh(tmp_path)
+    progress: list[tuple[int, int]] = []
+    snapshot.load_into(store, str(tmp_path / "snaps"), manifest, batch_rows=3,
+                       on_progress=lambda k, r: progress.append((k, r)))
+    reference = replica(tmp_path, wal, cut)
+    assert store.digest() == reference.digest() and store.applied_offset == cut
+    assert list(store.requests()) == list(reference.requests())
+    assert store.evicted_through_ms == reference.evicted_through_ms
+    assert progress and progress[-1] == (meta(out)["keys"], meta(out)["requests"])
+    # A retry of an id kept in the snapshot is recognised by the loaded replica.
+    kept = next(reference.requests())
+    assert store.request(kept.request_id) == kept
+    store.close()
+    reopened = fresh(tmp_path)
+    assert reopened.rebuilt_reason is None and reopened.digest() == reference.digest()
+    reopened.close()
+    reference.close()
+
+
+def test_a_snapshot_that_does_not_reproduce_its_digest_is_refused_and_wiped(tmp_path: Path) -> None:
+    wal = wal_log(8)
+    cut = wal[-1][0] + 1
+    manifest = write_snapshot(tmp_path / "snaps", snapshot.new_name(5), run(rows(0, cut, wal)), cut,
+                              manifest_digest="0" * 64)
+    store = fresh(tmp_path)
+    with pytest.raises(snapshot.SnapshotFormatError, match="its manifest says"):
+        snapshot.load_into(store, str(tmp_path / "snaps"), manifest)
+    assert store.applied_offset == 0 and store.digest()[1] == 0
+    store.close()
+
+
+def test_other_request_id_bounds_are_refused(tmp_path: Path) -> None:
+    cut = 3
+    manifest = write_snapshot(tmp_path / "snaps", snapshot.new_name(5), run(rows(0, cut, [])), cut)
+    store = ShardStore(tmp_path / "other", topic=TOPIC, shard=0)  # the default bounds
+    with pytest.raises(snapshot.SnapshotFormatError, match="request ids"):
+        snapshot.load_into(store, str(tmp_path / "snaps"), manifest)
+    store.close()
+
+
+def test_a_load_cut_short_is_never_trusted(tmp_path: Path) -> None:
+    store = fresh(tmp_path)
+
+    def keys() -> Any:
+        yield [(b"a", KeyState(b"1", 1, 5, 5))]
+        raise OSError("disk gone")
+
+    with pytest.raises(OSError):
+        store.load_snapshot(keys(), [[RequestRecord("r", 5, b"", 1)]], checkpoint=10, evicted_through_ms=0)
+    store.close()
+    again = fresh(tmp_path)
+    assert again.rebuilt_reason == "a snapshot load did not finish" and again.applied_offset == 0
+    again.close()
+
+
+def test_listing_newest_first_and_skipping_what_cannot_be_used(tmp_path: Path) -> None:
+    root = tmp_path / "snaps"
+    older = write_snapshot(root, snapshot.new_name(1_000), run(rows(0, 1, [])), 1)
+    newer = write_snapshot(root, snapshot.new_name(2_000), run(rows(0, 2, [])), 2)
+    write_snapshot(root, snapshot.new_name(3_000), run(rows(0, 3, [])), 3, topic="another.wal")
+    (root / snapshot.new_name(4_000) / "keys").mkdir(parents=True)  # a job that never finished
+    (root / "not-a-snapshot").mkdir()
+    listed = snapshot.list_snapshots(str(root))
+    assert [m.name if m else None for m, _ in listed] == [None, snapshot.new_name(3_000), newer.name, older.name]
+    assert "no manifest.json" in listed[0][1]
+    assert snapshot.newest(str(root), TOPIC, 1) == newer
+    assert snapshot.newest(str(root), TOPIC, 2) is None  # another shard count: not this cluster's
+    assert snapshot.newest(str(tmp_path / "absent"), TOPIC, 1) is None
+
+
+@pytest.mark.parametrize(("edit", "message"), [
+    (lambda b: b.update(format=99), "format 99"),
+    (lambda b: b["shards"].pop(), "shards"),
+    (lambda b: b.pop("topic"), "not a snapshot manifest"),
+])
+def test_bad_manifests_are_named(tmp_path: Path, edit: Any, message: str) -> None:
+    root = tmp_path / "snaps"
+    manifest = write_snapshot(root, snapshot.new_name(1), run(rows(0, 1, [])), 1, shards=2)
+    path = root / manifest.name / snapshot.MANIFEST
+    body = json.loads(path.read_text())
+    edit(body)
+    path.write_text(json.dumps(body))
+    with pytest.raises(snapshot.SnapshotFormatError, match=message):
+        snapshot.read_manifest(str(root), manifest.name)
