@@ -19,6 +19,7 @@ from __future__ import annotations
 import itertools
 import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -107,12 +108,11 @@ def fold(table: pa.Table, *, topic: str, max_request_ids: int, request_id_horizo
             if store.applied_offset < point:
                 store.apply([], point)
             digest, keys = store.digest()
-            out.meta(point, digest, keys, store.request_count, store.evicted_through_ms, len(wal), duplicates,
-                     malformed, point == cut)
-        for key, state in store.keys():  # noqa: SIM118 (a LevelDB scan, not a dict)
-            out.key(key, state)
-        for request in store.requests():
-            out.request(request)
+            out.meta(offset=point, digest=digest, keys=keys, requests=store.request_count,
+                     evicted_through_ms=store.evicted_through_ms, wal_records=len(wal), duplicates=duplicates,
+                     malformed_entries=malformed, is_cut=point == cut)
+        out.keys(store.keys())
+        out.requests(store.requests())
         return out.table()
     finally:
         store.close()
@@ -120,35 +120,57 @@ def fold(table: pa.Table, *, topic: str, max_request_ids: int, request_id_horizo
 
 
 class _Output:
-    """Column lists for FOLD_OUTPUT, built row by row (one Python list per column is the
-    cheapest way to hand a million rows to Arrow)."""
+    """FOLD_OUTPUT rows, kept column-wise per kind (a Python list per column, no per-row dict:
+    this runs once per key of the shard) and laid side by side with NULLs at the end."""
 
     def __init__(self, shard: int) -> None:
         self._shard = shard
-        self._cols: dict[str, list[object]] = {name: [] for name in FOLD_OUTPUT.names}
+        self._keys: dict[str, list[Any]] = {c: [] for c in ("key", "value", "version", "mod_revision",
+                                                            "create_revision")}
+        self._requests: dict[str, list[Any]] = {c: [] for c in ("request_id", "revision", "leader_unix_ms",
+                                                                "response")}
+        self._metas: dict[str, list[Any]] = {c: [] for c in ("offset", "digest", "keys", "requests",
+                                                             "evicted_through_ms", "wal_records", "duplicates",
+                                                             "malformed_entries", "is_cut")}
 
-    def _row(self, kind: str, **values: object) -> None:
-        for name, column in self._cols.items():
-            column.append(values.get(name))
-        self._cols["shard"][-1] = self._shard
-        self._cols["kind"][-1] = kind
+    def keys(self, states: Iterator[tuple[bytes, KeyState]]) -> None:
+        key, value, version, mod, create = self._keys.values()
+        for k, state in states:
+            key.append(k)
+            value.append(state.value)
+            version.append(state.version)
+            mod.append(state.mod_revision)
+            create.append(state.create_revision)
 
-    def key(self, key: bytes, state: KeyState) -> None:
-        self._row("key", key=key, value=state.value, version=state.version, mod_revision=state.mod_revision,
-                  create_revision=state.create_revision)
+    def requests(self, requests: Iterator[RequestRecord]) -> None:
+        rid, revision, leader_ms, response = self._requests.values()
+        for req in requests:
+            rid.append(req.request_id)
+            revision.append(req.revision)
+            leader_ms.append(req.leader_unix_ms)
+            response.append(req.response)
 
-    def request(self, req: RequestRecord) -> None:
-        self._row("request", request_id=req.request_id, revision=req.revision, leader_unix_ms=req.leader_unix_ms,
-                  response=req.response)
-
-    def meta(self, offset: int, digest: str, keys: int, requests: int, evicted_through_ms: int, wal_records: int,
-             duplicates: int, malformed: int, is_cut: bool) -> None:
-        self._row("meta", offset=offset, digest=digest, keys=keys, requests=requests,
-                  evicted_through_ms=evicted_through_ms, wal_records=wal_records, duplicates=duplicates,
-                  malformed_entries=malformed, is_cut=is_cut)
+    def meta(self, **values: Any) -> None:
+        assert values.keys() == self._metas.keys(), f"meta fields {sorted(values)}"
+        for name, value in values.items():
+            self._metas[name].append(value)
 
     def table(self) -> pa.Table:
-        return pa.table(self._cols, schema=FOLD_OUTPUT)
+        parts = []
+        for kind, columns in (("key", self._keys), ("request", self._requests), ("meta", self._metas)):
+            n = len(next(iter(columns.values())))
+            arrays = []
+            for field in FOLD_OUTPUT:
+                if field.name == "shard":
+                    arrays.append(pa.array([self._shard] * n, field.type))
+                elif field.name == "kind":
+                    arrays.append(pa.array([kind] * n, field.type))
+                elif field.name in columns:
+                    arrays.append(pa.array(columns[field.name], field.type))
+                else:
+                    arrays.append(pa.nulls(n, field.type))
+            parts.append(pa.Table.from_arrays(arrays, schema=FOLD_OUTPUT))
+        return pa.concat_tables(parts)
 
 
 def _columns(table: pa.Table, kind: str, *names: str) -> list[list[Any]]:
