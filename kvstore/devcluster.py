@@ -77,7 +77,8 @@ class _Node:
         self.log_path = data_dir / f"{node_id}.log"
         self.cmd = [sys.executable, "-m", "kvstore.server", "--node-id", node_id, "--listen", address,
                     "--data-dir", str(data_dir / node_id), "--kafka", kafka, "--cluster", args.cluster,
-                    "--shards", str(args.shards), "--session-timeout-ms", str(args.session_timeout_ms)]
+                    "--shards", str(args.shards), "--session-timeout-ms", str(args.session_timeout_ms),
+                    "--snapshot-dir", str(data_dir / "snapshots")]
         self.proc: subprocess.Popen[bytes] | None = None
         self.died_at: float | None = None
 
@@ -136,8 +137,9 @@ def main(argv: list[str] | None = None) -> int:
             assert node.proc is not None
             _wait_serving(node.address, node.proc, timeout_s=120)
         endpoints = ",".join(n.address for n in nodes)
+        snapshots = data_dir / "snapshots"
         print(json.dumps({"kafka": kafka.bootstrap_servers, "endpoints": [n.address for n in nodes],
-                          "data_dir": str(data_dir)}))
+                          "data_dir": str(data_dir), "snapshot_dir": str(snapshots)}))
         print(f"""
 The store is up: {len(nodes)} nodes, {args.shards} shards, WAL topic {args.cluster}.wal on {kafka.bootstrap_servers}.
 
@@ -149,6 +151,14 @@ The store is up: {len(nodes)} nodes, {args.shards} shards, WAL topic {args.clust
   .venv/bin/kvstore demo failover --output json   # SIGKILL a leader under load, then verify
   .venv/bin/kvstore txn list --older-than 5s
   grpcurl -plaintext {nodes[0].address} list
+
+The Spark pipeline (README "The Spark pipeline"); the nodes load snapshots from {snapshots}:
+
+  export KVSTORE_KAFKA={kafka.bootstrap_servers}
+  .venv/bin/kvstore snapshot create --dir {snapshots}
+  .venv/bin/kvstore audit --dir {snapshots}
+  .venv/bin/kvstore wal truncate --dir {snapshots} --dry-run
+  .venv/bin/kvstore changes --to {data_dir / "changes"}
 
 A node that dies is restarted after {RESTART_DELAY_S:.0f}s. Ctrl-C stops everything; `make up` again resumes
 from {data_dir}.""", flush=True)

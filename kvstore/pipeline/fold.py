@@ -64,8 +64,9 @@ class FoldError(Exception):
 
 
 def fold(table: pa.Table, *, topic: str, max_request_ids: int, request_id_horizon_ms: int,
-         scratch_dir: str | None = None) -> pa.Table:
-    """Fold one shard's rows (FOLD_INPUT) into its state at the cut (FOLD_OUTPUT)."""
+         scratch_dir: str | None = None, emit_state: bool = True) -> pa.Table:
+    """Fold one shard's rows (FOLD_INPUT) into its state at the cut (FOLD_OUTPUT); with
+    `emit_state` False only the `meta` rows (an audit needs the digests, not the state)."""
     shards = pc.unique(table.column("shard")).to_pylist()
     if len(shards) != 1:
         raise FoldError(f"a fold is one shard's, got shards {sorted(shards)}")
@@ -111,8 +112,9 @@ def fold(table: pa.Table, *, topic: str, max_request_ids: int, request_id_horizo
             out.meta(offset=point, digest=digest, keys=keys, requests=store.request_count,
                      evicted_through_ms=store.evicted_through_ms, wal_records=len(wal), duplicates=duplicates,
                      malformed_entries=malformed, is_cut=point == cut)
-        out.keys(store.keys())
-        out.requests(store.requests())
+        if emit_state:
+            out.keys(store.keys())
+            out.requests(store.requests())
         return out.table()
     finally:
         store.close()

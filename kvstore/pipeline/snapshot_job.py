@@ -64,9 +64,10 @@ def check_range(target: WalTarget, base: snapshot.Manifest | None, ends: Mapping
 
 def build_states(spark: SparkSession, target: WalTarget, root: str, base: snapshot.Manifest | None,
                  cuts: Mapping[int, int], digest_at: Mapping[int, Sequence[int]] | None = None,
-                 *, kafka_extra: Mapping[str, str] | None = None) -> DataFrame:
+                 *, kafka_extra: Mapping[str, str] | None = None, emit_state: bool = True) -> DataFrame:
     """Every shard's state at `cuts` (FOLD_OUTPUT rows), from `base` plus the WAL after it, and
-    digests at the offsets of `digest_at` (per shard) on the way."""
+    digests at the offsets of `digest_at` (per shard) on the way; only those digests (`meta`
+    rows) with `emit_state` False."""
     base_offsets = {s: (base.shard(s).offset if base else 0) for s in range(target.shards)}
     frames: list[DataFrame] = []
     control_rows = [
@@ -99,7 +100,7 @@ def build_states(spark: SparkSession, target: WalTarget, root: str, base: snapsh
     # type hints, and a partial of an annotated function with keywords makes it fail.
     return rows.groupBy("shard").applyInArrow(
         lambda table: fold.fold(table, topic=topic, max_request_ids=MAX_REQUEST_IDS,
-                                request_id_horizon_ms=REQUEST_ID_HORIZON_MS),
+                                request_id_horizon_ms=REQUEST_ID_HORIZON_MS, emit_state=emit_state),
         fold.FOLD_OUTPUT_DDL)
 
 
