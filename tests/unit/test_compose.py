@@ -4,11 +4,13 @@ These catch what review misses and only `docker compose up` would show: the Kafk
 from the pinned release, broker settings drifting from `wal.broker.BROKER_SETTINGS`, a KVSTORE_*
 variable the node never reads (`NodeConfig.from_env` ignores unknown names silently), nodes that
 disagree on the cluster or the shard count, an advertised address that is not the node's own, a
-session timeout the broker refuses, an image that runs something else or ships stale stubs.
+session timeout the broker refuses, an image that runs something else or ships stale stubs, a
+snapshot job that writes where the nodes do not look, an image without Java or the pipeline's jars.
 """
 
 from __future__ import annotations
 
+import argparse
 import base64
 import dataclasses
 import functools
@@ -17,13 +19,13 @@ import os
 import re
 import shlex
 import tomllib
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import pytest
 import yaml
 
-from kvstore.cli import ENDPOINTS_ENV
+from kvstore.cli import ENDPOINTS_ENV, build_parser
 from kvstore.node import NodeConfig
 from wal.broker import BROKER_SETTINGS, KAFKA_VERSION, _replication_settings
 
@@ -33,6 +35,8 @@ DOCKERFILE = ROOT / "Dockerfile"
 DOCKERIGNORE = ROOT / ".dockerignore"
 NODES = ("node-1", "node-2", "node-3")
 KAFKA = "kafka"
+SNAPSHOT = "snapshot"  # the one-shot Spark job (profile `pipeline`)
+PIPELINE_PROFILE = "pipeline"
 GROUP_MAX_SESSION_TIMEOUT_MS_DEFAULT = 1_800_000  # the broker's default group.max.session.timeout.ms
 NODE_FIELDS = {f"KVSTORE_{field.name.upper()}" for field in dataclasses.fields(NodeConfig)}
 
@@ -149,16 +153,46 @@ def final_stage() -> list[tuple[str, str]]:
     return instructions[last_from:]
 
 
-def image_env() -> dict[str, str]:
-    """The final stage's ENV (KEY=value pairs), which compose's environment overrides."""
+def build_stages() -> list[tuple[str, str]]:
+    """Every instruction before the final stage's FROM."""
+    instructions = list(dockerfile())
+    return instructions[:len(instructions) - len(final_stage())]
+
+
+def stage_env(stage: list[tuple[str, str]]) -> dict[str, str]:
+    """A stage's ENV (KEY=value pairs)."""
     env: dict[str, str] = {}
-    for keyword, rest in final_stage():
+    for keyword, rest in stage:
         if keyword == "ENV":
             for item in shlex.split(rest):
                 key, sep, value = item.partition("=")
                 assert sep, f"use ENV KEY=value, not {item!r}"
                 env[key] = value
     return env
+
+
+def image_env() -> dict[str, str]:
+    """The final stage's ENV (KEY=value pairs), which compose's environment overrides."""
+    return stage_env(final_stage())
+
+
+def apt_packages(stage: list[tuple[str, str]]) -> set[str]:
+    """Every package an `apt-get install` in the stage names (conditional ones included)."""
+    packages: set[str] = set()
+    for keyword, rest in stage:
+        if keyword == "RUN":
+            for command in re.findall(r"apt-get install ([^&;|]+)", rest):
+                packages.update(token for token in command.split() if not token.startswith("-"))
+    return packages
+
+
+def cli_args(argv: list[str]) -> argparse.Namespace:
+    """`kvstore ARGS...` parsed by the real CLI parser (a typo in a flag fails here, not at run time)."""
+    assert argv[:1] == ["kvstore"], argv
+    try:
+        return build_parser().parse_args(argv[1:])
+    except SystemExit as exc:  # argparse's way of refusing
+        raise AssertionError(f"kvstore refuses {shlex.join(argv)}") from exc
 
 
 def protoc_flags(command: str) -> list[str]:
@@ -233,7 +267,15 @@ def node_config(name: str, monkeypatch: pytest.MonkeyPatch) -> NodeConfig:
         return NodeConfig.from_env()
 
 
-def test_exactly_the_three_nodes_are_built_from_the_repo_dockerfile() -> None:
+def node_image() -> str:
+    """The name the nodes' build is tagged with (what the snapshot service runs)."""
+    images = {service(name).get("image") for name in NODES}
+    assert len(images) == 1 and None not in images, f"the nodes build one named image, not {images}"
+    return str(images.pop())
+
+
+def test_only_the_three_nodes_build_one_named_image_from_the_repo_dockerfile() -> None:
+    """The nodes build the image (the snapshot job runs it, never builds its own)."""
     built = {name for name, svc in compose()["services"].items() if "build" in svc}
     assert built == set(NODES)
     for name in NODES:
@@ -242,13 +284,26 @@ def test_exactly_the_three_nodes_are_built_from_the_repo_dockerfile() -> None:
         dockerfile_name = "Dockerfile" if isinstance(build, str) else build.get("dockerfile", "Dockerfile")
         assert (COMPOSE.parent / context).resolve() == ROOT
         assert (ROOT / dockerfile_name).resolve() == DOCKERFILE.resolve()
+    # A name, so another service can run it; not `latest`, which `docker compose pull` refreshes.
+    assert re.fullmatch(r"[a-z0-9][a-z0-9._/-]*:[\w][\w.-]*", node_image()) and not node_image().endswith(":latest")
+
+
+@functools.cache
+def pipeline_variables() -> frozenset[str]:
+    """The KVSTORE_* names the CLI and the pipeline's code read (os.environ, by literal name)."""
+    sources = [ROOT / "kvstore" / "cli.py", *sorted((ROOT / "kvstore" / "pipeline").glob("*.py"))]
+    names = {name for path in sources for name in re.findall(r"\bKVSTORE_[A-Z0-9_]+\b", path.read_text())}
+    return frozenset(names | {ENDPOINTS_ENV})
 
 
 def test_every_kvstore_variable_is_read_by_the_node() -> None:
     """from_env ignores unknown KVSTORE_* names, so a typo would silently keep the default."""
     for name in NODES:
-        unknown = {key for key in node_env(name) if key.startswith("KVSTORE_")} - NODE_FIELDS - {ENDPOINTS_ENV}
+        unknown = {key for key in environment(name) if key.startswith("KVSTORE_")} - NODE_FIELDS - {ENDPOINTS_ENV}
         assert not unknown, f"{name}: not NodeConfig fields: {sorted(unknown)}"
+    # The image's own ENV serves the node and the pipeline (KVSTORE_SPARK_HOME) alike.
+    unknown = {key for key in image_env() if key.startswith("KVSTORE_")} - NODE_FIELDS - pipeline_variables()
+    assert not unknown, f"Dockerfile ENV: read by neither the node nor the pipeline: {sorted(unknown)}"
 
 
 @pytest.mark.parametrize("name", NODES)
@@ -274,13 +329,40 @@ def test_node_metrics_are_reachable_from_the_host_loopback_only(name: str, monke
     assert published and all(p.startswith("127.0.0.1:") for p in published), "no authentication: loopback only"
 
 
-def test_nodes_are_distinct() -> None:
+def test_nodes_are_distinct(monkeypatch: pytest.MonkeyPatch) -> None:
     ids = [environment(name)["KVSTORE_NODE_ID"] for name in NODES]
     addresses = [environment(name)["KVSTORE_ADVERTISE"] for name in NODES]
     host_ports = [port for name in NODES for port in published_ports(name).values()]
-    volumes = [volume for name in NODES for volume in named_volume_mounts(name).values()]
-    for values in (ids, addresses, host_ports, volumes):
+    # Each its own LevelDB volume (the snapshot volume is shared on purpose: see below).
+    data_volumes = [named_volume_mounts(name)[str(node_config(name, monkeypatch).data_dir)] for name in NODES]
+    for values in (ids, addresses, host_ports, data_volumes):
         assert len(set(values)) == len(values), values
+
+
+def snapshot_dir(monkeypatch: pytest.MonkeyPatch) -> str:
+    """The nodes' KVSTORE_SNAPSHOT_DIR (one for all of them)."""
+    dirs = {node_config(name, monkeypatch).snapshot_dir for name in NODES}
+    assert len(dirs) == 1, f"the nodes look for snapshots in different places: {dirs}"
+    return dirs.pop()
+
+
+def snapshot_volume(monkeypatch: pytest.MonkeyPatch) -> str:
+    """The named volume every node has at its snapshot directory (one for all of them)."""
+    path = snapshot_dir(monkeypatch)
+    assert path.startswith("/"), f"KVSTORE_SNAPSHOT_DIR={path!r}: a path in the container"
+    volumes = {named_volume_mounts(name).get(path) for name in NODES}
+    assert len(volumes) == 1 and None not in volumes, f"{path} is not one shared named volume: {volumes}"
+    return str(volumes.pop())
+
+
+def test_nodes_share_one_snapshot_volume_apart_from_their_data(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A replica that is empty, suspect or below a truncated WAL start loads from the same snapshots."""
+    volume = snapshot_volume(monkeypatch)
+    for name in NODES:
+        config = node_config(name, monkeypatch)
+        assert named_volume_mounts(name)[str(config.data_dir)] != volume
+        # Not inside the data dir either: a wiped replica must not take the snapshots with it.
+        assert not PurePosixPath(snapshot_dir(monkeypatch)).is_relative_to(config.data_dir)
 
 
 def test_nodes_agree_on_everything_but_their_identity(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -318,6 +400,73 @@ def test_nodes_start_after_a_healthy_kafka_and_report_their_own_health() -> None
         test = svc["healthcheck"]["test"]
         assert "grpc_health" in " ".join(test if isinstance(test, list) else [test])
         assert svc.get("restart") in ("unless-stopped", "always", "on-failure")
+
+
+# ---- the snapshot job --------------------------------------------------------------------------
+
+
+def snapshot_command() -> argparse.Namespace:
+    command = service(SNAPSHOT).get("command")
+    assert isinstance(command, list), "exec form (a list): no shell between compose and kvstore"
+    return cli_args([str(token) for token in command])
+
+
+def test_snapshot_service_is_a_one_shot_job_in_the_pipeline_profile() -> None:
+    svc = service(SNAPSHOT)
+    assert svc.get("profiles") == [PIPELINE_PROFILE], "`docker compose up` must not start it"
+    assert svc.get("restart") == "no", "one-shot (and quoted: a bare no is a YAML boolean)"
+    assert svc["depends_on"][KAFKA]["condition"] == "service_healthy"
+    assert not svc.get("ports"), "a batch job serves nothing"
+    assert "healthcheck" not in svc
+
+
+def test_snapshot_service_runs_the_nodes_image() -> None:
+    """The same code and WAL schema as the nodes, and nothing pulled from a registry under that name."""
+    svc = service(SNAPSHOT)
+    assert svc.get("image") == node_image()
+    assert "build" not in svc
+    assert svc.get("pull_policy") == "never"
+
+
+def test_snapshot_service_creates_a_snapshot_where_the_nodes_load_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    args = snapshot_command()
+    assert (args.command, args.snapshot_action) == ("snapshot", "create")
+    assert args.dir == snapshot_dir(monkeypatch), "--dir is the nodes' KVSTORE_SNAPSHOT_DIR"
+    assert named_volume_mounts(SNAPSHOT).get(args.dir) == snapshot_volume(monkeypatch), \
+        f"{args.dir} in the job is not the volume the nodes have there"
+
+
+def test_snapshot_service_reads_the_compose_broker_and_cluster(monkeypatch: pytest.MonkeyPatch) -> None:
+    args = snapshot_command()
+    config = node_config(NODES[0], monkeypatch)
+    assert args.kafka == kafka_internal_address() == config.kafka
+    assert args.cluster == config.cluster and args.topic in (None, config.wal_topic)
+    env = environment(SNAPSHOT)
+    # What commands run by hand in the service (audit, wal truncate) take as --kafka's default...
+    assert env.get("KVSTORE_KAFKA", args.kafka) == args.kafka
+    # ... and where they ask for the WAL topic: the nodes' advertised addresses.
+    advertised = [environment(name)["KVSTORE_ADVERTISE"] for name in NODES]
+    assert env.get(ENDPOINTS_ENV, ",".join(advertised)).split(",") == advertised
+
+
+def test_snapshot_service_kvstore_variables_are_read_by_the_pipeline() -> None:
+    """A typo in a KVSTORE_* name would silently keep the default; these are the names the CLI and
+    the pipeline's code actually read."""
+    unknown = {key for key in environment(SNAPSHOT) if key.startswith("KVSTORE_")} - pipeline_variables()
+    assert not unknown, f"{SNAPSHOT}: variables nothing reads: {sorted(unknown)}"
+
+
+def test_documented_pipeline_commands_parse(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The `docker compose run --rm snapshot kvstore ...` lines in the compose file's comments are
+    commands kvstore accepts, on the snapshot volume."""
+    prefix = f"docker compose run --rm {SNAPSHOT} "
+    documented = [line.split("#", 1)[1].strip() for line in COMPOSE.read_text().splitlines()
+                  if line.lstrip().startswith("#") and prefix + "kvstore" in line]
+    assert documented, "document how to run the other pipeline commands (audit, wal truncate) in the service"
+    parsed = [cli_args(shlex.split(line[len(prefix):])) for line in documented]
+    assert {"audit", "wal-truncate"} <= {args.pipeline for args in parsed}, documented
+    for line, args in zip(documented, parsed, strict=True):
+        assert args.dir == snapshot_dir(monkeypatch), line
 
 
 # ---- the image -------------------------------------------------------------------------------
@@ -361,10 +510,92 @@ def test_build_context_has_what_the_image_copies_and_no_local_stubs() -> None:
                 if line.strip() and not line.startswith("#")]
     for stub in ("**/*_pb2.py", "**/*_pb2.pyi", "**/*_pb2_grpc.py"):
         assert stub in patterns, f".dockerignore must exclude {stub}: the image generates its own"
-    if "*" in patterns:  # an allowlist: every COPY source must be let back in
-        allowed = {p[1:].rstrip("/") for p in patterns if p.startswith("!")}
+    if "*" in patterns:  # an allowlist: every COPY source must be let back in (itself or a parent)
+        allowed = {PurePosixPath(p[1:].rstrip("/")) for p in patterns if p.startswith("!")}
         for keyword, rest in dockerfile():
             if keyword == "COPY" and not rest.startswith("--"):
                 *sources, _ = rest.split()
                 for source in sources:
-                    assert source.rstrip("/") in allowed, f"COPY {source} is excluded by .dockerignore"
+                    path = PurePosixPath(source.rstrip("/"))
+                    assert any(path == a or path.is_relative_to(a) for a in allowed), \
+                        f"COPY {source} is excluded by .dockerignore"
+
+
+# ---- the image: the Spark pipeline -------------------------------------------------------------
+
+
+def java_release() -> int:
+    """The bytecode level kvstore/pipeline/jars.py compiles the WAL decoders for (javac --release)."""
+    match = re.search(r'"--release",\s*"(\d+)"', (ROOT / "kvstore" / "pipeline" / "jars.py").read_text())
+    assert match, "jars.py passes javac --release N"
+    return int(match[1])
+
+
+def openjdk_majors(packages: set[str], kind: str) -> set[int]:
+    return {int(m[1]) for p in packages if (m := re.fullmatch(rf"openjdk-(\d+)-{kind}(-headless)?", p))}
+
+
+def test_image_build_stage_builds_the_pipeline_jars_from_the_installed_package() -> None:
+    stage = build_stages()
+    packages = apt_packages(stage)
+    assert "maven" in packages, "jars.py resolves the Kafka connector with mvn"
+    assert any(major >= java_release() for major in openjdk_majors(packages, "jdk")), \
+        f"a JDK >= {java_release()} for javac --release {java_release()}"
+    runs = [rest for keyword, rest in stage if keyword == "RUN"]
+    commands = [command.strip() for run in runs for command in run.split("&&")]
+    fetch = [i for i, command in enumerate(commands) if re.search(r"-m kvstore\.pipeline\.jars fetch\b", command)]
+    install = [i for i, command in enumerate(commands) if re.search(r"pip install (?:--?\S+ )*\.$", command)]
+    assert fetch and install, "the build stage runs `pip install .`, then `python -m kvstore.pipeline.jars fetch`"
+    # After the install (which brings the stubs it hashes and pyspark's jars it compiles against) ...
+    assert fetch[0] > install[0], "jars fetch after pip install ."
+    # ... and by the installed package, not the source tree in the WORKDIR (`-m` puts the current
+    # directory first on sys.path): so a file missing from the package data fails the build here.
+    command = next(run for run in runs if commands[fetch[0]] in run)
+    workdir = [rest for keyword, rest in stage if keyword == "WORKDIR"][-1]
+    cd = re.match(r"cd (\S+) &&", command)
+    assert " -P " in command or (cd and cd[1].rstrip("/") != workdir.rstrip("/")), command
+    assert stage_env(stage).get("KVSTORE_SPARK_HOME") or "KVSTORE_SPARK_HOME=" in command, "a fixed directory"
+
+
+def test_image_final_stage_has_a_java_runtime_and_the_built_jars() -> None:
+    stage = final_stage()
+    packages = apt_packages(stage)
+    assert any(major >= java_release() for major in openjdk_majors(packages, "jre")), \
+        f"a Java runtime >= {java_release()} (Spark 4 and the decoders need it)"
+    assert "maven" not in packages and not openjdk_majors(packages, "jdk"), "build tools stay in the build stage"
+    spark_home = image_env().get("KVSTORE_SPARK_HOME")
+    assert spark_home, "KVSTORE_SPARK_HOME: where the session finds the jars (else ~/.cache, empty)"
+    built_home = stage_env(build_stages()).get("KVSTORE_SPARK_HOME")
+    copies = [rest.split()[1:] for keyword, rest in stage if keyword == "COPY" and rest.startswith("--from=")]
+    assert [built_home, spark_home] in [[s.rstrip("/") for s in c] for c in copies], \
+        f"COPY --from=build {built_home} {spark_home}"
+    checks = " && ".join(rest for keyword, rest in stage if keyword == "RUN")
+    for check in ("kvstore.pipeline.session", "kvstore snapshot --help", "kvstore.pipeline.jars path"):
+        assert check in checks, f"the build-time smoke check covers {check!r}"
+
+
+def test_image_dirs_for_named_volumes_belong_to_the_service_user(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Docker fills a fresh named volume from the image's directory, owner included: a directory
+    the image lacks or root owns would be a volume the node (or the snapshot job) cannot write."""
+    stage = final_stage()
+    user = [rest for keyword, rest in stage if keyword == "USER"][-1]
+    assert user not in ("root", "0"), "runs unprivileged"
+    owned: set[str] = set()
+    for keyword, rest in stage:
+        if keyword == "RUN":
+            for owner, paths in re.findall(r"chown (?:-\S+ )*(\S+) ([^&;|]+)", rest):
+                if owner.split(":")[0] == user:
+                    owned.update(paths.split())
+    config = node_config(NODES[0], monkeypatch)
+    for path in (str(config.data_dir), snapshot_dir(monkeypatch)):
+        assert path in owned, f"{path} is not chowned to {user} in the image"
+
+
+def test_installed_package_carries_the_pipeline_jvm_sources() -> None:
+    """The image installs the project non-editable, and jars.py reads its pom and Java sources
+    next to itself: every one of them must be package data (setuptools globs, per package)."""
+    patterns = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["kvstore"]
+    shipped = {path for pattern in patterns for path in (ROOT / "kvstore").glob(pattern)}
+    jvm = ROOT / "kvstore" / "pipeline" / "jvm"
+    needed = {jvm / "pom.xml", *(jvm / "src").rglob("*.java")}
+    assert len(needed) > 1 and needed <= shipped, f"not package data: {sorted(map(str, needed - shipped))}"
