@@ -53,7 +53,9 @@ def spark_session(master: str | None = None, *, app_name: str = "kvstore-pipelin
                .config("spark.driver.memory", DEFAULT_DRIVER_MEMORY)
                .config("spark.sql.session.timeZone", "UTC")
                .config("spark.sql.shuffle.partitions", "8")
-               .config("spark.sql.execution.arrow.pyspark.enabled", "true"))
+               .config("spark.sql.execution.arrow.pyspark.enabled", "true")
+               # The commands print their own progress; Spark's console bar would interleave with it.
+               .config("spark.ui.showConsoleProgress", "false"))
     if master.startswith("local"):
         builder = (builder.config("spark.driver.host", "127.0.0.1")
                    .config("spark.driver.bindAddress", "127.0.0.1")
