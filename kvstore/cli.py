@@ -697,6 +697,14 @@ def _pipeline(args: argparse.Namespace, printer: Printer) -> int:
     except PipelineError as exc:
         print(f"kvstore: {args.command}: {_one_line(str(exc))}", file=sys.stderr)
         return EXIT_ERROR
+    except Exception as exc:
+        # A Spark job that failed (its Java stack trace is already in Spark's log on stderr), or
+        # py4j after PySpark's own Ctrl-C handler cancelled the jobs: one line, not a traceback.
+        if not type(exc).__module__.startswith(("py4j", "pyspark")):
+            raise
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        print(f"kvstore: {args.command}: Spark failed: {_one_line(first)[:500]}", file=sys.stderr)
+        return EXIT_ERROR
 
 
 _DURATION_UNITS_MS = {"ms": 1, "s": 1000, "m": 60_000, "h": 3_600_000}
