@@ -40,11 +40,12 @@ kafka: venv
 spark: venv proto
 	$(PY) -m kvstore.pipeline.jars fetch
 
-bench-quick: venv proto kafka
+bench-quick: venv proto kafka spark
 	$(PY) -m pip install -q -e '.[dev,bench]'
 	$(PY) bench/wal_append.py --quick
 	$(PY) bench/kv.py --quick
 	$(PY) bench/failover.py --quick
+	$(PY) bench/pipeline.py --quick
 
 clean:
 	rm -rf $(VENV) .data build *.egg-info
