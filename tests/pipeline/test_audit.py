@@ -7,7 +7,6 @@ through the CLI; the planning and report rules are also tested on their own, wit
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import plyvel
@@ -30,23 +29,13 @@ from kvstore.pipeline.audit import (
 )
 from kvstore.sharding import shard_of
 from kvstore.state import KeyState
-from tests.conftest import unique
 from tests.integration.store_process import StoreProcess
+from tests.pipeline.conftest import NODE_SHARDS
 from wal.broker import LocalKafka
 from wal.clients import PartitionEnds
 from wal.record import WriterIdentity, encode
 
-SHARDS = 2
-
-
-@pytest.fixture
-def node(kafka: LocalKafka, tmp_path: Path) -> Iterator[StoreProcess]:
-    store = StoreProcess(kafka.bootstrap_servers, tmp_path / "node", unique("audit").replace("-", ""), shards=SHARDS)
-    store.start()
-    try:
-        yield store
-    finally:
-        store.stop()
+SHARDS = NODE_SHARDS
 
 
 def audit_cli(capsys: pytest.CaptureFixture[str], node: StoreProcess, kafka: LocalKafka,

@@ -9,7 +9,6 @@ in the snapshot).
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,11 +16,11 @@ from pathlib import Path
 import pytest
 from pyspark.sql import SparkSession
 
-from kvstore import cli
 from kvstore.client import Client
 from kvstore.v1 import cluster_pb2
 from tests.conftest import unique
 from tests.integration.store_process import StoreProcess
+from tests.pipeline.conftest import cli_json
 from wal.broker import LocalKafka
 
 pytestmark = [pytest.mark.kafka, pytest.mark.pipeline, pytest.mark.slow]
@@ -68,14 +67,6 @@ def nodes(kafka: LocalKafka, tmp_path: Path) -> Iterator[Nodes]:
         yield group
     finally:
         group.stop()
-
-
-def cli_json(capsys: pytest.CaptureFixture[str], *argv: str) -> dict[str, object]:
-    status = cli.main(list(argv))
-    captured = capsys.readouterr()
-    assert status == 0, captured.err
-    result: dict[str, object] = json.loads(captured.out.strip().splitlines()[-1])
-    return result
 
 
 def test_nodes_bootstrap_from_a_snapshot_after_truncation(

@@ -2,40 +2,21 @@
 
 from __future__ import annotations
 
-import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from pyspark.sql import SparkSession
 
-from kvstore import cli, snapshot
+from kvstore import snapshot
 from kvstore.client import Client, Op
 from kvstore.v1 import cluster_pb2
-from tests.conftest import unique
 from tests.integration.store_process import StoreProcess
+from tests.pipeline.conftest import NODE_SHARDS, cli_json
 from wal.broker import LocalKafka
 
 pytestmark = [pytest.mark.kafka, pytest.mark.pipeline]
 
-SHARDS = 2
-
-
-@pytest.fixture
-def node(kafka: LocalKafka, tmp_path: Path) -> Iterator[StoreProcess]:
-    store = StoreProcess(kafka.bootstrap_servers, tmp_path / "node", unique("snap").replace("-", ""), shards=SHARDS)
-    store.start()
-    try:
-        yield store
-    finally:
-        store.stop()
-
-
-def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> dict[str, object]:
-    assert cli.main(list(argv)) == 0, capsys.readouterr().err
-    out = capsys.readouterr().out.strip().splitlines()
-    result: dict[str, object] = json.loads(out[-1])
-    return result
+SHARDS = NODE_SHARDS
 
 
 def digests(node: StoreProcess) -> dict[int, tuple[int, str, int]]:
@@ -67,7 +48,7 @@ def test_snapshot_equals_the_live_state_and_builds_on_the_previous_one(
         client.put("once", "1", request_id="rid-before-the-cut")
         client.txn([], [Op.put("t1", "a"), Op.put("t3", "b")], [])  # both on shard 1
 
-    first = run_cli(capsys, *common, "snapshot", "create", "--dir", root, *wal_args)
+    first = cli_json(capsys, *common, "snapshot", "create", "--dir", root, *wal_args)
     assert first["created"] is True
     name = str(first["name"])
     manifest = snapshot.read_manifest(root, name)
@@ -86,13 +67,13 @@ def test_snapshot_equals_the_live_state_and_builds_on_the_previous_one(
     assert "rid-before-the-cut" in request_ids
 
     # Nothing new: no second copy.
-    again = run_cli(capsys, *common, "snapshot", "create", "--dir", root, *wal_args)
+    again = cli_json(capsys, *common, "snapshot", "create", "--dir", root, *wal_args)
     assert again["created"] is False and again["name"] == name
 
     with Client([node.address], timeout_s=20) as client:
         for i in range(150, 260):
             client.put(f"k{i:03d}", f"x{i}")
-    second = run_cli(capsys, *common, "snapshot", "create", "--dir", root, *wal_args)
+    second = cli_json(capsys, *common, "snapshot", "create", "--dir", root, *wal_args)
     assert second["created"] is True
     manifest2 = snapshot.read_manifest(root, str(second["name"]))
     assert manifest2.base == name  # built from the first plus the WAL since its cut
@@ -100,5 +81,5 @@ def test_snapshot_equals_the_live_state_and_builds_on_the_previous_one(
     for s in manifest2.shards:
         assert (s.offset, s.digest, s.keys) == live[s.shard]
 
-    listed = run_cli(capsys, *common, "snapshot", "list", "--dir", root)
+    listed = cli_json(capsys, *common, "snapshot", "list", "--dir", root)
     assert [s["name"] for s in listed["snapshots"]] == [manifest2.name, name]  # type: ignore[index,union-attr]
