@@ -259,10 +259,12 @@ class ShardStore:
                 batch.delete(_META + b"unverified")
         return applied
 
-    def load_snapshot(self, key_batches: Iterable[Sequence[tuple[bytes, KeyState]]],
+    def load_snapshot(self, key_batches: Iterable[Sequence[tuple[bytes, bytes]]],
                       request_batches: Iterable[Sequence[RequestRecord]], *, checkpoint: int,
                       evicted_through_ms: int, on_progress: Callable[[int, int], None] | None = None) -> None:
-        """Replace this replica by a snapshot's state at `checkpoint` (its cut).
+        """Replace this replica by a snapshot's state at `checkpoint` (its cut). Keys come with
+        their state already encoded (`KeyState.encode`, or `kvstore.snapshot.encode_states` for a
+        whole column at once: this is the hot loop of a bootstrap).
 
         The directory is wiped first and marked `m:loading` until the last write batch, which
         sets the checkpoint and drops the mark: a load cut short by a crash leaves a directory
@@ -279,8 +281,8 @@ class ShardStore:
         keys = requests = 0
         for batch_rows in key_batches:
             with self._db.write_batch() as batch:
-                for key, state in batch_rows:
-                    batch.put(_DATA + key, state.encode())
+                for key, encoded in batch_rows:
+                    batch.put(_DATA + key, encoded)
             keys += len(batch_rows)
             if on_progress is not None:
                 on_progress(keys, requests)

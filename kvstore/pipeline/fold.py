@@ -26,6 +26,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from kvstore.snapshot import encode_states
 from kvstore.state import KeyState, RequestRecord
 from kvstore.storage import ShardStore
 
@@ -86,12 +87,15 @@ def fold(table: pa.Table, *, topic: str, max_request_ids: int, request_id_horizo
     store = ShardStore(scratch / "db", topic=topic, shard=shard, max_request_ids=max_request_ids,
                        request_id_horizon_ms=request_id_horizon_ms)
     try:
-        keys_cols = _columns(table, "key", "key", "value", "version", "mod_revision", "create_revision")
-        base_keys = [(k, KeyState(v, ver, mod, create)) for k, v, ver, mod, create in zip(*keys_cols, strict=True)]
+        key_rows = table.filter(pc.equal(table.column("kind"), "key"))
+        base_keys = list(zip(key_rows.column("key").to_pylist(),
+                             encode_states(*(key_rows.column(c).combine_chunks() for c in
+                                             ("value", "version", "mod_revision", "create_revision"))),
+                             strict=True))
         req_cols = _columns(table, "request", "request_id", "revision", "response", "leader_unix_ms")
         base_requests = sorted(itertools.starmap(RequestRecord, zip(*req_cols, strict=True)),
                                key=lambda q: q.revision)
-        del keys_cols, req_cols
+        del key_rows, req_cols
         store.load_snapshot([base_keys], [base_requests], checkpoint=base_offset,
                             evicted_through_ms=int(evicted[0] or 0))
         del base_keys, base_requests

