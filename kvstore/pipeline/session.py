@@ -57,6 +57,8 @@ def spark_session(master: str | None = None, *, app_name: str = "kvstore-pipelin
                # The commands print their own progress; Spark's console bar would interleave with it.
                .config("spark.ui.showConsoleProgress", "false"))
     if master.startswith("local"):
+        # Spark resolves the host name to pick its address and warns when that is loopback.
+        os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
         builder = (builder.config("spark.driver.host", "127.0.0.1")
                    .config("spark.driver.bindAddress", "127.0.0.1")
                    .config("spark.ui.enabled", "false"))
