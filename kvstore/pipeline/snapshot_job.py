@@ -125,13 +125,26 @@ def create(spark: SparkSession, target: WalTarget, root: str, *,
     name = snapshot.new_name()
     uri = snapshot.snapshot_uri(root, name)
     started = time.monotonic()
-    states = build_states(spark, target, root, base, cuts, kafka_extra=kafka_extra).persist()
+    # Digest the base too: a snapshot built on a base that does not reproduce its own manifest
+    # would carry the damage forward under a fresh, self-consistent digest.
+    digest_at = {sh: [base.shard(sh).offset] for sh in range(target.shards)} if base else None
+    states = build_states(spark, target, root, base, cuts, digest_at, kafka_extra=kafka_extra).persist()
     try:
+        all_metas = states.where(F.col("kind") == "meta").collect()
+        if base is not None:
+            for m in all_metas:
+                expected = base.shard(int(m["shard"]))
+                if int(m["offset"]) == expected.offset and (m["digest"], m["keys"]) != (expected.digest, expected.keys):
+                    raise SnapshotError(
+                        f"the newest snapshot {base.name} does not reproduce its own digest for shard {m['shard']} "
+                        f"({m['keys']} keys, {str(m['digest'])[:12]}; its manifest says {expected.keys}, "
+                        f"{expected.digest[:12]}): not building on it. Move it aside and run again (the next older "
+                        "one, or the WAL, is then the base)")
+        metas = [m for m in all_metas if m["is_cut"]]
         (states.where(F.col("kind") == "key").select("shard", *snapshot.KEYS_SCHEMA.names)
          .write.partitionBy("shard").parquet(f"{uri}/keys"))
         (states.where(F.col("kind") == "request").select("shard", *snapshot.REQUESTS_SCHEMA.names)
          .write.partitionBy("shard").parquet(f"{uri}/requests"))
-        metas = states.where(F.col("kind") == "meta").where(F.col("is_cut")).collect()
     finally:
         states.unpersist()
     by_shard = {int(m["shard"]): m for m in metas}

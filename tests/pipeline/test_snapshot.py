@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from pyspark.sql import SparkSession
 
-from kvstore import snapshot
+from kvstore import cli, snapshot
 from kvstore.client import Client, Op
 from kvstore.v1 import cluster_pb2
 from tests.integration.store_process import StoreProcess
@@ -83,3 +83,12 @@ def test_snapshot_equals_the_live_state_and_builds_on_the_previous_one(
 
     listed = cli_json(capsys, *common, "snapshot", "list", "--dir", root)
     assert [s["name"] for s in listed["snapshots"]] == [manifest2.name, name]  # type: ignore[index,union-attr]
+
+    # A newest snapshot that no longer matches its own manifest is never built upon.
+    path = tmp_path / "snaps" / manifest2.name / snapshot.MANIFEST
+    path.write_text(path.read_text().replace(manifest2.shards[0].digest, "0" * 64))
+    with Client([node.address], timeout_s=20) as client:
+        client.put("one-more", "x")
+    assert cli.main([*common, "snapshot", "create", "--dir", root, *wal_args]) == 1
+    assert "does not reproduce its own digest" in capsys.readouterr().err
+    assert [m.name for m, _ in snapshot.list_snapshots(root)] == [manifest2.name, name]  # nothing written
