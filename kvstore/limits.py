@@ -39,7 +39,8 @@ REQUEST_ID_HORIZON_MS = 60 * 60 * 1_000
 # Count bound: the storage ceiling. An id costs two rows, its answer (the id, <= MAX_REQUEST_ID_BYTES,
 # 16 bytes of revision and time, the stored response, usually < 100 bytes) and its place in commit
 # order (the id and 16 bytes): at most ~40 MB per shard, ~15 MB with uuid4-hex ids. A Txn response
-# carrying the values it read is larger: bytes are bounded only through MAX_REQUEST_BYTES.
+# is larger: ~25 bytes per operation plus the values it read, so 100k ids of 128-put Txns (what
+# `kvstore load` sends) take ~300 MB per shard; bytes are bounded only through MAX_REQUEST_BYTES.
 # The horizon is therefore min(REQUEST_ID_HORIZON_MS, MAX_REQUEST_IDS / id'd writes per second):
 # above ~28 writes/s with request ids per shard, the count bound forgets first, and retries are
 # refused sooner (by the evicted-through rule, kvstore.request_horizon), never applied twice.
