@@ -248,6 +248,19 @@ class LocalKafka:
                                       request_timeout=timeout_s)
         for future in futures.values():
             future.result(timeout_s)
+        # CreateTopics answers once the controller has the topic; a broker's metadata can lag behind
+        # it (seen with three brokers: the topic listed with no partitions yet). Callers read the
+        # partition leaders right away, so wait (bounded) until every partition has one.
+        deadline = time.monotonic() + timeout_s
+        while True:
+            topic = admin.list_topics(name, timeout=max(0.1, deadline - time.monotonic())).topics.get(name)
+            if (topic is not None and topic.error is None and len(topic.partitions) == partitions
+                    and all(p.leader >= 0 for p in topic.partitions.values())):
+                return
+            if time.monotonic() >= deadline:
+                raise BrokerError(f"topic {name!r} created but its {partitions} partitions have no leader "
+                                  f"in the metadata after {timeout_s:.0f} s")
+            time.sleep(0.1)
 
     def __enter__(self) -> LocalKafka:
         return self.start()

@@ -34,8 +34,13 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalKafka]:
 def test_appends_survive_killing_the_partition_leader(cluster: LocalKafka) -> None:
     topic = "wal-rf3"
     cluster.create_topic(topic, partitions=1)
-    meta = AdminClient({"bootstrap.servers": cluster.bootstrap_servers}).list_topics(topic, timeout=10)
-    partition = meta.topics[topic].partitions[0]
+    admin = AdminClient({"bootstrap.servers": cluster.bootstrap_servers})
+    deadline = time.monotonic() + 30
+    while 0 not in (partitions := admin.list_topics(topic, timeout=10).topics[topic].partitions):
+        # another broker's metadata may still lag the controller's (bounded wait)
+        assert time.monotonic() < deadline, f"{topic} has no partition 0 in the metadata after 30 s"
+        time.sleep(0.1)
+    partition = partitions[0]
     assert len(partition.replicas) == 3
     w = writer(cluster.bootstrap_servers, topic, call_timeout_s=10.0, retry_limit=6)
     committed: list[bytes] = []
