@@ -58,9 +58,9 @@ WORKDIR /src
 # with the version ranges pyproject.toml gives (installed together, so the stub generator and the
 # grpcio/protobuf runtime are resolved to versions that accept each other's generated code).
 COPY pyproject.toml ./
-RUN python -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; \
-        print(*p['dependencies'], *[d for d in p['optional-dependencies']['dev'] if d.startswith('grpcio-tools')], \
-              sep='\n')" > /tmp/requirements.txt \
+RUN python -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; x = p['optional-dependencies']; \
+        print(*p['dependencies'], *[d for d in x['server'] + x['spark'] if not d.startswith('kvstore')], \
+              *[d for d in x['dev'] if d.startswith('grpcio-tools')], sep='\n')" > /tmp/requirements.txt \
     && pip install -r /tmp/requirements.txt
 
 COPY README.md ./
@@ -116,7 +116,7 @@ WORKDIR /data
 # Fail the build, not the first start, if a module or a generated stub is missing, or if the
 # pipeline's jars are incomplete or stale (`jars path` would have to rebuild them, and this stage
 # has no Maven: it fails).
-RUN python -c "import kvstore.server, kvstore.cli, kvstore.v1.kv_pb2_grpc, wal.v1.record_pb2, kvstore.pipeline.session" \
+RUN python -c "import kvstore.server.app, kvstore.cli, kvstore.v1.kv_pb2_grpc, wal.v1.record_pb2, kvstore.pipeline.session" \
     && kvstore serve --help > /dev/null \
     && kvstore snapshot --help > /dev/null \
     && java -version \

@@ -9,7 +9,7 @@ PROTOS := $(shell find proto -name '*.proto')
 .PHONY: up test unit lint proto kafka spark venv bench-quick clean
 
 up: venv proto kafka
-	$(PY) -m kvstore.devcluster --data-dir .data
+	$(PY) -m kvstore.dev.cluster --data-dir .data
 
 test: venv proto kafka spark lint
 	$(PY) -m pytest -q $(PYTEST_ARGS)

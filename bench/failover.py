@@ -1,7 +1,7 @@
 """Failover unavailability: `kvstore demo failover` repeated, SIGKILL against a clean handover.
 
-The script starts its own dev cluster (`python -m kvstore.devcluster`: one local Kafka broker plus
-three store nodes, 4 shards) in a temporary directory and runs the demo (`kvstore.demo.failover`)
+The script starts its own dev cluster (`python -m kvstore.dev.cluster`: one local Kafka broker plus
+three store nodes, 4 shards) in a temporary directory and runs the demo (`kvstore.dev.demo.failover`)
 `--runs` times per mode: `sigkill` kills the leader of a shard under a write load, `clean` stops it
 with SIGTERM (a graceful handover). The modes alternate, and the shard moves along 0..shards-1 from
 round to round. Before every run the script waits until the cluster settled again: the dev cluster
@@ -47,7 +47,7 @@ import confluent_kafka
 import grpc
 
 from kvstore.client import Client, KvError, ShardMap
-from kvstore.demo import failover
+from kvstore.dev.demo import failover
 from wal.broker import KAFKA_VERSION
 from wal.membership import group_config
 
@@ -121,9 +121,9 @@ class StampedStderr:
 
 
 def start_cluster(data_dir: Path, shards: int, session_timeout_ms: int) -> subprocess.Popen[bytes]:
-    """`python -m kvstore.devcluster` in its own session: a Ctrl-C here must not reach it, we stop
+    """`python -m kvstore.dev.cluster` in its own session: a Ctrl-C here must not reach it, we stop
     it ourselves, in order (its output: `devcluster.out` in the data dir)."""
-    cmd = [sys.executable, "-m", "kvstore.devcluster", "--data-dir", str(data_dir), "--nodes", str(NODES),
+    cmd = [sys.executable, "-m", "kvstore.dev.cluster", "--data-dir", str(data_dir), "--nodes", str(NODES),
            "--shards", str(shards), "--cluster", "bench", "--session-timeout-ms", str(session_timeout_ms)]
     env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
     with open(data_dir / "devcluster.out", "ab") as out:

@@ -48,9 +48,9 @@ from google.protobuf.internal import api_implementation
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import wal
-from kvstore.evaluate import evaluate_put
-from kvstore.sharding import shard_of
-from kvstore.storage import ShardStore
+from kvstore.core.evaluate import evaluate_put
+from kvstore.core.sharding import shard_of
+from kvstore.server.storage import ShardStore
 from kvstore.v1 import kv_pb2, kv_pb2_grpc
 from wal import clients
 from wal.broker import KAFKA_VERSION, LocalKafka, free_port

@@ -26,7 +26,7 @@ GRPC_MAX_MESSAGE_BYTES = 2 * 1024 * 1024
 # ---- the request-id (dedupe) table: DESIGN.md §3, "kept for a documented horizon" ----------------
 # Every replica forgets a request id at the same WAL entry, by time and by count, from the leader
 # times stamped in the entries (WalEntry.leader_unix_ms), never from its own clock. Changing any of
-# these two changes which ids a replica remembers: do it with a kvstore.storage FORMAT_VERSION bump
+# these two changes which ids a replica remembers: do it with a kvstore.server.storage FORMAT_VERSION bump
 # so that every store is rebuilt under the new rule.
 #
 # Time bound. A retry is refused ("expired, outcome unknown") once its first attempt is older than
@@ -43,7 +43,7 @@ REQUEST_ID_HORIZON_MS = 60 * 60 * 1_000
 # `kvstore load` sends) take ~300 MB per shard; bytes are bounded only through MAX_REQUEST_BYTES.
 # The horizon is therefore min(REQUEST_ID_HORIZON_MS, MAX_REQUEST_IDS / id'd writes per second):
 # above ~28 writes/s with request ids per shard, the count bound forgets first, and retries are
-# refused sooner (by the evicted-through rule, kvstore.request_horizon), never applied twice.
+# refused sooner (by the evicted-through rule, kvstore.core.request_horizon), never applied twice.
 MAX_REQUEST_IDS = 100_000
 # How far apart two clocks may be: a client's (first_attempt_unix_ms) and a leader's, or two
 # successive leaders'. NTP keeps hosts within milliseconds; ten seconds also covers a badly synced

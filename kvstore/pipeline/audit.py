@@ -11,7 +11,7 @@ What counts as an anomaly, and why a healthy cluster has none:
   transactional id). W3 makes it harmless ("no effect"), but its writer must be found.
 - *Malformed entries*: accepted records whose payload is not a WalEntry (same reasoning).
 - *Writer terms going backwards* among accepted records in offset order: a leader's term is the
-  partition end when it fenced in, plus one (`kvstore.replica`), so terms only grow across
+  partition end when it fenced in, plus one (`kvstore.server.replica`), so terms only grow across
   takeovers, and a fenced leader can no longer commit (W4).
 - *Request ids accepted twice*: the store applies an id at most once (W7) and a leader checks its
   table before it appends, so the WAL should never carry an id twice; replay skips the second
@@ -48,13 +48,13 @@ from pyspark import StorageLevel
 from pyspark.sql import DataFrame, SparkSession, Window
 from pyspark.sql import functions as F
 
-from kvstore import snapshot
 from kvstore.pipeline import wal_source
 from kvstore.pipeline.commands import Printer, spark_for
 from kvstore.pipeline.errors import SnapshotError
 from kvstore.pipeline.session import ENTRY_UDF
 from kvstore.pipeline.snapshot_job import build_states, check_range, wal_ends
 from kvstore.pipeline.target import WalTarget
+from kvstore.server import snapshot
 
 log = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ the next run continues there) and `--follow`.
 
 Rows are what the store applies, computed from the same W3 column expression as every other job
 (`wal_source.judged`): one row per effect of an accepted record whose payload is a WalEntry,
-revision = the record's offset (`kvstore.state`). Rogue and malformed records give no rows.
+revision = the record's offset (`kvstore.core.state`). Rogue and malformed records give no rows.
 
 Truncation (`kvstore wal truncate`, Kafka delete_records) can remove records a feed has not read
 yet. `failOnDataLoss` stays true: a feed with a hole is worse than a stopped one, and the hole

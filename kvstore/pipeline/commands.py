@@ -97,7 +97,11 @@ def run(args: argparse.Namespace, printer: Printer) -> int:
     """Run the pipeline command `args.pipeline`."""
     name: str = args.pipeline
     module_name, _, function = _HANDLERS[name].partition(":")
-    handler: Callable[..., int] = getattr(importlib.import_module(module_name), function)
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise PipelineError(f"`kvstore {name}` needs the spark extra: pip install 'kvstore[spark]' ({exc})") from exc
+    handler: Callable[..., int] = getattr(module, function)
     target: WalTarget | None = None
     if hasattr(args, "kafka"):  # commands that read or write the WAL
         endpoints = [e.strip() for e in args.endpoints.split(",") if e.strip()]

@@ -26,9 +26,9 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from kvstore.snapshot import encode_states
-from kvstore.state import KeyState, RequestRecord
-from kvstore.storage import ShardStore
+from kvstore.core.state import KeyState, RequestRecord
+from kvstore.server.snapshot import encode_states
+from kvstore.server.storage import ShardStore
 
 APPLY_CHUNK_RECORDS = 10_000  # records per LevelDB write batch while folding
 

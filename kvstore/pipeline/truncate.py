@@ -15,10 +15,10 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from kvstore import snapshot
 from kvstore.pipeline.commands import Printer
 from kvstore.pipeline.errors import PipelineError, SnapshotError
 from kvstore.pipeline.target import WalTarget
+from kvstore.server import snapshot
 
 
 def plan(target: WalTarget, root: str) -> tuple[snapshot.Manifest, dict[int, tuple[int, int, int]]]:

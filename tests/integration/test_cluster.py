@@ -17,9 +17,9 @@ from pathlib import Path
 import grpc
 import pytest
 
-from kvstore import demo
 from kvstore.client import Client, ShardMap
-from kvstore.sharding import shard_of
+from kvstore.core.sharding import shard_of
+from kvstore.dev import demo
 from kvstore.v1 import cluster_pb2, kv_pb2, kv_pb2_grpc
 from tests.conftest import unique
 from tests.integration.store_process import StoreProcess

@@ -26,7 +26,7 @@ def kvstore(endpoint: str, *args: str) -> subprocess.CompletedProcess[str]:
 
 class DevCluster:
     def __init__(self, data_dir: Path) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-m", "kvstore.devcluster", "--data-dir", str(data_dir)],
+        self.proc = subprocess.Popen([sys.executable, "-m", "kvstore.dev.cluster", "--data-dir", str(data_dir)],
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
                                      env={**os.environ, "PYTHONPATH": str(REPO)})
         self.lines: queue.Queue[str] = queue.Queue()

@@ -19,10 +19,11 @@ from typing import Any
 import pytest
 from confluent_kafka import KafkaError, KafkaException, Producer
 
-from kvstore import errors, failpoints
-from kvstore.evaluate import evaluate_put
-from kvstore.metrics import Metrics
-from kvstore.replica import ReplicaConfig, Role, ShardReplica
+from kvstore import errors
+from kvstore.core.evaluate import evaluate_put
+from kvstore.server import failpoints
+from kvstore.server.metrics import Metrics
+from kvstore.server.replica import ReplicaConfig, Role, ShardReplica
 from kvstore.v1 import kv_pb2, wal_entry_pb2
 from tests.conftest import unique
 from wal.broker import LocalKafka
@@ -308,7 +309,7 @@ def test_checkpoint_beyond_the_end_waits_out_the_grace_then_rebuilds(kafka: Loca
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """A checkpoint beyond the partition's end (the WAL was recreated, or a restarted broker
     reports a stale end) is trusted for the grace period, then the replica is rebuilt from 0."""
-    import kvstore.replica as replica_module
+    import kvstore.server.replica as replica_module
 
     assert replica_module.BEYOND_END_GRACE_S * 1000 > replica_module.BROKER_REPLICA_LAG_TIME_MAX_MS
     monkeypatch.setattr(replica_module, "BEYOND_END_GRACE_S", 4.0)
@@ -320,7 +321,7 @@ def test_checkpoint_beyond_the_end_waits_out_the_grace_then_rebuilds(kafka: Loca
             await _until(lambda: leader.role is Role.LEADER, 30, "leading")
             await _put(leader, b"real", b"1")
         # The same replica's directory, but ahead of the log: as if the topic had been recreated.
-        from kvstore.storage import ShardStore
+        from kvstore.server.storage import ShardStore
 
         store = ShardStore(config.data_dir / "shard-0", topic=topic, shard=0)
         store.apply([], store.applied_offset + 50)

@@ -14,7 +14,7 @@ import grpc
 import pytest
 
 from kvstore import limits
-from kvstore.sharding import shard_of
+from kvstore.core.sharding import shard_of
 from kvstore.v1 import cluster_pb2, kv_pb2
 from tests.conftest import unique
 from tests.integration.store_process import StoreProcess

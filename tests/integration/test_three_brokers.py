@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from confluent_kafka.admin import AdminClient
 
-from kvstore import demo
+from kvstore.dev import demo
 from tests.integration.helpers import payloads, replay_all, writer
 from tests.integration.test_cluster import SHARDS, Cluster, run_and_verify
 from wal import WalError

@@ -14,8 +14,10 @@ import pytest
 from confluent_kafka import Producer
 from pyspark.sql import SparkSession
 
-from kvstore import cli, snapshot
+from kvstore import cli
 from kvstore.client import Client, Op
+from kvstore.core.sharding import shard_of
+from kvstore.core.state import KeyState
 from kvstore.pipeline.audit import (
     MISMATCH,
     FoldPoint,
@@ -27,8 +29,7 @@ from kvstore.pipeline.audit import (
     plan_start,
     render,
 )
-from kvstore.sharding import shard_of
-from kvstore.state import KeyState
+from kvstore.server import snapshot
 from tests.integration.store_process import StoreProcess
 from tests.pipeline.conftest import NODE_SHARDS
 from wal.broker import LocalKafka

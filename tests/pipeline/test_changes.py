@@ -18,9 +18,9 @@ from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
 from kvstore import cli
+from kvstore.core.state import decode_entry
 from kvstore.pipeline import changes
 from kvstore.pipeline.target import WalTarget
-from kvstore.state import decode_entry
 from kvstore.v1 import wal_entry_pb2
 from tests.conftest import unique
 from tests.integration.helpers import writer

@@ -20,9 +20,9 @@ from pyspark.sql import SparkSession
 
 from kvstore import cli, limits
 from kvstore.client import Client, KeyValue, Op
+from kvstore.core.sharding import shard_of
 from kvstore.pipeline import load
 from kvstore.pipeline.target import WalTarget
-from kvstore.sharding import shard_of
 from tests.conftest import unique
 from tests.integration.store_process import StoreProcess
 from wal.broker import LocalKafka

@@ -7,8 +7,9 @@ from pathlib import Path
 import pytest
 from pyspark.sql import SparkSession
 
-from kvstore import cli, snapshot
+from kvstore import cli
 from kvstore.client import Client, Op
+from kvstore.server import snapshot
 from kvstore.v1 import cluster_pb2
 from tests.integration.store_process import StoreProcess
 from tests.pipeline.conftest import NODE_SHARDS, cli_json

@@ -45,6 +45,7 @@ from kvstore.client import (
     txn_shard,
     write_attempt_is_definite,
 )
+from kvstore.core.sharding import shard_of
 from kvstore.errors import (
     LEADER_HINT_KEY,
     OUTCOME_KEY,
@@ -53,7 +54,6 @@ from kvstore.errors import (
     REASON_REQUEST_ID_EXPIRED,
     SHARD_KEY,
 )
-from kvstore.sharding import shard_of
 from kvstore.v1 import cluster_pb2, cluster_pb2_grpc, kv_pb2, kv_pb2_grpc
 
 SC = grpc.StatusCode

@@ -6,7 +6,7 @@ import types
 
 import pytest
 
-from kvstore import shardmap
+from kvstore.server import shardmap
 from kvstore.v1 import cluster_pb2
 from wal.membership import Member, client_id, group_config, members_from, owners, parse_client_id
 

@@ -26,7 +26,7 @@ import pytest
 import yaml
 
 from kvstore.cli import ENDPOINTS_ENV, build_parser
-from kvstore.node import NodeConfig
+from kvstore.server.node import NodeConfig
 from wal.broker import BROKER_SETTINGS, KAFKA_VERSION, _replication_settings
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -291,7 +291,7 @@ def test_only_the_three_nodes_build_one_named_image_from_the_repo_dockerfile() -
 @functools.cache
 def pipeline_variables() -> frozenset[str]:
     """The KVSTORE_* names the CLI and the pipeline's code read (os.environ, by literal name)."""
-    sources = [ROOT / "kvstore" / "cli.py", *sorted((ROOT / "kvstore" / "pipeline").glob("*.py"))]
+    sources = [*sorted((ROOT / "kvstore" / "cli").glob("*.py")), *sorted((ROOT / "kvstore" / "pipeline").glob("*.py"))]
     names = {name for path in sources for name in re.findall(r"\bKVSTORE_[A-Z0-9_]+\b", path.read_text())}
     return frozenset(names | {ENDPOINTS_ENV})
 

@@ -1,4 +1,4 @@
-"""`kvstore.demo` (and bench/failover.py's tables): how failed writes are classified (W7) and what
+"""`kvstore.dev.demo` (and bench/failover.py's tables): how failed writes are classified (W7) and what
 the verdict reports about them, against a fake client (no broker, no server)."""
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ from typing import Any, cast
 import pytest
 
 from bench import failover as bench_failover
-from kvstore import demo
 from kvstore.client import (
     Client,
     DeadlineExceeded,
@@ -25,6 +24,7 @@ from kvstore.client import (
     Unavailable,
     UnknownOutcome,
 )
+from kvstore.dev import demo
 
 # ============================================================================================
 # Classification

@@ -1,4 +1,4 @@
-"""`kvstore.evaluate`: leader-side evaluation of Put/Delete/Txn into WAL entries and responses; pure."""
+"""`kvstore.core.evaluate`: leader-side evaluation of Put/Delete/Txn into WAL entries and responses; pure."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from kvstore.evaluate import Evaluation, compare_holds, evaluate_delete, evaluate_put, evaluate_txn, key_value
-from kvstore.state import ChangeType, KeyState, apply_entries
+from kvstore.core.evaluate import Evaluation, compare_holds, evaluate_delete, evaluate_put, evaluate_txn, key_value
+from kvstore.core.state import ChangeType, KeyState, apply_entries
 from kvstore.v1 import kv_pb2 as kv
 from kvstore.v1 import wal_entry_pb2 as pb
 

@@ -1,11 +1,11 @@
-"""`kvstore.request_horizon.expired`: when a request id the table does not hold must be refused."""
+"""`kvstore.core.request_horizon.expired`: when a request id the table does not hold must be refused."""
 
 from __future__ import annotations
 
 import pytest
 
 from kvstore import limits
-from kvstore.request_horizon import expired
+from kvstore.core.request_horizon import expired
 
 NOW = 1_700_000_000_000  # the leader's clock, Unix ms
 H = 3_600_000  # horizon

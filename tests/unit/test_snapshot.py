@@ -17,10 +17,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from kvstore import snapshot
+from kvstore.core.state import KeyState, RequestRecord
 from kvstore.pipeline.fold import FOLD_INPUT, FOLD_OUTPUT, FoldError, fold
-from kvstore.state import KeyState, RequestRecord
-from kvstore.storage import ShardStore
+from kvstore.server import snapshot
+from kvstore.server.storage import ShardStore
 from kvstore.v1 import wal_entry_pb2 as pb
 
 TOPIC = "wal-test"

@@ -1,4 +1,4 @@
-"""`kvstore.state`: the pure state machine (key transition, key encoding, batch apply), without Kafka."""
+"""`kvstore.core.state`: the pure state machine (key transition, key encoding, batch apply), without Kafka."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from collections.abc import Collection
 
 import pytest
 
-from kvstore.state import Applied, ChangeType, KeyState, RequestRecord, apply_entries, next_key_state
+from kvstore.core.state import Applied, ChangeType, KeyState, RequestRecord, apply_entries, next_key_state
 from kvstore.v1 import wal_entry_pb2 as pb
 
 

@@ -1,4 +1,4 @@
-"""`kvstore.storage.ShardStore` on a real LevelDB under tmp_path: apply, reads, request table, rebuilds."""
+"""`kvstore.server.storage.ShardStore` on a real LevelDB under tmp_path: apply, reads, request table, rebuilds."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import plyvel
 import pytest
 
 from kvstore import limits
-from kvstore.request_horizon import expired
-from kvstore.state import KeyState, RequestRecord, apply_entries
-from kvstore.storage import FORMAT_VERSION, ShardStore, StorageError
+from kvstore.core.request_horizon import expired
+from kvstore.core.state import KeyState, RequestRecord, apply_entries
+from kvstore.server.storage import FORMAT_VERSION, ShardStore, StorageError
 from kvstore.v1 import wal_entry_pb2 as pb
 
 TOPIC = "wal-test"

@@ -1,4 +1,4 @@
-"""`kvstore.validation`: request checks against `kvstore.limits`; pure."""
+"""`kvstore.core.validation`: request checks against `kvstore.limits`; pure."""
 
 from __future__ import annotations
 
@@ -9,10 +9,8 @@ from typing import Any
 import pytest
 
 from kvstore import limits
-from kvstore.errors import InvalidRequestError
-from kvstore.sharding import shard_of
-from kvstore.v1 import kv_pb2 as kv
-from kvstore.validation import (
+from kvstore.core.sharding import shard_of
+from kvstore.core.validation import (
     check_delete,
     check_key,
     check_put,
@@ -23,6 +21,8 @@ from kvstore.validation import (
     prefix_end,
     scan_bounds,
 )
+from kvstore.errors import InvalidRequestError
+from kvstore.v1 import kv_pb2 as kv
 
 C = kv.Compare
 SHARDS = 4

@@ -59,7 +59,7 @@ from kvstore.client import (
     Unavailable,
     UnknownOutcome,
 )
-from kvstore.sharding import shard_of
+from kvstore.core.sharding import shard_of
 from kvstore.v1 import cluster_pb2, cluster_pb2_grpc
 
 WRITE_TIMEOUT_S = 10.0  # one put, retries included: longer than any takeover we accept

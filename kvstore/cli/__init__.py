@@ -9,7 +9,7 @@
     scan [--prefix P | --start S [--end E]] [--limit N] [--keys-only] [--consistency C]
     watch [KEY | --prefix P] [--from REV]
     shards
-    serve ARGS...            (runs kvstore.server.main(ARGS))
+    serve ARGS...            (runs kvstore.server.app.main(ARGS))
 
 The common options are accepted before or after the command. `--endpoints` defaults to
 $KVSTORE_ENDPOINTS, else 127.0.0.1:50051.
@@ -591,7 +591,7 @@ def build_parser() -> argparse.ArgumentParser:
 def serve_argv(argv: Sequence[str]) -> list[str] | None:
     """The server's arguments when the command is `serve`, else None.
 
-    `serve` is split off before argparse: its arguments belong to `kvstore.server`, whose options
+    `serve` is split off before argparse: its arguments belong to `kvstore.server.app`, whose options
     this parser does not know (argparse's REMAINDER would still choke on a leading `--option`).
     """
     i = 0
@@ -670,7 +670,11 @@ def _run(args: argparse.Namespace, printer: Printer) -> int:
 
 
 def _demo(args: argparse.Namespace, printer: Printer) -> int:
-    from kvstore import demo  # the demo's threads and checks are not needed by other commands
+    try:
+        from kvstore.dev import demo  # the demo's threads and checks are not needed by other commands
+    except ImportError as exc:
+        print(f"kvstore: the demo needs the server extra (pip install 'kvstore[server]'): {exc}", file=sys.stderr)
+        return EXIT_ERROR
 
     try:
         result = demo.failover(parse_endpoints(args.endpoints), clean=args.clean, shard=args.shard,
@@ -764,9 +768,10 @@ def _serve(argv: list[str]) -> int:
     """Run a server node. Imported only here: the server pulls in Kafka and LevelDB, which the
     client commands never need."""
     try:
-        server = importlib.import_module("kvstore.server")
+        server = importlib.import_module("kvstore.server.app")
     except ImportError as exc:
-        print(f"kvstore: cannot start the server: {exc}", file=sys.stderr)
+        print(f"kvstore: cannot start the server: {exc}. A node needs the server extra: "
+              "pip install 'kvstore[server]'", file=sys.stderr)
         return EXIT_ERROR
     try:
         rc = server.main(argv)

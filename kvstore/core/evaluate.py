@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from kvstore.state import KeyState, Lookup, next_key_state
+from kvstore.core.state import KeyState, Lookup, next_key_state
 from kvstore.v1 import kv_pb2, wal_entry_pb2
 
 Response = kv_pb2.PutResponse | kv_pb2.DeleteResponse | kv_pb2.TxnResponse

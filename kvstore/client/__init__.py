@@ -62,6 +62,7 @@ from typing import Any, Literal, Self, TypeVar, get_args
 import grpc
 from google.protobuf.message import Message
 
+from kvstore.core.sharding import shard_of
 from kvstore.errors import (
     LEADER_HINT_KEY,
     OUTCOME_KEY,
@@ -72,7 +73,6 @@ from kvstore.errors import (
     SHARD_KEY,
 )
 from kvstore.limits import GRPC_MAX_MESSAGE_BYTES
-from kvstore.sharding import shard_of
 from kvstore.v1 import cluster_pb2, cluster_pb2_grpc, kv_pb2, kv_pb2_grpc
 
 __all__ = [

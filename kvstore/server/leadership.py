@@ -18,7 +18,7 @@ import contextlib
 import logging
 import time
 
-from kvstore.replica import Role, ShardReplica
+from kvstore.server.replica import Role, ShardReplica
 from wal.membership import GroupMember, Member, owners
 
 log = logging.getLogger(__name__)

@@ -15,7 +15,7 @@ rebuilt from the WAL by the replica (`needs_rebuild` tells it so), never trusted
 
 The request-id table forgets ids by time and by count (DESIGN.md §3, `_RequestWindow`), as a pure
 function of the applied entries, and keeps `evicted_through_ms`, the newest leader time it ever
-forgot, for `kvstore.request_horizon` to refuse retries it can no longer recognise.
+forgot, for `kvstore.core.request_horizon` to refuse retries it can no longer recognise.
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ from pathlib import Path
 
 import plyvel
 
+from kvstore.core.state import Applied, KeyState, RequestRecord, apply_entries
 from kvstore.limits import MAX_REQUEST_IDS, REQUEST_ID_HORIZON_MS
-from kvstore.state import Applied, KeyState, RequestRecord, apply_entries
 
 log = logging.getLogger(__name__)
 
@@ -156,7 +156,7 @@ class ShardStore:
     def evicted_through_ms(self) -> int:
         """The largest leader time (Unix ms) of any request id this table ever forgot, by time
         or by count; 0 if none. A retry whose id is absent and whose first attempt is not after
-        this (plus clock skew) may be a forgotten one: `kvstore.request_horizon.expired`."""
+        this (plus clock skew) may be a forgotten one: `kvstore.core.request_horizon.expired`."""
         raw = self._db.get(_META + b"evicted_through")
         if raw is None:
             raise StorageError(f"shard {self.shard}: evicted-through time vanished")
@@ -263,7 +263,7 @@ class ShardStore:
                       request_batches: Iterable[Sequence[RequestRecord]], *, checkpoint: int,
                       evicted_through_ms: int, on_progress: Callable[[int, int], None] | None = None) -> None:
         """Replace this replica by a snapshot's state at `checkpoint` (its cut). Keys come with
-        their state already encoded (`KeyState.encode`, or `kvstore.snapshot.encode_states` for a
+        their state already encoded (`KeyState.encode`, or `kvstore.server.snapshot.encode_states` for a
         whole column at once: this is the hot loop of a bootstrap).
 
         The directory is wiped first and marked `m:loading` until the last write batch, which

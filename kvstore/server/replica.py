@@ -40,11 +40,13 @@ from typing import Any
 import wal
 import wal.clients
 import wal.writer
-from kvstore import errors, failpoints, limits, request_horizon
-from kvstore.evaluate import Evaluation, Response
-from kvstore.metrics import Metrics
-from kvstore.state import Change, KeyState, Lookup, decode_entry, effect_key, next_key_state
-from kvstore.storage import ShardStore, StorageError
+from kvstore import errors, limits
+from kvstore.core import request_horizon
+from kvstore.core.evaluate import Evaluation, Response
+from kvstore.core.state import Change, KeyState, Lookup, decode_entry, effect_key, next_key_state
+from kvstore.server import failpoints
+from kvstore.server.metrics import Metrics
+from kvstore.server.storage import ShardStore, StorageError
 from kvstore.v1 import kv_pb2, wal_entry_pb2
 
 log = logging.getLogger(__name__)
@@ -395,7 +397,7 @@ class ShardReplica:
         root = self.config.snapshot_dir
         if root is None:
             return False
-        from kvstore import snapshot  # pyarrow: only nodes that use snapshots pay for it
+        from kvstore.server import snapshot  # pyarrow: only nodes that use snapshots pay for it
 
         try:
             found = await asyncio.to_thread(snapshot.list_snapshots, root)
@@ -438,7 +440,7 @@ class ShardReplica:
 
     def _load_snapshot(self, root: str, manifest: Any) -> Path:
         """In a worker thread: the snapshot into a scratch store next to ours; returns its path."""
-        from kvstore import snapshot
+        from kvstore.server import snapshot
 
         path = self._loading_path()
         shutil.rmtree(path, ignore_errors=True)
@@ -1029,7 +1031,7 @@ def _replayed(response_type: type[Any], raw: bytes) -> Response:
 
 def decode_changes(records: list[wal.AcceptedRecord]) -> list[Change]:
     """Changes carried by WAL records, for Watch history (versions are not known there: 0)."""
-    from kvstore.state import ChangeType
+    from kvstore.core.state import ChangeType
 
     out: list[Change] = []
     for rec in records:

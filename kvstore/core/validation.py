@@ -7,8 +7,8 @@ tell what to change. Nothing here touches state.
 from __future__ import annotations
 
 from kvstore import limits
+from kvstore.core.sharding import shard_of
 from kvstore.errors import InvalidRequestError
-from kvstore.sharding import shard_of
 from kvstore.v1 import kv_pb2
 
 

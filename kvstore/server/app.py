@@ -31,12 +31,14 @@ from prometheus_client import start_http_server
 
 import wal
 import wal.transactions
-from kvstore import errors, limits, shardmap, validation
-from kvstore.evaluate import evaluate_delete, evaluate_put, evaluate_txn, key_value
-from kvstore.node import Node, NodeConfig
-from kvstore.peers import Peers
-from kvstore.replica import Role, ShardReplica, Watcher, decode_changes
-from kvstore.state import ChangeType
+from kvstore import errors, limits
+from kvstore.core import validation
+from kvstore.core.evaluate import evaluate_delete, evaluate_put, evaluate_txn, key_value
+from kvstore.core.state import ChangeType
+from kvstore.server import shardmap
+from kvstore.server.node import Node, NodeConfig
+from kvstore.server.peers import Peers
+from kvstore.server.replica import Role, ShardReplica, Watcher, decode_changes
 from kvstore.v1 import cluster_pb2, cluster_pb2_grpc, kv_pb2, kv_pb2_grpc
 
 log = logging.getLogger("kvstore.server")

@@ -1,8 +1,8 @@
 """A store node: its configuration, the WAL topic, one replica per shard, and its leadership.
 
-Every node holds a replica of every shard. The consumer group (kvstore.leadership) tells which
+Every node holds a replica of every shard. The consumer group (kvstore.server.leadership) tells which
 shards this node leads; the other replicas follow as standbys (`standby`), so a takeover
-replays only a short tail. The node owns no protocol logic: replicas do (kvstore.replica),
+replays only a short tail. The node owns no protocol logic: replicas do (kvstore.server.replica),
 the WAL does (wal/).
 """
 
@@ -17,10 +17,10 @@ from pathlib import Path
 
 import wal
 from kvstore import limits
-from kvstore.leadership import Leadership
-from kvstore.metrics import Metrics
-from kvstore.replica import ReplicaConfig, Role, ShardReplica
-from kvstore.sharding import shard_of
+from kvstore.core.sharding import shard_of
+from kvstore.server.leadership import Leadership
+from kvstore.server.metrics import Metrics
+from kvstore.server.replica import ReplicaConfig, Role, ShardReplica
 
 log = logging.getLogger(__name__)
 

@@ -41,8 +41,8 @@ import pyarrow.compute as pc
 import pyarrow.dataset as pads
 import pyarrow.fs as pafs
 
-from kvstore.state import KeyState, RequestRecord
-from kvstore.storage import ShardStore
+from kvstore.core.state import KeyState, RequestRecord
+from kvstore.server.storage import ShardStore
 
 log = logging.getLogger(__name__)
 

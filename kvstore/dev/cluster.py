@@ -102,7 +102,7 @@ class _Node:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvstore.devcluster", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m kvstore.dev.cluster", description=__doc__.split("\n")[0])
     parser.add_argument("--data-dir", type=Path, default=Path(".data"))
     parser.add_argument("--nodes", type=int, default=3, choices=range(1, 10), metavar="N")
     parser.add_argument("--shards", type=int, default=4)

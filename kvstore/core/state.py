@@ -3,10 +3,10 @@
 `apply_entries` is the one apply function (rqlite's lesson): leader apply after commit, bootstrap,
 followers and the Spark jobs all compute the next state with it, so they cannot disagree. It
 takes the state it needs through a lookup function and returns the writes; LevelDB is the
-caller's business (`kvstore.storage`).
+caller's business (`kvstore.server.storage`).
 
 A WAL entry carries effects only. Conditions are evaluated by the leader before the entry is
-appended (`kvstore.evaluate`), using `next_key_state`, the same transition this module applies.
+appended (`kvstore.core.evaluate`), using `next_key_state`, the same transition this module applies.
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ class Change(NamedTuple):
 class RequestRecord:
     """What the request-id table keeps: where the request committed, what was answered, and the
     leader's clock when it built the entry (0: an entry written before WalEntry.leader_unix_ms
-    existed), by which every replica forgets the id at the same entry (`kvstore.storage`)."""
+    existed), by which every replica forgets the id at the same entry (`kvstore.server.storage`)."""
 
     request_id: str
     revision: int
