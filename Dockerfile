@@ -68,8 +68,9 @@ COPY proto/ proto/
 COPY wal/ wal/
 COPY kvstore/ kvstore/
 
-# The stubs are generated next to their packages (wal/v1, kvstore/v1) before the project is
-# installed, so the installed packages contain them; .dockerignore keeps any local ones out.
+# The stubs are generated next to their packages (wal/v1, kvstore/v1, kvstore/internal/v1) before
+# the project is installed, so the installed packages contain them; .dockerignore keeps any local
+# ones out.
 RUN python -m grpc_tools.protoc -Iproto --python_out=. --pyi_out=. --grpc_python_out=. $(find proto -name '*.proto') \
     && pip install --no-deps . \
     && pip uninstall -y grpcio-tools \

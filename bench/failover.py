@@ -47,6 +47,7 @@ import confluent_kafka
 import grpc
 
 from kvstore.client import Client, KvError, ShardMap
+from kvstore.dev.children import dev_cluster_kill
 from kvstore.dev.demo import failover
 from wal.broker import KAFKA_VERSION
 from wal.membership import group_config
@@ -95,7 +96,7 @@ def heartbeat_interval_ms(session_timeout_ms: int) -> int:
 
 class StampedStderr:
     """stderr that remembers when each line was written: the demo announces the kill right before
-    `os.kill`, so the line's time is the kill's wall-clock time, comparable with the node logs."""
+    signalling the node, so the line's time is the kill's wall-clock time, comparable with the node logs."""
 
     def __init__(self, out: TextIO) -> None:
         self.out = out
@@ -200,8 +201,7 @@ def wait_settled(endpoints: Sequence[str], timeout_s: float) -> tuple[ShardMap |
                 time.sleep(0.2)
                 continue
             signature = map_signature(smap)
-            good = (len(smap.nodes) == NODES and all(n.pid > 0 for n in smap.nodes)
-                    and all(s.leader_ready and s.leader_id for s in smap.shards))
+            good = len(smap.nodes) == NODES and all(s.leader_ready and s.leader_id for s in smap.shards)
             if not good or signature != last:
                 stable_since = time.monotonic() if good else None
                 last = signature
@@ -280,8 +280,9 @@ def one_run(endpoints: Sequence[str], data_dir: Path, mode: str, shard: int, bef
     started = time.time()
     stamped = StampedStderr(sys.stderr)
     with contextlib.redirect_stderr(stamped):
-        result = failover(endpoints, clean=mode == "clean", shard=shard, warmup_s=args.warmup_s,
-                          after_s=args.after_s, quiet=False)
+        # Kills only a node the dev cluster we started recorded as its child (in our data dir).
+        result = failover(endpoints, kill=dev_cluster_kill(data_dir), clean=mode == "clean", shard=shard,
+                          warmup_s=args.warmup_s, after_s=args.after_s, quiet=False)
     result.pop("replicas", None)
     victim = result["killed"]  # the demo picks it from its own shard map; `before` is a few ms older
     victim_shards = sorted({shard} | {s.shard for s in before.shards if s.leader_id == victim})

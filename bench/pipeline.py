@@ -43,12 +43,12 @@ from confluent_kafka import Consumer, TopicPartition
 
 import wal
 from kvstore.core.sharding import shard_of
+from kvstore.internal.v1 import wal_entry_pb2 as pb
 from kvstore.pipeline import snapshot_job, wal_source
 from kvstore.pipeline.session import spark_session
 from kvstore.pipeline.target import WalTarget
 from kvstore.server import snapshot
 from kvstore.server.storage import ShardStore
-from kvstore.v1 import wal_entry_pb2 as pb
 from wal import clients
 from wal.broker import KAFKA_VERSION, LocalKafka
 

@@ -7,6 +7,7 @@
     del KEY [--request-id ID [--first-attempt-unix-ms MS]]
     txn [--if COND]... [--then OP]... [--else OP]... [--request-id ID [--first-attempt-unix-ms MS]]
     scan [--prefix P | --start S [--end E]] [--limit N] [--keys-only] [--consistency C]
+         [--min-revision SHARD:REV]...
     watch [KEY | --prefix P] [--from REV]
     shards
     serve ARGS...            (runs kvstore.server.app.main(ARGS))
@@ -43,6 +44,7 @@ import os
 import shlex
 import sys
 from collections.abc import Iterable, Sequence
+from pathlib import Path
 from typing import Any, TextIO
 
 from kvstore.client import (
@@ -69,6 +71,7 @@ from kvstore.limits import MAX_SCAN_LIMIT
 
 DEFAULT_ENDPOINT = "127.0.0.1:50051"
 ENDPOINTS_ENV = "KVSTORE_ENDPOINTS"
+DEV_DATA_DIR_ENV = "KVSTORE_DEV_DATA_DIR"
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 _GLOBAL_VALUE_OPTIONS = ("--endpoints", "--timeout", "--output")
 
@@ -308,8 +311,8 @@ def shard_map_record(smap: ShardMap) -> dict[str, Any]:
                         "term": s.term, "applied_offset": s.applied_offset, "end_offset": s.end_offset, "lag": s.lag,
                         "open_txn_age_ms": s.open_txn_age_ms}
                        for s in smap.shards],
-            "nodes": [{"node_id": n.node_id, "address": n.address, "leads": list(n.leads), "pid": n.pid,
-                       "can_lead": n.can_lead} for n in smap.nodes]}
+            "nodes": [{"node_id": n.node_id, "address": n.address, "leads": list(n.leads), "can_lead": n.can_lead}
+                      for n in smap.nodes]}
 
 
 class Printer:
@@ -410,8 +413,8 @@ class Printer:
         if smap.nodes:
             self.line("")
             self.line(format_table(
-                ["NODE", "ADDRESS", "LEADS", "PID", "ROLE"],
-                [[n.node_id, n.address, ",".join(map(str, n.leads)) or "-", n.pid,
+                ["NODE", "ADDRESS", "LEADS", "ROLE"],
+                [[n.node_id, n.address, ",".join(map(str, n.leads)) or "-",
                   "leader-capable" if n.can_lead else "read replica"] for n in smap.nodes]))
 
     def transactions(self, txns: list[TransactionInfo]) -> None:
@@ -558,6 +561,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--limit", type=_non_negative_int, default=0, help="at most this many keys (default 0 = all)")
     p.add_argument("--keys-only", action="store_true")
     consistency(p)
+    p.add_argument("--min-revision", dest="min_revisions", type=parse_shard_revision, action="append", default=[],
+                   metavar="SHARD:REV", help="with --consistency stale: read SHARD only once the node applied its "
+                   "revision REV (a revision belongs to one shard; repeat for several shards)")
 
     p = sub.add_parser("watch", parents=[common], help="print changes until Ctrl-C")
     p.add_argument("key", nargs="?", default="")
@@ -573,6 +579,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("demo", parents=[common], help="demos against the running local cluster (`make up`)")
     p.add_argument("scenario", choices=["failover"])
+    p.add_argument("--data-dir", default=os.environ.get(DEV_DATA_DIR_ENV) or ".data", metavar="DIR",
+                   help=f"the dev cluster's data dir (default: ${DEV_DATA_DIR_ENV} or .data, as `make up`): the "
+                   "demo kills only a node that cluster recorded as its own child")
     p.add_argument("--clean", action="store_true", help="stop the leader with SIGTERM (handover) instead of SIGKILL")
     p.add_argument("--shard", type=_non_negative_int, default=0, help="whose leader to stop (default 0)")
     p.add_argument("--warmup", type=float, default=3.0, metavar="S", help="seconds of writes before (default 3)")
@@ -672,12 +681,14 @@ def _run(args: argparse.Namespace, printer: Printer) -> int:
 def _demo(args: argparse.Namespace, printer: Printer) -> int:
     try:
         from kvstore.dev import demo  # the demo's threads and checks are not needed by other commands
+        from kvstore.dev.children import dev_cluster_kill
     except ImportError as exc:
         print(f"kvstore: the demo needs the server extra (pip install 'kvstore[server]'): {exc}", file=sys.stderr)
         return EXIT_ERROR
 
     try:
-        result = demo.failover(parse_endpoints(args.endpoints), clean=args.clean, shard=args.shard,
+        result = demo.failover(parse_endpoints(args.endpoints), kill=dev_cluster_kill(Path(args.data_dir)),
+                               clean=args.clean, shard=args.shard,
                                warmup_s=args.warmup, after_s=args.after,
                                writers_per_shard=max(1, args.writers_per_shard),
                                write_timeout_s=args.write_timeout if args.write_timeout > 0 else 10.0)
@@ -740,11 +751,36 @@ def _consistency(text: str) -> Consistency:
     return "linearizable"
 
 
+def parse_shard_revision(text: str) -> tuple[int, int]:
+    """'SHARD:REV' -> (shard, revision). A bare revision is refused: a scan spans shards, and a
+    revision is an offset of one shard's WAL, meaningless on the others."""
+    shard, sep, revision = text.partition(":")
+    if not sep:
+        raise argparse.ArgumentTypeError(
+            f"a scan's minimum revision names its shard: SHARD:REV, not {text!r} (a revision is an offset of one "
+            f"shard's WAL; `kvstore put` prints the shard and revision of a write)")
+    try:
+        pair = int(shard), int(revision)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not SHARD:REV (two integers): {text!r}") from None
+    if min(pair) < 0:
+        raise argparse.ArgumentTypeError(f"shard and revision must not be negative: {text!r}")
+    return pair
+
+
+def min_revisions(pairs: Iterable[tuple[int, int]]) -> dict[int, int]:
+    """Per shard the highest revision given (a later write of a shard implies the earlier ones)."""
+    out: dict[int, int] = {}
+    for shard, revision in pairs:
+        out[shard] = max(revision, out.get(shard, revision))
+    return out
+
+
 def _scan(client: Client, args: argparse.Namespace) -> Iterable[KeyValue]:
     """At most --limit keys (0 = all), fetched in pages no larger than the server allows."""
     page_size = min(args.limit, MAX_SCAN_LIMIT) if args.limit else 0
     kvs = client.scan_all(args.start, args.end, args.prefix, page_size, _consistency(args.consistency),
-                          keys_only=args.keys_only)
+                          keys_only=args.keys_only, min_revisions=min_revisions(args.min_revisions))
     for n, kv in enumerate(kvs, start=1):
         yield kv
         if args.limit and n >= args.limit:

@@ -12,7 +12,8 @@ from __future__ import annotations
 import dataclasses
 
 from kvstore.core.state import KeyState, Lookup, next_key_state
-from kvstore.v1 import kv_pb2, wal_entry_pb2
+from kvstore.internal.v1 import wal_entry_pb2
+from kvstore.v1 import kv_pb2
 
 Response = kv_pb2.PutResponse | kv_pb2.DeleteResponse | kv_pb2.TxnResponse
 

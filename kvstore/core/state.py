@@ -17,7 +17,7 @@ import struct
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
-from kvstore.v1 import wal_entry_pb2
+from kvstore.internal.v1 import wal_entry_pb2
 
 _KEY_HEADER = struct.Struct(">qqq")  # version, mod_revision, create_revision
 
@@ -100,6 +100,21 @@ def effect_key(effect: wal_entry_pb2.Effect) -> bytes:
     return bytes(effect.put.key if kind == "put" else effect.delete.key)
 
 
+def apply_effects(effects: Sequence[wal_entry_pb2.Effect], revision: int,
+                  lookup: Lookup) -> list[tuple[bytes, KeyState | None]]:
+    """One entry's effects at `revision`, in order (a later effect on a key sees the earlier one):
+    each key's new state. The one next-state function: replay (`apply_entries`), the leader's
+    batch overlay (`kvstore.core.batch`) and the simulation all go through it."""
+    out: list[tuple[bytes, KeyState | None]] = []
+    local: dict[bytes, KeyState | None] = {}
+    for effect in effects:  # a plain loop: this runs once per record replayed
+        key = effect_key(effect)
+        new_state = next_key_state(local[key] if key in local else lookup(key), effect, revision)
+        local[key] = new_state
+        out.append((key, new_state))
+    return out
+
+
 def decode_entry(payload: bytes) -> wal_entry_pb2.WalEntry | None:
     """The entry in an accepted WAL record, or None if it is not one (counted, never applied)."""
     try:
@@ -156,9 +171,8 @@ def apply_entries(
         if duplicate:
             out.duplicates += 1
             continue
-        for effect in entry.effects:
-            key = effect_key(effect)
-            new_state = next_key_state(writes[key] if key in writes else lookup(key), effect, offset)
+        for key, new_state in apply_effects(entry.effects, offset,
+                                            lambda k: writes[k] if k in writes else lookup(k)):
             writes[key] = new_state
             changes.append(Change(ChangeType.PUT if new_state is not None else ChangeType.DELETE,
                                   key, new_state, offset))

@@ -5,6 +5,10 @@ keeps its ports and log, each node its LevelDB checkpoint and its port (50051, 5
 when free). A node that dies (say, killed by `kvstore demo failover`) is restarted after a
 moment, like a process supervisor would, and takes shards again. Ctrl-C stops the nodes
 gracefully (batches in flight finish and are answered), then the broker.
+
+The nodes it started (id, address, pid, and the process's start time and command line) are
+recorded in `children.json` in the data dir, rewritten on every (re)start and removed on exit:
+`kvstore demo failover` kills only a process recorded there (`kvstore.dev.children`).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from kvstore.dev import children
 from wal.broker import KAFKA_VERSION, LocalKafka, free_port
 
 RESTART_DELAY_S = 2.0
@@ -80,11 +85,14 @@ class _Node:
                     "--shards", str(args.shards), "--session-timeout-ms", str(args.session_timeout_ms),
                     "--snapshot-dir", str(data_dir / "snapshots")]
         self.proc: subprocess.Popen[bytes] | None = None
+        self.child: children.Child | None = None
         self.died_at: float | None = None
 
     def start(self) -> None:
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        # Its identity now, while it is our unreaped child: the pid cannot have been reused yet.
+        self.child = children.child_of(self.node_id, self.address, self.proc.pid)
         self.died_at = None
 
     def stop(self) -> None:
@@ -132,6 +140,7 @@ def main(argv: list[str] | None = None) -> int:
             node = _Node(f"node-{i}", f"127.0.0.1:{port}", data_dir, kafka.bootstrap_servers, args)
             node.start()
             nodes.append(node)
+            _record(data_dir, nodes)
             print(f"starting {node.node_id} on {node.address} (log: {node.log_path}) ...", flush=True)
         for node in nodes:
             assert node.proc is not None
@@ -148,7 +157,7 @@ The store is up: {len(nodes)} nodes, {args.shards} shards, WAL topic {args.clust
   .venv/bin/kvstore get greeting
   .venv/bin/kvstore scan --prefix gr
   .venv/bin/kvstore shards                        # who leads what, terms, lag, nodes
-  .venv/bin/kvstore demo failover --output json   # SIGKILL a leader under load, then verify
+  .venv/bin/kvstore demo failover --data-dir {data_dir} --output json   # SIGKILL a leader under load, verify
   .venv/bin/kvstore txn list --older-than 5s
   grpcurl -plaintext {nodes[0].address} list
 
@@ -173,6 +182,7 @@ from {data_dir}.""", flush=True)
                           f"{RESTART_DELAY_S:.0f}s (log: {node.log_path})", flush=True)
                 elif time.monotonic() - node.died_at >= RESTART_DELAY_S:
                     node.start()
+                    _record(data_dir, nodes)
                     print(f"{node.node_id} restarted on {node.address}", flush=True)
             time.sleep(0.2)
         return 0
@@ -181,8 +191,13 @@ from {data_dir}.""", flush=True)
             node.stop()
         for node in nodes:
             node.wait(30)
+        children.forget(data_dir)
         kafka.stop()
         print("stopped.", flush=True)
+
+
+def _record(data_dir: Path, nodes: list[_Node]) -> None:
+    children.record(data_dir, [node.child for node in nodes if node.child is not None])
 
 
 def _how(returncode: int) -> str:

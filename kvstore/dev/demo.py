@@ -1,5 +1,10 @@
 """`kvstore demo failover`: kill a shard's leader under load, show the takeover, then verify.
 
+It kills only a process it was given a way to kill (`failover(..., kill=...)`): the CLI passes
+`children.dev_cluster_kill(data_dir)`, which signals only a node the local dev cluster recorded
+as its own child (`make up`), never a pid some node reports; bench/failover.py does the same
+for the dev cluster it started.
+
 One workload and one verification, shared by the demo, the fault tests and bench/failover.py:
 
 * `Workload`: writer threads, a few per shard, each putting fresh keys of its own shard with
@@ -38,7 +43,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
-import os
 import signal
 import sys
 import threading
@@ -60,6 +64,7 @@ from kvstore.client import (
     UnknownOutcome,
 )
 from kvstore.core.sharding import shard_of
+from kvstore.dev.children import Kill
 from kvstore.v1 import cluster_pb2, cluster_pb2_grpc
 
 WRITE_TIMEOUT_S = 10.0  # one put, retries included: longer than any takeover we accept
@@ -333,10 +338,12 @@ def _say(out: Any, quiet: bool, text: str) -> None:
         print(text, file=out, flush=True)
 
 
-def failover(endpoints: Sequence[str], *, clean: bool = False, shard: int = 0, warmup_s: float = 3.0,
+def failover(endpoints: Sequence[str], *, kill: Kill, clean: bool = False, shard: int = 0, warmup_s: float = 3.0,
              after_s: float = 5.0, writers_per_shard: int = 2, quiet: bool = False,
              write_timeout_s: float = WRITE_TIMEOUT_S) -> dict[str, Any]:
-    """The demo. Signals a local process: the cluster must run on this machine (`make up`)."""
+    """The demo. `kill` signals the shard's leader, if it may (`children.dev_cluster_kill`: only a
+    node the local dev cluster started); it refuses with RuntimeError before any load starts
+    when the leader is not such a node (checked with signal 0, which signals nothing)."""
     out = sys.stderr
     with Client(endpoints, timeout_s=10) as client:
         smap = _ready_map(client, timeout_s=30)
@@ -344,21 +351,26 @@ def failover(endpoints: Sequence[str], *, clean: bool = False, shard: int = 0, w
             raise ValueError(f"--shard must be within 0..{smap.shard_count - 1}")
         info = smap.shards[shard]
         victim = smap.node(info.leader_id)
-        if victim is None or victim.pid <= 0:
+        if victim is None:
             raise RuntimeError(f"shard {shard}'s leader {info.leader_id!r} did not describe itself")
         if len([n for n in smap.nodes if n.can_lead]) < 2:
             raise RuntimeError("failover needs at least two nodes that can lead; `make up` starts three")
+        process = kill(victim, 0)  # may we? (signal 0 checks, delivers nothing)
         _say(out, quiet, f"cluster: {len(smap.nodes)} nodes; shard {shard} is led by {victim.node_id} "
-                         f"({victim.address}, pid {victim.pid}, term {info.term})")
+                         f"({victim.address}, {process}, term {info.term})")
         everyone = list(dict.fromkeys([*endpoints, *(n.address for n in smap.nodes)]))
         workload = Workload(everyone, smap.shard_count, writers_per_shard=writers_per_shard,
                             write_timeout_s=write_timeout_s).start()
         _say(out, quiet, f"writing through the client ({writers_per_shard} writers per shard) for {warmup_s}s ...")
         time.sleep(warmup_s)
         sig = signal.SIGTERM if clean else signal.SIGKILL
-        _say(out, quiet, f"{'stopping' if clean else 'killing'} {victim.node_id} (pid {victim.pid}) with {sig.name}")
+        _say(out, quiet, f"{'stopping' if clean else 'killing'} {victim.node_id} ({process}) with {sig.name}")
         killed_at = time.monotonic()
-        os.kill(victim.pid, sig)
+        try:
+            kill(victim, sig)
+        except RuntimeError:
+            workload.stop()
+            raise
         new_leader, term, took_over_at = wait_for_new_leader(client, shard, victim.node_id, timeout_s=60)
         _say(out, quiet, f"{new_leader} took shard {shard} over (term {term}) after "
                          f"{(took_over_at - killed_at) * 1000:.0f} ms")

@@ -43,10 +43,10 @@ def cache_dir() -> Path:
 
 
 def descriptor_set() -> bytes:
-    """The WAL's two message types (wal.v1.Record, kvstore.v1.WalEntry) as a FileDescriptorSet."""
+    """The WAL's two message types (wal.v1.Record, kvstore.internal.v1.WalEntry) as a FileDescriptorSet."""
     from google.protobuf import descriptor_pb2
 
-    from kvstore.v1 import wal_entry_pb2
+    from kvstore.internal.v1 import wal_entry_pb2
     from wal.v1 import record_pb2
 
     files = descriptor_pb2.FileDescriptorSet()

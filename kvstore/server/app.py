@@ -1,9 +1,12 @@
 """`kvstore serve`: the gRPC server (grpc.aio) of one node.
 
 Services: kvstore.v1.KV, kvstore.v1.Cluster, grpc.health.v1.Health (NOT_SERVING until every
-shard bootstrapped), server reflection (grpcurl works without .proto files). Prometheus
-metrics on --metrics-port. SIGTERM/SIGINT: stop taking requests, finish the batches in flight,
-answer their clients, then stop (no acknowledged write is lost: acknowledgement follows commit).
+shard bootstrapped), server reflection of those (grpcurl works without .proto files), and, on
+the same port, kvstore.internal.v1.Peer: the calls nodes make to each other (a forwarded part
+of a scan, a node's own shard view, a fence notification). Peer is internal: not listed by
+reflection, not for clients, no compatibility promise. Prometheus metrics on --metrics-port.
+SIGTERM/SIGINT: stop taking requests, finish the batches in flight, answer their clients, then
+stop (no acknowledged write is lost: acknowledgement follows commit).
 """
 
 from __future__ import annotations
@@ -15,7 +18,6 @@ import contextlib
 import functools
 import json
 import logging
-import os
 import signal
 import sys
 import time
@@ -33,12 +35,15 @@ import wal
 import wal.transactions
 from kvstore import errors, limits
 from kvstore.core import validation
-from kvstore.core.evaluate import evaluate_delete, evaluate_put, evaluate_txn, key_value
+from kvstore.core.batch import write_of
+from kvstore.core.evaluate import key_value
+from kvstore.core.role import Role
 from kvstore.core.state import ChangeType
-from kvstore.server import shardmap
+from kvstore.internal.v1 import peer_pb2, peer_pb2_grpc
+from kvstore.server import reads, shardmap
 from kvstore.server.node import Node, NodeConfig
 from kvstore.server.peers import Peers
-from kvstore.server.replica import Role, ShardReplica, Watcher, decode_changes
+from kvstore.server.replica import ShardReplica, Watcher, decode_changes
 from kvstore.v1 import cluster_pb2, cluster_pb2_grpc, kv_pb2, kv_pb2_grpc
 
 log = logging.getLogger("kvstore.server")
@@ -86,17 +91,18 @@ class KVService(kv_pb2_grpc.KVServicer):
         replica.require_leader()
         return replica
 
-    async def _read_ready(self, shard: int, options: kv_pb2.ReadOptions,
+    async def _read_ready(self, shard: int, consistency: int, min_revision: int | None,
                           context: grpc.aio.ServicerContext[Any, Any]) -> ShardReplica:
+        """The replica to read `shard` from, once it may be read at `consistency`; a stale read
+        first waits until it applied `min_revision` (a revision of this shard)."""
         replica = self.node.replica(shard)
-        consistency = options.consistency
         if consistency in (kv_pb2.CONSISTENCY_UNSPECIFIED, kv_pb2.CONSISTENCY_LINEARIZABLE):
             await replica.barrier()
         elif consistency == kv_pb2.CONSISTENCY_LEADER_LOCAL:
             replica.require_leader()
         elif consistency == kv_pb2.CONSISTENCY_STALE:
-            if options.HasField("min_revision"):
-                await replica.wait_applied(options.min_revision + 1, _deadline_s(context, STALE_WAIT_DEFAULT_S))
+            if min_revision is not None:
+                await replica.wait_applied(min_revision + 1, _deadline_s(context, STALE_WAIT_DEFAULT_S))
         else:
             raise errors.InvalidRequestError(f"unknown consistency level {consistency}")
         return replica
@@ -108,7 +114,8 @@ class KVService(kv_pb2_grpc.KVServicer):
     @_handler("Get")
     async def Get(self, request: kv_pb2.GetRequest, context: Any) -> kv_pb2.GetResponse:
         validation.check_key(request.key)
-        replica = await self._read_ready(self.node.shard_for(request.key), request.read, context)
+        floor = request.read.min_revision if request.read.HasField("min_revision") else None
+        replica = await self._read_ready(self.node.shard_for(request.key), request.read.consistency, floor, context)
         state = replica.store.get(request.key)
         response = kv_pb2.GetResponse(header=self._header(replica), found=state is not None)
         if state is not None:
@@ -119,9 +126,7 @@ class KVService(kv_pb2_grpc.KVServicer):
     async def Put(self, request: kv_pb2.PutRequest, context: Any) -> kv_pb2.PutResponse:
         validation.check_put(request)
         shard = self.node.shard_for(request.key)
-        response = await self._leader(shard).write(
-            lambda lookup, rev: evaluate_put(request, lookup, shard, rev), request.request_id,
-            request.ByteSize(), kv_pb2.PutResponse, request.first_attempt_unix_ms)
+        response = await self._leader(shard).write(write_of(request, shard), request.ByteSize())
         assert isinstance(response, kv_pb2.PutResponse)
         return response
 
@@ -129,33 +134,35 @@ class KVService(kv_pb2_grpc.KVServicer):
     async def Delete(self, request: kv_pb2.DeleteRequest, context: Any) -> kv_pb2.DeleteResponse:
         validation.check_delete(request)
         shard = self.node.shard_for(request.key)
-        response = await self._leader(shard).write(
-            lambda lookup, rev: evaluate_delete(request, lookup, shard, rev), request.request_id,
-            request.ByteSize(), kv_pb2.DeleteResponse, request.first_attempt_unix_ms)
+        response = await self._leader(shard).write(write_of(request, shard), request.ByteSize())
         assert isinstance(response, kv_pb2.DeleteResponse)
         return response
 
     @_handler("Txn")
     async def Txn(self, request: kv_pb2.TxnRequest, context: Any) -> kv_pb2.TxnResponse:
         shard = validation.check_txn(request, self.node.config.shards)
-        response = await self._leader(shard).write(
-            lambda lookup, rev: evaluate_txn(request, lookup, shard, rev), request.request_id,
-            request.ByteSize(), kv_pb2.TxnResponse, request.first_attempt_unix_ms)
+        response = await self._leader(shard).write(write_of(request, shard), request.ByteSize())
         assert isinstance(response, kv_pb2.TxnResponse)
         return response
 
     @_handler("Scan")
     async def Scan(self, request: kv_pb2.ScanRequest, context: Any) -> kv_pb2.ScanResponse:
+        return await self.scan(request, list(range(self.node.config.shards)), context, forward=True)
+
+    async def scan(self, request: kv_pb2.ScanRequest, shards: list[int],
+                   context: grpc.aio.ServicerContext[Any, Any], *, forward: bool) -> kv_pb2.ScanResponse:
+        """One page of `request` over `shards`. `forward`: the shards this node cannot serve go
+        to their leaders (Peer.ScanShards); without it (a part forwarded to us) every shard is
+        served here or refused, so a part is never forwarded twice."""
         start, end, limit = validation.scan_bounds(request)
         if request.page_token:
             if request.page_token <= start and not request.page_token.startswith(start):
                 raise errors.InvalidRequestError("page_token does not belong to this scan")
             start = max(start, request.page_token)
-        shards = sorted(set(request.shards)) or list(range(self.node.config.shards))
-        if shards[-1] >= self.node.config.shards:
-            raise errors.InvalidRequestError(f"shard {shards[-1]} out of range ({self.node.config.shards} shards)")
-        local, remote = self._scan_plan(shards, request.read.consistency)
-        replicas = [await self._read_ready(shard, request.read, context) for shard in local]
+        floors = reads.scan_floors(request.read, request.min_revisions, self.node.config.shards)
+        local, remote = self._scan_plan(shards, request.read.consistency) if forward else (shards, {})
+        replicas = [await self._read_ready(shard, request.read.consistency, floors.get(shard), context)
+                    for shard in local]
         forwarded = await asyncio.gather(*(self._forward_scan(address, group, request, context)
                                            for address, group in remote.items()))
         # Scatter-gather: every shard's first `limit + 1` keys (a forwarded part: its first page
@@ -188,7 +195,7 @@ class KVService(kv_pb2_grpc.KVServicer):
         local: list[int] = []
         remote: dict[str, list[int]] = {}
         for shard in shards:
-            if self.node.replica(shard).role is Role.LEADER or self.node.leadership is None:
+            if self.node.replica(shard).role is Role.LEADING or self.node.leadership is None:
                 local.append(shard)
                 continue
             leader = self.node.leader_address(shard)
@@ -199,12 +206,9 @@ class KVService(kv_pb2_grpc.KVServicer):
 
     async def _forward_scan(self, address: str, shards: list[int], request: kv_pb2.ScanRequest,
                             context: grpc.aio.ServicerContext[Any, Any]) -> kv_pb2.ScanResponse:
-        forwarded = kv_pb2.ScanRequest()
-        forwarded.CopyFrom(request)
-        del forwarded.shards[:]
-        forwarded.shards.extend(shards)
+        part = peer_pb2.ScanShardsRequest(scan=request, shards=shards)
         try:
-            reply = await self.peers.kv(address).Scan(forwarded, timeout=_deadline_s(context, FORWARD_TIMEOUT_S))
+            reply = await self.peers.peer(address).ScanShards(part, timeout=_deadline_s(context, FORWARD_TIMEOUT_S))
         except grpc.RpcError as exc:
             # Whatever went wrong there (leader moving, node gone), the scan as a whole is
             # retriable: nothing was changed.
@@ -236,6 +240,9 @@ class KVService(kv_pb2_grpc.KVServicer):
             watcher.live_from[replica.shard] = replica.store.applied_offset
             replica.watchers.add(watcher)
         try:
+            # Registered: every change applied from here on reaches the queue. Saying so lets a
+            # caller start writing without sleeping first, and tells it the watch is not lost.
+            yield kv_pb2.WatchEvent(type=kv_pb2.WatchEvent.TYPE_CREATED)
             if request.HasField("start_revision"):
                 for replica in replicas:
                     async for event in self._history(replica, watcher, request.start_revision):
@@ -287,9 +294,9 @@ class ClusterService(cluster_pb2_grpc.ClusterServicer):
     @_handler("ShardMap")
     async def ShardMap(self, request: cluster_pb2.ShardMapRequest,
                        context: Any) -> cluster_pb2.ShardMapResponse:
-        local = await self._local_view()
+        local = await local_view(self.node)
         leadership = self.node.leadership
-        if request.local_only or leadership is None:
+        if leadership is None:
             return local
         members = [m for m in leadership.members if m.address and m.member_id != self.node.config.node_id]
         answers = await asyncio.gather(*(self._peer_view(m.address) for m in members))
@@ -343,57 +350,87 @@ class ClusterService(cluster_pb2_grpc.ClusterServicer):
                 f"shard {request.shard} out of range: the cluster has {self.node.config.shards} shards")
         replica = self.node.replica(request.shard)
         response = cluster_pb2.FenceShardResponse(shard=request.shard)
-        if not request.notify_only:
-            try:
-                response.end_offset = await asyncio.to_thread(wal.transactions.force_fence, replica.writer_config())
-            except wal.WalError as exc:
-                raise errors.UnavailableError(f"shard {request.shard}: fencing failed: {exc}") from exc
-            log.warning("shard %d fenced by an operator at offset %d", request.shard, response.end_offset)
+        try:
+            response.end_offset = await asyncio.to_thread(wal.transactions.force_fence, replica.writer_config())
+        except wal.WalError as exc:
+            raise errors.UnavailableError(f"shard {request.shard}: fencing failed: {exc}") from exc
+        log.warning("shard %d fenced by an operator at offset %d", request.shard, response.end_offset)
         if replica.check_fenced():
             response.notified = self.node.config.node_id
-        elif not request.notify_only:
+        else:
             leader = self.node.leader_address(request.shard)
             if leader:
-                stub = self.peers.cluster(leader)
                 with contextlib.suppress(grpc.RpcError):
-                    reply = await stub.FenceShard(cluster_pb2.FenceShardRequest(shard=request.shard, notify_only=True),
-                                                  timeout=PEER_TIMEOUT_S * 2)
+                    reply = await self.peers.peer(leader).CheckFenced(
+                        peer_pb2.CheckFencedRequest(shard=request.shard), timeout=PEER_TIMEOUT_S * 2)
                     response.notified = reply.notified
         return response
 
-    async def _local_view(self) -> cluster_pb2.ShardMapResponse:
-        config = self.node.config
-        response = cluster_pb2.ShardMapResponse(shard_count=config.shards, topic=config.wal_topic,
-                                                served_by=config.node_id)
-        me = cluster_pb2.NodeInfo(node_id=config.node_id, address=self.node.address, pid=os.getpid(),
-                                  can_lead=config.lead)
-        for shard, replica in sorted(self.node.replicas.items()):
-            # The last known high watermark (refreshed every second by the node): a map must
-            # answer at once, also while a broker is down and offset queries hang.
-            end = replica.end_offset
-            applied = replica.store.applied_offset
-            leading = replica.role is Role.LEADER
-            if leading:
-                me.leads.append(shard)
-            # Not leading: who the group assigned the shard to (enough to route a request).
-            owner = self.node.leadership.owner(shard) if self.node.leadership and not leading else None
-            response.shards.append(cluster_pb2.ShardInfo(
-                shard=shard, leader=self.node.leader_address(shard), term=replica.term if leading else 0,
-                applied_offset=applied, end_offset=end, lag=max(0, end - applied),
-                open_txn_age_ms=replica.open_txn_age_ms(),
-                leader_id=config.node_id if leading else owner.member_id if owner else "", leader_ready=leading))
-        response.nodes.append(me)
-        return response
-
     async def _peer_view(self, address: str) -> cluster_pb2.ShardMapResponse | None:
-        stub = self.peers.cluster(address)
         try:
-            reply = await stub.ShardMap(cluster_pb2.ShardMapRequest(local_only=True), timeout=PEER_TIMEOUT_S)
+            reply = await self.peers.peer(address).LocalShardView(peer_pb2.LocalShardViewRequest(),
+                                                                  timeout=PEER_TIMEOUT_S)
         except grpc.RpcError as exc:
             log.debug("peer %s did not describe itself: %s", address, exc)
             return None
         assert isinstance(reply, cluster_pb2.ShardMapResponse)
         return reply
+
+
+async def local_view(node: Node) -> cluster_pb2.ShardMapResponse:
+    """What `node` knows itself: its replicas, what it leads, and itself (first in `nodes`)."""
+    config = node.config
+    response = cluster_pb2.ShardMapResponse(shard_count=config.shards, topic=config.wal_topic,
+                                            served_by=config.node_id)
+    me = cluster_pb2.NodeInfo(node_id=config.node_id, address=node.address, can_lead=config.lead)
+    for shard, replica in sorted(node.replicas.items()):
+        # The last known high watermark (refreshed every second by the node): a map must
+        # answer at once, also while a broker is down and offset queries hang.
+        end = replica.end_offset
+        applied = replica.store.applied_offset
+        leading = replica.role is Role.LEADING
+        if leading:
+            me.leads.append(shard)
+        # Not leading: who the group assigned the shard to (enough to route a request).
+        owner = node.leadership.owner(shard) if node.leadership and not leading else None
+        response.shards.append(cluster_pb2.ShardInfo(
+            shard=shard, leader=node.leader_address(shard), term=replica.term if leading else 0,
+            applied_offset=applied, end_offset=end, lag=max(0, end - applied),
+            open_txn_age_ms=replica.open_txn_age_ms(),
+            leader_id=config.node_id if leading else owner.member_id if owner else "", leader_ready=leading))
+    response.nodes.append(me)
+    return response
+
+
+class PeerService(peer_pb2_grpc.PeerServicer):
+    """kvstore.internal.v1.Peer: what nodes ask each other. Internal (see peer.proto): it serves
+    the other nodes of this release, not clients."""
+
+    def __init__(self, node: Node, kv: KVService) -> None:
+        self.node = node
+        self.kv = kv
+
+    @_handler("Peer.ScanShards")
+    async def ScanShards(self, request: peer_pb2.ScanShardsRequest, context: Any) -> kv_pb2.ScanResponse:
+        shards = sorted(set(request.shards))
+        if not shards:
+            raise errors.InvalidRequestError("ScanShards needs at least one shard")
+        if shards[-1] >= self.node.config.shards:
+            raise errors.InvalidRequestError(f"shard {shards[-1]} out of range ({self.node.config.shards} shards)")
+        return await self.kv.scan(request.scan, shards, context, forward=False)
+
+    @_handler("Peer.LocalShardView")
+    async def LocalShardView(self, request: peer_pb2.LocalShardViewRequest,
+                             context: Any) -> cluster_pb2.ShardMapResponse:
+        return await local_view(self.node)
+
+    @_handler("Peer.CheckFenced")
+    async def CheckFenced(self, request: peer_pb2.CheckFencedRequest, context: Any) -> peer_pb2.CheckFencedResponse:
+        if request.shard >= self.node.config.shards:
+            raise errors.InvalidRequestError(
+                f"shard {request.shard} out of range: the cluster has {self.node.config.shards} shards")
+        notified = self.node.config.node_id if self.node.replica(request.shard).check_fenced() else ""
+        return peer_pb2.CheckFencedResponse(notified=notified)
 
 
 async def _health_loop(node: Node, servicer: health.HealthServicer, stop: asyncio.Event) -> None:
@@ -423,8 +460,11 @@ async def serve(config: NodeConfig, ready: Callable[[str], None] | None = None) 
                                       ("grpc.max_send_message_length", limits.GRPC_MAX_MESSAGE_BYTES),
                                       ("grpc.so_reuseport", 0)])
     peers = Peers()
-    kv_pb2_grpc.add_KVServicer_to_server(KVService(node, peers), server)  # type: ignore[no-untyped-call]
+    kv_service = KVService(node, peers)
+    kv_pb2_grpc.add_KVServicer_to_server(kv_service, server)  # type: ignore[no-untyped-call]
     cluster_pb2_grpc.add_ClusterServicer_to_server(ClusterService(node, peers), server)  # type: ignore[no-untyped-call]
+    # Internal, on the same port (peer.proto): left out of reflection, which lists the API.
+    peer_pb2_grpc.add_PeerServicer_to_server(PeerService(node, kv_service), server)  # type: ignore[no-untyped-call]
     health_servicer = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((

@@ -18,7 +18,9 @@ import contextlib
 import logging
 import time
 
-from kvstore.server.replica import Role, ShardReplica
+from kvstore.core.role import Role
+from kvstore.server.metrics import Metrics
+from kvstore.server.replica import ShardReplica
 from wal.membership import GroupMember, Member, owners
 
 log = logging.getLogger(__name__)
@@ -30,8 +32,10 @@ MISSING_LIMIT_S = 5.0  # not listed by the coordinator this long (at least): rej
 
 class Leadership:
     def __init__(self, *, bootstrap_servers: str, group: str, topic: str, node_id: str, address: str,
-                 session_timeout_ms: int, replicas: dict[int, ShardReplica], resign_timeout_s: float) -> None:
+                 session_timeout_ms: int, replicas: dict[int, ShardReplica], resign_timeout_s: float,
+                 metrics: Metrics | None = None) -> None:
         self.node_id = node_id
+        self._metrics = metrics
         self.address = address
         self._replicas = replicas
         self._resign_timeout_s = resign_timeout_s
@@ -70,12 +74,16 @@ class Leadership:
         if reason is not None:
             if not self.unable:
                 log.warning("shard %d cannot be led here (%s): leaving the leadership group", shard, reason)
+                if self._metrics is not None:
+                    self._metrics.group_leaves.inc()
             self.unable[shard] = reason
             self._member.step_aside()
             return
         self.unable.pop(shard, None)
         if not self.unable and self._member.away:
             log.info("every shard can be led here again: rejoining the leadership group")
+            if self._metrics is not None:
+                self._metrics.group_rejoins.inc()
             self._member.come_back()
             # If the member thread never got to leave (a quick rebuild), the group still gives
             # us these shards and nobody else leads them: lead them again.
@@ -132,7 +140,7 @@ class Leadership:
         replicas = [self._replicas[s] for s in shards if s in self._replicas]
         await asyncio.gather(*(r.resign(self._resign_timeout_s) for r in replicas))
         log.info("resigned shards %s in %d ms", shards, (time.monotonic() - started) * 1000)
-        led = [r.shard for r in replicas if r.role is Role.LEADER]
+        led = [r.shard for r in replicas if r.role is Role.LEADING]
         if led:
             log.warning("shards %s still leading after resigning", led)
 

@@ -41,3 +41,11 @@ class Metrics:
                                   ["shard"], registry=r)
         self.requests = Counter("kvstore_requests", "gRPC requests by method and status code",
                                 ["method", "code"], registry=r)
+        # Node-wide: the leadership group cannot give up one partition, so a node with a shard it
+        # cannot lead (rebuilding, below a truncated log start) leaves the group, and rejoins later.
+        self.group_leaves = Counter("kvstore_group_leaves",
+                                    "times this node left the leadership group because a shard cannot be led here",
+                                    registry=r)
+        self.group_rejoins = Counter("kvstore_group_rejoins",
+                                     "times this node rejoined the leadership group once every shard could be led",
+                                     registry=r)

@@ -17,10 +17,11 @@ from pathlib import Path
 
 import wal
 from kvstore import limits
+from kvstore.core.role import Role
 from kvstore.core.sharding import shard_of
 from kvstore.server.leadership import Leadership
 from kvstore.server.metrics import Metrics
-from kvstore.server.replica import ReplicaConfig, Role, ShardReplica
+from kvstore.server.replica import ReplicaConfig, ShardReplica
 
 log = logging.getLogger(__name__)
 
@@ -140,7 +141,7 @@ class Node:
             self.leadership = Leadership(
                 bootstrap_servers=self.config.kafka, group=self.config.leader_group, topic=self.config.wal_topic,
                 node_id=self.config.node_id, address=self.address, session_timeout_ms=self.config.session_timeout_ms,
-                replicas=self.replicas, resign_timeout_s=RESIGN_TIMEOUT_S)
+                replicas=self.replicas, resign_timeout_s=RESIGN_TIMEOUT_S, metrics=self.metrics)
             self.leadership.start()
             for replica in self.replicas.values():
                 replica.on_unable_to_lead = self.leadership.set_unable
@@ -182,11 +183,11 @@ class Node:
             return True
         if not self.leadership.joined:
             return False
-        return all(self.replicas[s].role is Role.LEADER for s in self.leadership.assigned if s in self.replicas)
+        return all(self.replicas[s].role is Role.LEADING for s in self.leadership.assigned if s in self.replicas)
 
     def leader_address(self, shard: int) -> str:
         """Where shard's leader is, as far as this node knows ("" if nobody right now)."""
-        if self.replicas[shard].role is Role.LEADER:
+        if self.replicas[shard].role is Role.LEADING:
             return self.address
         if self.leadership is None:
             return ""

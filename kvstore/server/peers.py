@@ -1,4 +1,5 @@
-"""gRPC channels from this node to the other nodes (shard-map fan-out, forwarded scans)."""
+"""gRPC channels from this node to the other nodes, which it calls through the internal peer
+service (kvstore.internal.v1.Peer: shard-map fan-out, forwarded scan parts, fence notices)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import grpc
 import grpc.aio
 
 from kvstore import limits
-from kvstore.v1 import cluster_pb2_grpc, kv_pb2_grpc
+from kvstore.internal.v1 import peer_pb2_grpc
 
 MAX_PEERS = 256  # channels kept open; the cluster's node count is far below this
 
@@ -34,11 +35,9 @@ class Peers:
             self._channels[address] = channel
         return channel
 
-    def kv(self, address: str) -> kv_pb2_grpc.KVStub:
-        return kv_pb2_grpc.KVStub(self._channel(address))  # type: ignore[no-untyped-call]
-
-    def cluster(self, address: str) -> cluster_pb2_grpc.ClusterStub:
-        return cluster_pb2_grpc.ClusterStub(self._channel(address))  # type: ignore[no-untyped-call]
+    def peer(self, address: str) -> peer_pb2_grpc.PeerStub:
+        """The peer service of the node at `address`: nodes never call each other's public API."""
+        return peer_pb2_grpc.PeerStub(self._channel(address))  # type: ignore[no-untyped-call]
 
     async def close(self) -> None:
         channels = list(self._channels.values())

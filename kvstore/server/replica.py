@@ -28,7 +28,6 @@ import asyncio
 import collections
 import contextlib
 import dataclasses
-import enum
 import logging
 import os
 import shutil
@@ -41,13 +40,27 @@ import wal
 import wal.clients
 import wal.writer
 from kvstore import errors, limits
-from kvstore.core import request_horizon
+from kvstore.core.batch import BatchLimits, Write, admit, plan_batch
 from kvstore.core.evaluate import Evaluation, Response
-from kvstore.core.state import Change, KeyState, Lookup, decode_entry, effect_key, next_key_state
+from kvstore.core.recovery import Beyond, SnapshotOffer, beyond_end, snapshots_to_try
+from kvstore.core.role import (
+    BROKEN,
+    NEEDS_SNAPSHOT,
+    REBUILDING,
+    Activity,
+    AppendDecision,
+    AppendOutcome,
+    Next,
+    Role,
+    RoleMachine,
+)
+from kvstore.core.state import Change, KeyState, decode_entry, effect_key
+from kvstore.internal.v1 import wal_entry_pb2
 from kvstore.server import failpoints
+from kvstore.server.clock import SYSTEM_CLOCK, Clock
 from kvstore.server.metrics import Metrics
 from kvstore.server.storage import ShardStore, StorageError
-from kvstore.v1 import kv_pb2, wal_entry_pb2
+from kvstore.v1 import kv_pb2
 
 log = logging.getLogger(__name__)
 
@@ -61,13 +74,6 @@ BROKER_REPLICA_LAG_TIME_MAX_MS = 30_000
 # How long a checkpoint beyond the partition end must persist before the replica is rebuilt:
 # longer than the broker's own window above, so a stale end is waited out, never wiped over.
 BEYOND_END_GRACE_S = BROKER_REPLICA_LAG_TIME_MAX_MS / 1000 * 1.5
-
-
-class Role(enum.Enum):
-    FOLLOWER = "follower"
-    BOOTSTRAPPING = "bootstrapping"
-    LEADER = "leader"
-    STOPPED = "stopped"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,17 +97,11 @@ class ReplicaConfig:
     snapshot_dir: str | None = None
 
 
-Build = Callable[[Lookup, int], Evaluation]
-
-
 @dataclasses.dataclass
 class _Pending:
-    build: Build
-    request_id: str
-    size: int
-    response_type: type[Any]
+    write: Write
+    size: int  # request bytes: only pre-bounds a batch (the plan bounds it by WAL-entry bytes)
     future: asyncio.Future[Response]
-    first_attempt_unix_ms: int = 0
 
 
 class Watcher:
@@ -135,16 +135,17 @@ class Watcher:
 
 
 class ShardReplica:
-    def __init__(self, config: ReplicaConfig, metrics: Metrics) -> None:
+    def __init__(self, config: ReplicaConfig, metrics: Metrics, clock: Clock = SYSTEM_CLOCK) -> None:
         self.config = config
+        self.clock = clock  # every wait and every time stamp (kvstore.server.clock)
         self.shard = config.shard
         self.metrics = metrics
         self.store = ShardStore(config.data_dir / f"shard-{config.shard}", topic=config.topic, shard=config.shard)
         # A snapshot load cut short (crash) leaves its scratch directory: never trust it.
         shutil.rmtree(self._loading_path(), ignore_errors=True)
-        self.role = Role.FOLLOWER
+        # Every leadership decision: role, term, upcoming offset, why it may not lead.
+        self.machine = RoleMachine(config.shard)
         self.caught_up = False  # a follower reached the partition end seen when it started
-        self.term = 0
         self.end_offset = 0  # last known high watermark
         self.watchers: set[Watcher] = set()
         self._queue: asyncio.Queue[_Pending] = asyncio.Queue(maxsize=config.max_pending_writes)
@@ -153,24 +154,17 @@ class ShardReplica:
         self._carry: collections.deque[_Pending] = collections.deque()
         # The append running in a worker thread, and the requests it will answer.
         self._in_flight: asyncio.Future[wal.AppendResult] | None = None
-        # Why this replica gave up leading (a committed batch it could not apply); it leads
-        # again only after a rebuild caught up (never a loop of leading and failing).
-        self._broken: str | None = None
-        self._rebuilding = False
-        # Why this replica cannot catch up from the WAL at all (its checkpoint is below a
-        # truncated log start): only a snapshot can rebuild it; it does not lead until then.
-        self._needs_snapshot: str | None = None
+        # Reasons not to lead are kept by the machine (`RoleMachine.unable`): BROKEN (a committed
+        # batch it could not apply: it leads again only after a rebuild caught up, never a loop of
+        # leading and failing), REBUILDING, and NEEDS_SNAPSHOT (its checkpoint is below a
+        # truncated log start: only a snapshot can rebuild it).
         # Request ids with an attempt queued or committing here (see `write`). Bounded by the
         # queue plus one batch.
         self._ids_in_progress: set[str] = set()
         self._writer: wal.ShardWriter | None = None
-        self._upcoming: int | None = None
-        self._written_end: int | None = None  # upcoming offset if the in-flight batch commits
         self._txn_started: float | None = None
         self._applied = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
-        self._stopping = False
-        self._want_lead = False
         self._standby = True
         # Wakes the replica loop: a write was queued, leadership was gained or given up, stop.
         self._work = asyncio.Event()
@@ -182,6 +176,7 @@ class ShardReplica:
         self._probing = False
         self.ends = wal.clients.PartitionEnds(config.bootstrap_servers, config.call_timeout_s)
         self._seen_rejected = 0
+        self._end_fresh = True  # the last end `_confirm_beyond_end` returned was read, not kept
         # Where the leader is, for "not the leader" answers; the node sets it (group view).
         self.leader_hint: Callable[[], str] = lambda: ""
         # Told (shard, reason) when this replica cannot lead (it must leave the assignment so
@@ -195,29 +190,44 @@ class ShardReplica:
         if self.store.rebuilt_reason:
             metrics.rebuilds.labels(shard=label).inc()
 
+    @property
+    def role(self) -> Role:
+        return self.machine.role
+
+    @property
+    def term(self) -> int:
+        return self.machine.term
+
+    @property
+    def _stopping(self) -> bool:
+        return self.machine.stopping
+
+    @property
+    def _want_lead(self) -> bool:
+        return self.machine.want_lead
+
     # ---- lifecycle ---------------------------------------------------------------------------
 
     def start(self, lead: bool, standby: bool = True) -> None:
         """Run the replica: lead while `lead` (see `set_lead`), otherwise follow the shard if
         `standby` (so a takeover replays only a short tail) or stay idle at its checkpoint."""
-        self._want_lead = lead
+        self.machine.set_lead(lead)
         self._standby = standby
         self._tasks.append(asyncio.create_task(self._run(), name=f"shard-{self.shard}"))
 
     def set_lead(self, lead: bool) -> None:
         """Gain (or drop, without waiting) leadership; the replica loop acts on it."""
-        unable = self._needs_snapshot or self._broken or ("rebuilding" if self._rebuilding else None)
-        if lead and unable is not None:
+        unable = self.machine.set_lead(lead)
+        if unable is not None:
             log.warning("shard %d: not taking leadership: %s", self.shard, unable)
             self.on_unable_to_lead(self.shard, unable)
             return
-        self._want_lead = lead
         self._work.set()
 
     async def resign(self, timeout_s: float) -> None:
         """Stop leading: the batch in flight finishes and is answered, queued writes are refused
         (UNAVAILABLE, retriable elsewhere), and nothing more is written. Bounded by `timeout_s`."""
-        self._want_lead = False
+        self.machine.set_lead(False)
         self._work.set()
         task = self._lead_task
         if task is not None and not task.done():
@@ -227,7 +237,7 @@ class ShardReplica:
 
     async def stop(self) -> None:
         """Graceful: stop taking writes, let the batch in flight finish and answer its clients."""
-        self._stopping = True
+        self.machine.stop()
         self._work.set()
         bound_s = self.config.call_timeout_s * 2
         _done, pending = await asyncio.wait(self._tasks, timeout=bound_s) if self._tasks else (set(), set())
@@ -241,7 +251,7 @@ class ShardReplica:
             await asyncio.gather(*pending, return_exceptions=True)
         self._fail_queued(errors.UnavailableError(f"shard {self.shard}: node shutting down"))
         await self._close_tail()
-        self.role = Role.STOPPED
+        self.machine.stopped()
         for watcher in list(self.watchers):
             watcher.close()
         if self._writer is not None:
@@ -251,12 +261,12 @@ class ShardReplica:
 
     async def _run(self) -> None:
         backoff = 0.2
-        while not self._stopping:
+        while (activity := self.machine.next_activity(self._standby)) is not Activity.EXIT:
             try:
-                if self._broken is not None:
+                if activity is Activity.REBUILD:
                     await self._start_rebuild()
                     continue
-                if self._want_lead:
+                if activity is Activity.LEAD:
                     self._lead_task = asyncio.create_task(self._lead(), name=f"shard-{self.shard}-lead")
                     try:
                         await self._lead_task
@@ -265,13 +275,12 @@ class ShardReplica:
                     # Fenced while still asked to lead: someone else (a zombie, `kvstore fence`)
                     # took the shard. Pause before taking it back, so two nodes that both
                     # believe they lead do not fence each other in a tight loop.
-                    pause_until = time.monotonic() + REFENCE_PAUSE_S
-                    while self._want_lead and not self._stopping and time.monotonic() < pause_until:
+                    pause_until = self.clock.monotonic() + REFENCE_PAUSE_S
+                    while self._want_lead and not self._stopping and self.clock.monotonic() < pause_until:
                         await asyncio.sleep(0.05)
-                elif self._standby or self._rebuilding:
+                elif activity is Activity.FOLLOW:
                     await self._follow()
                 else:
-                    self.role = Role.FOLLOWER
                     self.caught_up = True  # idle at its checkpoint: catches up when it leads
                     await self._wait_work(1.0)
                 backoff = 0.2
@@ -279,12 +288,10 @@ class ShardReplica:
                 raise
             except (wal.WalError, errors.StoreError) as exc:  # expected now and then: say it in a line
                 log.warning("shard %d: %s; retrying in %.1fs", self.shard, exc, backoff)
-                self.role = Role.FOLLOWER
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 5.0)
             except Exception:
                 log.exception("shard %d: replica loop failed; retrying in %.1fs", self.shard, backoff)
-                self.role = Role.FOLLOWER
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 5.0)
 
@@ -292,20 +299,18 @@ class ShardReplica:
         """A committed batch could not be applied (disk full, I/O error): this replica no longer
         matches the WAL. Wipe it; following then replays the shard, and once it caught up the
         replica may lead again. If the wipe itself fails, the loop retries with backoff."""
-        reason = self._broken
-        assert reason is not None
-        self.role = Role.FOLLOWER
+        reason = self.machine.unable[BROKEN]
         self.caught_up = False
-        self._rebuilding = True
+        self.machine.mark_unable(REBUILDING, f"rebuilding after: {reason}")
         self.store.wipe(f"a committed batch could not be applied: {reason}")
         self.metrics.rebuilds.labels(shard=str(self.shard)).inc()
-        self._broken = None
+        self.machine.clear_unable(BROKEN)
 
     def _rebuilt(self) -> None:
-        if self._rebuilding:
-            self._rebuilding = False
-            log.info("shard %d: rebuilt at offset %d; may lead again", self.shard, self.store.applied_offset)
-            self.on_unable_to_lead(self.shard, None)
+        if REBUILDING in self.machine.unable:
+            log.info("shard %d: rebuilt at offset %d", self.shard, self.store.applied_offset)
+            if self.machine.clear_unable(REBUILDING):
+                self.on_unable_to_lead(self.shard, None)
 
     async def _wait_work(self, timeout_s: float) -> None:
         """Until something changed (see `_work`) or `timeout_s` passed."""
@@ -317,7 +322,6 @@ class ShardReplica:
 
     async def _follow(self) -> None:
         """Tail the partition read_committed and apply, with the same function as bootstrap."""
-        self.role = Role.FOLLOWER
         # This node may have led the shard: read the marker slot it assumed, as every replica does.
         self.store.rewind_unverified()
         if self.store.applied_offset == 0:
@@ -332,7 +336,7 @@ class ShardReplica:
                 if self.store.applied_offset > end:
                     self._wipe_beyond_end(end)
                     replayer.seek(0)
-            while not self._stopping and not self._want_lead and self._broken is None:
+            while not self._stopping and not self._want_lead and BROKEN not in self.machine.unable:
                 try:
                     records = await asyncio.to_thread(replayer.poll_once, FOLLOW_POLL_S)
                 except wal.OffsetOutOfRangeError as exc:
@@ -359,20 +363,18 @@ class ShardReplica:
         if exc.below_start:
             if await self._restore(exc.log_start, f"the WAL starts at {exc.log_start}, above the checkpoint "
                                                   f"{self.store.applied_offset} (truncated)"):
-                if self._needs_snapshot is not None:
-                    self._needs_snapshot = None
+                if self.machine.clear_unable(NEEDS_SNAPSHOT):
                     self.on_unable_to_lead(self.shard, None)
                 await asyncio.to_thread(replayer.seek, self.store.applied_offset)
                 return
             why = (f"shard {self.shard}: the WAL was truncated at offset {exc.log_start}, above this replica's "
                    f"checkpoint {self.store.applied_offset}; it can only be rebuilt from a snapshot taken at or "
                    f"after {exc.log_start}")
-            if self._needs_snapshot is None:
+            if NEEDS_SNAPSHOT not in self.machine.unable:
                 log.error("%s; not leading it", why)
                 # Leading from here would serve a state missing everything below the log start,
                 # and retrying leadership would loop: leave the shard to a node that can.
-                self._needs_snapshot = why
-                self._want_lead = False
+                self.machine.mark_unable(NEEDS_SNAPSHOT, why)
                 self.on_unable_to_lead(self.shard, why)
             raise errors.UnavailableError(why)
         end = await self._confirm_beyond_end(exc.log_end, replayer.end_offset)
@@ -405,21 +407,16 @@ class ShardReplica:
             log.warning("shard %d: %s; cannot look for a snapshot: %s", self.shard, why, exc)
             return False
         end = await asyncio.to_thread(self.ends.high_watermark, self.config.topic, self.shard)
-        for manifest, name in found:
-            if manifest is None:
-                log.warning("shard %d: skipping snapshot %s", self.shard, name)
-                continue
-            if manifest.topic != self.config.topic:
-                continue
-            cut = manifest.shard(self.shard).offset
-            if cut < at_least or cut <= self.store.applied_offset:
-                log.warning("shard %d: %s, and the newest snapshot (%s, cut %d) does not help", self.shard, why,
-                            manifest.name, cut)
-                return False  # newest first: the older ones are older still
-            if cut > end:
-                log.warning("shard %d: skipping snapshot %s: its cut %d is beyond the WAL's end %d (another WAL?)",
-                            self.shard, manifest.name, cut, end)
-                continue
+        manifests = {name: manifest for manifest, name in found if manifest is not None}
+        offers = [SnapshotOffer(name, None) if manifest is None else
+                  SnapshotOffer(name, manifest.topic, manifest.shard(self.shard).offset,
+                                manifest.shard(self.shard).keys) for manifest, name in found]
+        usable, notes = snapshots_to_try(offers, topic=self.config.topic, at_least=at_least,
+                                         applied=self.store.applied_offset, end=end)
+        for note in notes:
+            log.warning("shard %d: %s: %s", self.shard, why, note)
+        for offer in usable:
+            manifest, cut = manifests[offer.name], offer.cut
             log.info("shard %d: %s: loading snapshot %s (cut %d, %d keys)", self.shard, why, manifest.name, cut,
                      manifest.shard(self.shard).keys)
             started = time.monotonic()
@@ -507,7 +504,7 @@ class ShardReplica:
         """Told that someone may have fenced us: write an empty probe entry; if we were fenced
         it fails and the leader steps down (and takes the shard back if still assigned).
         False if this replica does not lead."""
-        if self.role is not Role.LEADER:
+        if self.role is not Role.LEADING:
             return False
         self._probe()
         return True
@@ -533,32 +530,28 @@ class ShardReplica:
             await asyncio.to_thread(spare.close)
 
     async def _lead(self) -> None:
-        self.role = Role.BOOTSTRAPPING
+        machine = self.machine
+        machine.begin_fencing()
         writer, self._spare = self._spare or wal.ShardWriter(self.writer_config()), None
         self._writer = writer
         started = time.monotonic()
         try:
             end = await asyncio.to_thread(writer.fence)  # W4
             fenced = time.monotonic()
-            if not self._want_lead or self._stopping:
+            if not machine.fenced(end):
                 return  # resigned while fencing: the next owner fences us in turn
             self.metrics.leader_changes.labels(shard=str(self.shard)).inc()
-            # The term: the partition end when this leader fenced in, plus one. It never goes
-            # back across takeovers because every takeover sees at least the previous one's end.
-            self.term = end + 1
-            writer.identity = wal.WriterIdentity(self.config.node_id, self.term)
+            writer.identity = wal.WriterIdentity(self.config.node_id, machine.term)
             await self._catch_up(end)  # W6
-            if not self._want_lead or self._stopping:
+            if not machine.caught_up(end):
                 return
-            self._upcoming = end
-            self.role = Role.LEADER
             self.caught_up = True
             log.info("shard %d: leading at offset %d (term %d) after fencing %d ms, bootstrap %d ms", self.shard,
-                     end, self.term, (fenced - started) * 1000, (time.monotonic() - fenced) * 1000)
+                     end, machine.term, (fenced - started) * 1000, (time.monotonic() - fenced) * 1000)
             await self._commit_loop(writer)
         finally:
-            self.role = Role.FOLLOWER if not self._stopping else Role.STOPPED
-            self._upcoming = None
+            machine.step_down()
+            machine.stepped_down()
             self._fail_queued(errors.UnavailableError(f"shard {self.shard}: leadership lost; retry"))
             self._writer = None
             await self._close_tail()
@@ -597,10 +590,10 @@ class ShardReplica:
             if replayer is not None:
                 await asyncio.to_thread(replayer.close)
             replayer = await asyncio.to_thread(self._replayer)
-        deadline = time.monotonic() + self.config.bootstrap_timeout_s
+        deadline = self.clock.monotonic() + self.config.bootstrap_timeout_s
         try:
             while replayer.position < end and self._want_lead and not self._stopping:
-                if time.monotonic() > deadline:
+                if self.clock.monotonic() > deadline:
                     raise errors.UnavailableError(
                         f"shard {self.shard}: bootstrap stuck at {replayer.position} of {end}")
                 try:
@@ -615,10 +608,11 @@ class ShardReplica:
     async def _confirm_beyond_end(self, end: int, read_end: Callable[[], int]) -> int:
         """A checkpoint beyond the partition's end means the WAL was recreated, or that a
         restarted broker reports a stale high watermark for a moment (it reloads it from a
-        periodic checkpoint). Wait, bounded, for the end to catch up before concluding."""
-        deadline = time.monotonic() + BEYOND_END_GRACE_S
+        periodic checkpoint). Wait, bounded, for the end to catch up before concluding
+        (`kvstore.core.recovery.beyond_end`); returns the last end read."""
+        deadline = self.clock.monotonic() + BEYOND_END_GRACE_S
         fresh = True  # the end in hand was read by the last attempt, not kept from an earlier one
-        while self.store.applied_offset > end and time.monotonic() < deadline and not self._stopping:
+        while self.store.applied_offset > end and self.clock.monotonic() < deadline and not self._stopping:
             await asyncio.sleep(0.5)
             try:
                 end = await asyncio.to_thread(read_end)
@@ -626,17 +620,17 @@ class ShardReplica:
             except Exception as exc:  # the broker is coming back: keep the last value, ask again
                 log.debug("shard %d: reading the partition end: %s", self.shard, exc)
                 fresh = False
-        if not fresh and self.store.applied_offset > end:
-            # Never conclude "the WAL was recreated" from an end we could not read again.
-            raise errors.UnavailableError(f"shard {self.shard}: partition end unreadable while the checkpoint "
-                                          f"{self.store.applied_offset} is beyond the last one read ({end})")
+        self._end_fresh = fresh
         return end
 
     def _wipe_beyond_end(self, end: int) -> None:
-        # Our checkpoint is beyond the partition: the WAL was recreated. Never trust it. A stop
-        # ends the wait early: then nothing is concluded (the end may just have been stale).
-        if self._stopping:
-            raise errors.UnavailableError(f"shard {self.shard}: stopping; checkpoint beyond the end unconfirmed")
+        """Our checkpoint is beyond the partition: the WAL was recreated. Never trust it."""
+        verdict = beyond_end(self.store.applied_offset, end, end_fresh=self._end_fresh, stopping=self._stopping)
+        if verdict is Beyond.NO:
+            return
+        if verdict is Beyond.UNCONFIRMED:
+            raise errors.UnavailableError(f"shard {self.shard}: checkpoint {self.store.applied_offset} beyond the "
+                                          f"partition end {end}, unconfirmed (end unreadable or stopping)")
         self.store.wipe(f"checkpoint {self.store.applied_offset} beyond WAL end {end}")
         self.metrics.rebuilds.labels(shard=str(self.shard)).inc()
 
@@ -646,12 +640,12 @@ class ShardReplica:
             await asyncio.to_thread(tail.close)
 
     async def _commit_loop(self, writer: wal.ShardWriter) -> None:
-        while self._want_lead and not self._stopping:
+        while self.machine.may_start_batch():
             if self._queue.empty() and not self._carry:
                 await self._wait_work(1.0)
                 continue
             # Left over from a full batch first (their order kept), then the queue. The request
-            # sizes only pre-bound the batch; _commit_batch bounds it by WAL-entry bytes.
+            # sizes only pre-bound the batch; the plan bounds it by WAL-entry bytes.
             batch = [self._carry.popleft() for _ in range(min(len(self._carry), self.config.max_batch_records))]
             if not batch:
                 batch.append(self._queue.get_nowait())
@@ -664,7 +658,7 @@ class ShardReplica:
                     item = self._queue.get_nowait()
                     batch.append(item)
                     size += item.size
-                if not self._want_lead or self._stopping:
+                if not self.machine.may_start_batch():
                     return  # resigned while lingering: the finally below refuses the batch
                 if not await self._commit_batch(writer, batch):
                     return  # leadership lost: _run decides what next
@@ -676,113 +670,56 @@ class ShardReplica:
                         f"shard {self.shard}: leadership moving or node stopping; retry"))
 
     async def _commit_batch(self, writer: wal.ShardWriter, batch: list[_Pending]) -> bool:
-        """Evaluate, append, apply, answer. False when this node must stop leading.
-
-        The batch is bounded by the writer's limits on WAL-entry bytes (responses included) and
-        records: requests that do not fit are taken out of `batch` and go first into the next
-        one, evaluated again there. One entry above the record limit is refused alone."""
-        assert self._upcoming is not None
-        revision = self._upcoming
-        overlay: dict[bytes, KeyState | None] = {}
-
-        def lookup(key: bytes) -> KeyState | None:
-            return overlay[key] if key in overlay else self.store.get(key)
-
+        """Plan (`kvstore.core.batch`), append, apply, answer. False when this node must stop
+        leading. Writes the plan carries over are taken out of `batch` and go first into the
+        next one; the rest of `batch` is answered here."""
+        machine = self.machine
+        assert machine.upcoming is not None
+        live = [p for p in batch if not p.future.done()]  # a client that gave up (deadline) is not written
         limits_ = writer.config
-        payloads: list[bytes] = []
-        payload_bytes = 0
-        answers: list[tuple[_Pending, Response | Exception]] = []
-        in_batch: dict[str, Response] = {}
-        now_ms = int(time.time() * 1000)
-        for index, pending in enumerate(batch):
-            if pending.future.done():  # the client gave up (deadline) before we started
-                continue
-            if pending.request_id:
-                earlier = self.store.request(pending.request_id)
-                if earlier is not None:
-                    # Committed before: answered now, never tied to this batch's append or barrier
-                    # (an abort of this batch says nothing about that earlier commit).
-                    _settle(pending.future, _replayed(pending.response_type, earlier.response))
-                    continue
-                if pending.request_id in in_batch:
-                    answers.append((pending, in_batch[pending.request_id]))
-                    continue
-                why = self._expired(pending.first_attempt_unix_ms, now_ms)
-                if why is not None:
-                    answers.append((pending, errors.RequestExpiredError(why)))
-                    continue
-            try:
-                evaluation = pending.build(lookup, revision + len(payloads))
-            except ValueError as exc:
-                answers.append((pending, errors.InvalidRequestError(str(exc))))
-                continue
-            if evaluation.entry is not None:
-                evaluation.entry.leader_unix_ms = now_ms
-                payload = evaluation.entry.SerializeToString()
-                if len(payload) > limits_.max_record_bytes:
-                    # e.g. a Txn whose answer (stored with it for retries) carries large gets.
-                    answers.append((pending, errors.InvalidRequestError(
-                        f"WAL record of {len(payload)} bytes exceeds the record limit "
-                        f"{limits_.max_record_bytes}; split the Txn")))
-                    continue
-                if payloads and (payload_bytes + len(payload) > limits_.max_batch_bytes
-                                 or len(payloads) >= limits_.max_batch_records):
-                    rest = [p for p in batch[index:] if not p.future.done()]
-                    self._carry.extendleft(reversed(rest))
-                    del batch[index:]  # not this batch's any more: its clean-up must not answer them
-                    break
-                record_revision = revision + len(payloads)
-                for effect in evaluation.entry.effects:
-                    key = effect_key(effect)
-                    overlay[key] = next_key_state(lookup(key), effect, record_revision)
-                payloads.append(payload)
-                payload_bytes += len(payload)
-            if pending.request_id:
-                in_batch[pending.request_id] = evaluation.response
-            answers.append((pending, evaluation.response))
-
-        if payloads:
-            # Refusals are definite and independent of the append: answer them now.
-            for pending, answer in answers:
-                if isinstance(answer, Exception):
-                    _settle(pending.future, answer)
-            waiting = [p for p, answer in answers if not isinstance(answer, Exception)]
-            result = await self._append(writer, payloads, revision, waiting)
+        plan = plan_batch([p.write for p in live], machine.upcoming, self.store.get, self.store,
+                          self.clock.unix_ms(),
+                          BatchLimits(limits_.max_batch_records, limits_.max_batch_bytes, limits_.max_record_bytes))
+        # Refusals and replays are definite and independent of the append: answer them now.
+        for index, answer in plan.now:
+            _settle(live[index].future, answer)
+        carried = [live[i] for i in plan.carry]
+        self._carry.extendleft(reversed(carried))
+        batch[:] = [live[i] for i, _ in plan.after_commit]  # the caller's clean-up answers only these
+        if plan.payloads:
+            machine.batch_started(plan.revision, len(plan.payloads))
+            result = await self._append(writer, plan.payloads, plan.revision, batch)
             if result is None:
-                return self.role is Role.LEADER and not self._stopping
+                return machine.may_start_batch()
+            machine.batch_committed(result.offsets, result.upcoming_offset)
             try:
-                apply_error = self._apply_committed(result, payloads, revision)
+                apply_error = self._apply_committed(result, plan.payloads)
             finally:
                 # Committed: the clients get the answers computed before the append, whatever
                 # the local apply did, even a bug raising here (W7: the WAL is the truth; the
                 # replica is rebuilt from it). Nothing below may answer "nothing written".
-                for pending, answer in answers:
-                    _settle(pending.future, answer)
+                for index, response in plan.after_commit:
+                    _settle(live[index].future, response)
             if apply_error is not None:
                 self._give_up_after_apply_failure(apply_error)
                 return False
             return True
-        if any(not isinstance(a, Exception) for _, a in answers):
+        if plan.after_commit:
             # Read-only Txns saw committed state only; a barrier makes their answer linearizable.
             try:
                 await self.barrier()
             except errors.StoreError as exc:
-                for pending, _ in answers:
+                for pending in batch:
                     _settle(pending.future, exc)
-                return self.role is Role.LEADER
-        for pending, answer in answers:
-            _settle(pending.future, answer)
+                return machine.may_start_batch()
+            for index, response in plan.after_commit:
+                _settle(live[index].future, response)
         return True
-
-    def _expired(self, first_attempt_unix_ms: int, now_unix_ms: int) -> str | None:
-        """Why a request id that is not in the table must be refused (it may have been forgotten)."""
-        return request_horizon.expired(first_attempt_unix_ms, now_unix_ms, self.store.evicted_through_ms,
-                                       limits.REQUEST_ID_HORIZON_MS, limits.MAX_CLOCK_SKEW_MS)
 
     async def _append(self, writer: wal.ShardWriter, payloads: list[bytes], revision: int,
                       waiting: list[_Pending]) -> wal.AppendResult | None:
-        """Append one batch; None when it failed (its clients are answered then)."""
-        self._written_end = revision + len(payloads) + 1
+        """Append one batch; None when it failed (its clients are answered then, and the
+        machine decided what follows)."""
         self._txn_started = time.monotonic()
         started = time.perf_counter()
         # The thread is shielded: cancelling this task (a shutdown past its bound) must not
@@ -791,23 +728,15 @@ class ShardReplica:
         try:
             result = await asyncio.shield(in_flight)
         except asyncio.CancelledError:
-            self.metrics.unknown_outcomes.labels(shard=str(self.shard)).inc()
-            for pending in waiting:
-                _settle(pending.future, errors.UnknownOutcomeError(
-                    f"shard {self.shard}: node stopping while the batch was committing; "
-                    "retry with the same request id"))
+            self._fail_batch(self.machine.batch_failed(AppendOutcome.CANCELLED), waiting, "")
             raise
         except wal.WalError as exc:
-            self._written_end = None
             await self._on_append_error(exc, waiting)
             return None
-        except Exception:
+        except Exception as exc:
             # Not the WAL's word (a bug, a client library error): commit_transaction may have
             # run, so the outcome is unknown (W7); the loop restarts this leadership.
-            self.metrics.unknown_outcomes.labels(shard=str(self.shard)).inc()
-            for pending in waiting:
-                _settle(pending.future, errors.UnknownOutcomeError(
-                    f"shard {self.shard}: the append failed unexpectedly; retry with the same request id"))
+            self._fail_batch(self.machine.batch_failed(AppendOutcome.CRASHED), waiting, f"{type(exc).__name__}")
             raise
         finally:
             self._txn_started = None
@@ -815,13 +744,19 @@ class ShardReplica:
         self.metrics.batch_records.labels(shard=str(self.shard)).observe(len(payloads))
         return result
 
-    def _apply_committed(self, result: wal.AppendResult, payloads: list[bytes], revision: int) -> Exception | None:
-        """W5: apply a committed batch at the offsets its records were delivered at, with the new
-        checkpoint. Returns the error instead of raising: the batch is committed either way."""
-        assert result.offsets == tuple(range(revision, revision + len(payloads))), (
-            "W2 broken: the guard let a batch pass that did not land where it expected")
-        self._upcoming = result.upcoming_offset
-        self._written_end = None
+    def _fail_batch(self, decision: AppendDecision, waiting: list[_Pending], detail: str) -> None:
+        if decision.unknown:
+            self.metrics.unknown_outcomes.labels(shard=str(self.shard)).inc()
+        if decision.fencing:
+            self.metrics.fencings.labels(shard=str(self.shard)).inc()
+        error = decision.error(self.shard, detail)
+        for pending in waiting:
+            _settle(pending.future, error)
+
+    def _apply_committed(self, result: wal.AppendResult, payloads: list[bytes]) -> Exception | None:
+        """W5: apply a committed batch at the offsets its records were delivered at (checked by
+        the machine, W2), with the new checkpoint. Returns the error instead of raising: the
+        batch is committed either way."""
         try:
             failpoints.check("apply-after-commit")
             # The marker's slot (last record + 1) is assumed, not observed: the store remembers it.
@@ -838,88 +773,61 @@ class ShardReplica:
         log.error("shard %d: applying a committed batch failed (%s); giving the shard up and rebuilding",
                   self.shard, reason)
         self.metrics.apply_failures.labels(shard=str(self.shard)).inc()
-        self._broken = reason
-        self._want_lead = False
-        self.role = Role.FOLLOWER
+        self.machine.apply_failed(reason)
         self.on_unable_to_lead(self.shard, reason)
 
     async def _on_append_error(self, exc: wal.WalError, waiting: list[_Pending]) -> None:
+        """Answer the batch as the machine's table says, then do what it decided next."""
         shard = self.shard
-        if isinstance(exc, wal.UnknownOutcomeError):
-            self.metrics.unknown_outcomes.labels(shard=str(shard)).inc()
-            error: errors.StoreError = errors.UnknownOutcomeError(
-                f"shard {shard}: commit outcome unknown ({exc}); retry with the same request id")
-        elif isinstance(exc, wal.WriterFatalError):
-            error = errors.UnavailableError(f"shard {shard}: leader's writer stopped ({exc}); retry")
-        else:
-            error = errors.UnavailableError(f"shard {shard}: batch aborted ({exc}); retry")
-        for pending in waiting:
-            _settle(pending.future, error)
-        if isinstance(exc, wal.FencedError) or (isinstance(exc, wal.UnknownOutcomeError) and exc.fenced):
-            self.metrics.fencings.labels(shard=str(shard)).inc()
-            log.warning("shard %d: fenced, stepping down: %s", shard, exc)
-            self.role = Role.FOLLOWER
-            return
-        if isinstance(exc, wal.WriterFatalError):
-            # The producer is unusable (librdkafka fatal error): leave this leadership; if the
-            # shard is still ours, the replica loop takes it again with a fresh writer.
-            log.warning("shard %d: writer failed fatally, starting over: %s", shard, exc)
-            self.role = Role.FOLLOWER
+        decision = self.machine.batch_failed(append_outcome(exc))
+        self._fail_batch(decision, waiting, str(exc))
+        if decision.then is Next.STEP_DOWN:
+            log.warning("shard %d: stepping down: %s (%s)", shard, decision.message, exc)
             return
         # W2: after any abort or unknown outcome, learn the partition again before writing.
         log.warning("shard %d: %s; bootstrapping again", shard, exc)
-        self.role = Role.BOOTSTRAPPING
-        self._upcoming = None
+        assert self._writer is not None
         try:
-            assert self._writer is not None
-            if isinstance(exc, wal.UnknownOutcomeError):
-                # Fence first: a fresh producer's init_transactions completes or aborts our
-                # undecided transaction at once. Waiting for the settled end instead would wait
-                # for the broker's transaction timeout while that transaction holds the LSO.
+            if decision.then is Next.REFENCE:
+                # A fresh producer's init_transactions completes or aborts our undecided
+                # transaction at once. Waiting for the settled end instead would wait for the
+                # broker's transaction timeout while that transaction holds the LSO.
                 end = await asyncio.to_thread(self._writer.fence)
+                if not self.machine.fenced(end):
+                    return
             else:
                 end = await asyncio.to_thread(self._writer.settled_end_offset)
             self.store.rewind_unverified()
             await self._catch_up(end)
         except Exception as resync_error:
             log.warning("shard %d: re-bootstrap failed: %s", shard, resync_error)
-            self.role = Role.FOLLOWER
+            self.machine.resync_failed()
             return
-        self._upcoming = end
-        self.role = Role.LEADER
+        self.machine.caught_up(end)
 
     # ---- requests --------------------------------------------------------------------------------
 
     def require_leader(self) -> None:
-        if self.role is not Role.LEADER or self._stopping:
-            if self.role is Role.BOOTSTRAPPING or (self._want_lead and not self._stopping):
-                raise errors.UnavailableError(f"shard {self.shard}: this node is taking over; retry")
-            raise errors.NotLeaderError(self.shard, self.leader_hint() or None)
+        refusal = self.machine.write_refusal(self.leader_hint())
+        if refusal is not None:
+            raise refusal
 
-    async def write(self, build: Build, request_id: str, size: int, response_type: type[Any],
-                    first_attempt_unix_ms: int = 0) -> Response:
-        """Queue a write for the next batch and wait for its answer (after commit)."""
+    async def write(self, write: Write, size: int) -> Response:
+        """Queue a write (`kvstore.core.batch.write_of`) for the next batch and wait for its
+        answer (after commit). `size`: the request's bytes, a pre-bound on the batch."""
         self.require_leader()
-        if request_id:
-            earlier = self.store.request(request_id)
-            if earlier is not None:
-                return _replayed(response_type, earlier.response)
-            why = self._expired(first_attempt_unix_ms, int(time.time() * 1000))
-            if why is not None:
-                raise errors.RequestExpiredError(why)
-            if request_id in self._ids_in_progress:
-                # An earlier attempt with this id is queued or committing: this one must not
-                # end in a definite refusal (leadership lost, node stopping) while that one may
-                # commit. Unknown for now; a retry finds the id in the table or free again.
-                raise errors.UnknownOutcomeError(
-                    f"shard {self.shard}: an earlier attempt with this request id is in progress; "
-                    "retry with the same request id")
+        request_id = write.request_id
+        answer = admit(write, self.store, self._ids_in_progress, self.clock.unix_ms())
+        if isinstance(answer, errors.StoreError):
+            raise answer
+        if answer is not None:
+            return answer  # committed before: the recorded answer, marked as a replay
         future: asyncio.Future[Response] = asyncio.get_running_loop().create_future()
         if request_id:
             self._ids_in_progress.add(request_id)
             future.add_done_callback(lambda _f: self._ids_in_progress.discard(request_id))
         try:
-            self._queue.put_nowait(_Pending(build, request_id, size, response_type, future, first_attempt_unix_ms))
+            self._queue.put_nowait(_Pending(write, size, future))
             self._work.set()
         except asyncio.QueueFull:
             future.cancel()  # never queued: frees its request id
@@ -935,14 +843,14 @@ class ShardReplica:
             self._round = asyncio.get_running_loop().create_future()
             self._round_task = asyncio.create_task(self._run_round(self._round))
         end = await asyncio.shield(self._round)
-        written = self._written_end if self._written_end is not None else self._upcoming
-        if written is None or end > written:
-            # Someone else wrote beyond everything we wrote: this leader's view is stale. Queue a
-            # probe (an empty entry at our upcoming offset): if the log moved, W2 aborts it and
-            # the leader bootstraps again; if we are fenced, it steps down. Either way it settles.
+        verdict = self.machine.barrier(end)
+        if verdict.wait_for is None:
+            # This leader's view is stale. Queue a probe (an empty entry at our upcoming offset):
+            # if the log moved, W2 aborts it and the leader bootstraps again; if we are fenced,
+            # it steps down. Either way it settles.
             self._probe()
-            raise errors.UnavailableError(f"shard {self.shard}: high watermark {end} beyond our writes; retry")
-        await self.wait_applied(end, self.config.barrier_timeout_s)
+            raise errors.UnavailableError(verdict.why)
+        await self.wait_applied(verdict.wait_for, self.config.barrier_timeout_s)
 
     def _probe(self) -> None:
         if self._probing:
@@ -956,10 +864,10 @@ class ShardReplica:
                 f.exception()  # retrieved: the probe's outcome only matters through the replica's state
 
         future.add_done_callback(done)
-        probe = _Pending(lambda lookup, rev: Evaluation(wal_entry_pb2.WalEntry(), kv_pb2.PutResponse()), "", 0,
-                         kv_pb2.PutResponse, future)
+        probe = Write("", lambda lookup, rev: Evaluation(wal_entry_pb2.WalEntry(), kv_pb2.PutResponse()),
+                      kv_pb2.PutResponse)
         try:
-            self._queue.put_nowait(probe)
+            self._queue.put_nowait(_Pending(probe, 0, future))
             self._work.set()
         except asyncio.QueueFull:
             self._probing = False  # writes are flowing anyway: they will hit W2 themselves
@@ -977,9 +885,9 @@ class ShardReplica:
 
     async def wait_applied(self, offset: int, timeout_s: float) -> None:
         """Until everything below `offset` is applied here."""
-        deadline = time.monotonic() + timeout_s
+        deadline = self.clock.monotonic() + timeout_s
         while self.store.applied_offset < offset:
-            remaining = deadline - time.monotonic()
+            remaining = deadline - self.clock.monotonic()
             if remaining <= 0:
                 raise errors.UnavailableError(
                     f"shard {self.shard}: applied {self.store.applied_offset}, waited for {offset}")
@@ -997,6 +905,17 @@ class ShardReplica:
             _settle(self._carry.popleft().future, error)
         while not self._queue.empty():
             _settle(self._queue.get_nowait().future, error)
+
+
+def append_outcome(exc: wal.WalError) -> AppendOutcome:
+    """What a WAL error says about an append, for the machine's table (`APPEND_DECISIONS`)."""
+    if isinstance(exc, wal.UnknownOutcomeError):
+        return AppendOutcome.UNKNOWN_FENCED if exc.fenced else AppendOutcome.UNKNOWN
+    if isinstance(exc, wal.FencedError):
+        return AppendOutcome.FENCED
+    if isinstance(exc, wal.WriterFatalError):
+        return AppendOutcome.WRITER_FATAL
+    return AppendOutcome.ABORTED
 
 
 def writer_config(config: ReplicaConfig) -> wal.WriterConfig:
@@ -1018,15 +937,6 @@ def _settle(future: asyncio.Future[Response], answer: Response | Exception) -> N
         future.set_exception(answer)
     else:
         future.set_result(answer)
-
-
-def _replayed(response_type: type[Any], raw: bytes) -> Response:
-    """The original answer to a request id seen before, marked as a replay."""
-    response = response_type.FromString(raw)
-    if response.HasField("result"):
-        response.result.replayed = True
-    assert isinstance(response, (kv_pb2.PutResponse, kv_pb2.DeleteResponse, kv_pb2.TxnResponse))
-    return response
 
 
 def decode_changes(records: list[wal.AcceptedRecord]) -> list[Change]:

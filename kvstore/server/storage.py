@@ -13,7 +13,7 @@ one LevelDB write batch, so state and checkpoint never disagree. A directory tha
 opened, was written by another format, topic or shard, or lacks a checkpoint is wiped and
 rebuilt from the WAL by the replica (`needs_rebuild` tells it so), never trusted.
 
-The request-id table forgets ids by time and by count (DESIGN.md §3, `_RequestWindow`), as a pure
+The request-id table forgets ids by time and by count (DESIGN.md §3, `kvstore.core.request_window`), as a pure
 function of the applied entries, and keeps `evicted_through_ms`, the newest leader time it ever
 forgot, for `kvstore.core.request_horizon` to refuse retries it can no longer recognise.
 """
@@ -29,6 +29,7 @@ from pathlib import Path
 
 import plyvel
 
+from kvstore.core.request_window import RequestWindow
 from kvstore.core.state import Applied, KeyState, RequestRecord, apply_entries
 from kvstore.limits import MAX_REQUEST_IDS, REQUEST_ID_HORIZON_MS
 
@@ -234,7 +235,10 @@ class ShardStore:
         assert all(current <= offset < new_checkpoint for offset, _ in records), (
             f"records outside [{current}, {new_checkpoint})"
         )
-        window = _RequestWindow(self._db, self.max_request_ids, self.request_id_horizon_ms)
+        window = RequestWindow(contains=lambda rid: self._db.get(_REQUEST + rid.encode()) is not None,
+                               stored_oldest_first=self._stored_requests(), count=self.request_count,
+                               evicted_through_ms=self.evicted_through_ms, limit=self.max_request_ids,
+                               horizon_ms=self.request_id_horizon_ms)
         applied = apply_entries(self.get, window.seen, records, on_request=window.add,
                                 on_leader_time=window.forget_older)
         with self._db.write_batch(sync=sync) as batch:
@@ -243,7 +247,8 @@ class ShardStore:
                     batch.delete(_DATA + key)
                 else:
                     batch.put(_DATA + key, state.encode())
-            for revision, rid in window.evicted_stored:  # deletes before puts: an id may come back
+            for revision, evicted in window.evicted_stored:  # deletes before puts: an id may come back
+                rid = evicted.encode()
                 batch.delete(_REQUEST_ORDER + _U64.pack(revision) + rid)
                 batch.delete(_REQUEST + rid)
             for req in window.added.values():
@@ -258,6 +263,13 @@ class ShardStore:
             elif new_checkpoint > current:
                 batch.delete(_META + b"unverified")
         return applied
+
+    def _stored_requests(self) -> Iterator[tuple[int, str, int]]:
+        """(revision, request id, leader ms) of the kept ids, oldest first, read lazily: an apply
+        that forgets nothing reads only the first row."""
+        for raw_key, raw_value in self._db.iterator(prefix=_REQUEST_ORDER):
+            revision = int(_U64.unpack_from(raw_key, len(_REQUEST_ORDER))[0])
+            yield revision, raw_key[len(_REQUEST_ORDER) + _U64.size:].decode(), int(_U64.unpack(raw_value)[0])
 
     def load_snapshot(self, key_batches: Iterable[Sequence[tuple[bytes, bytes]]],
                       request_batches: Iterable[Sequence[RequestRecord]], *, checkpoint: int,
@@ -315,90 +327,3 @@ class ShardStore:
             batch.put(_META + b"checkpoint", _U64.pack(unverified))
             batch.delete(_META + b"unverified")
         return True
-
-
-class _RequestWindow:
-    """The request-id table during one apply. Ids are forgotten oldest first by revision:
-
-    - by time: an entry with leader time t forgets every id at the head of the table whose time
-      is below t - horizon (after its own duplicate check, `apply_entries`);
-    - by count: the id that takes the table over `limit` forgets the oldest.
-
-    Both happen at the exact entry that causes them, whether records come one by one or batched,
-    and depend only on the entries' revisions and leader times, never on a local clock: every
-    replica remembers the same ids however its batches were cut.
-
-    Time eviction stops at the first id young enough, so an id written by a leader whose clock
-    lagged a later id's may stay a little longer than the horizon; keeping an id longer is always
-    safe, and the scan stays one seek per apply.
-
-    An id of unknown time (0: written before WalEntry.leader_unix_ms existed) counts as older
-    than any horizon. When forgotten, `evicted_through_ms` takes the evicting entry's time
-    instead of 0: the id committed before that entry was built, which is the best bound known.
-    (So the first timed entry after an upgrade forgets every such id, and retries first attempted
-    up to MAX_CLOCK_SKEW_MS after it are refused once, rather than possibly applied twice. Ids
-    forgotten by count while applying entries without a time add nothing: no bound is known.)
-    """
-
-    def __init__(self, db: plyvel.DB, limit: int, horizon_ms: int) -> None:
-        self._db = db
-        self._limit = limit
-        self._horizon_ms = horizon_ms
-        self.count = int(_U64.unpack(db.get(_META + b"requests") or _U64.pack(0))[0])
-        self.evicted_through_ms = int(_U64.unpack(db.get(_META + b"evicted_through") or _U64.pack(0))[0])
-        self.added: dict[str, RequestRecord] = {}  # insertion order = revision order
-        self.evicted_stored: list[tuple[int, bytes]] = []
-        self._evicted_ids: set[bytes] = set()
-        self._stored = db.iterator(prefix=_REQUEST_ORDER)  # every stored row is older than this apply's
-        self._stored_head: tuple[int, bytes, int] | None = None  # (revision, id, leader ms), read ahead
-        self._stored_left = True
-
-    def seen(self, request_id: str) -> bool:
-        if request_id in self.added:
-            return True
-        rid = request_id.encode()
-        return rid not in self._evicted_ids and self._db.get(_REQUEST + rid) is not None
-
-    def forget_older(self, leader_ms: int) -> None:
-        """Apply the time bound at an entry built at `leader_ms` (> 0)."""
-        assert leader_ms > 0
-        cutoff_ms = leader_ms - self._horizon_ms
-        while (oldest_ms := self._oldest_ms()) is not None and oldest_ms < cutoff_ms:
-            self._evict_oldest(leader_ms)
-
-    def add(self, request: RequestRecord) -> None:
-        """Apply the count bound as `request` joins the table."""
-        self.added[request.request_id] = request
-        self.count += 1
-        while self.count > self._limit:
-            self._evict_oldest(request.leader_unix_ms)
-
-    def _oldest_ms(self) -> int | None:
-        """The leader time of the oldest id kept, or None when the table is empty."""
-        if self._stored_head is None and self._stored_left:
-            row = next(self._stored, None)
-            if row is None:
-                self._stored_left = False
-            else:
-                raw_key, raw_value = row
-                revision = int(_U64.unpack_from(raw_key, len(_REQUEST_ORDER))[0])
-                self._stored_head = (revision, raw_key[len(_REQUEST_ORDER) + _U64.size:],
-                                     int(_U64.unpack(raw_value)[0]))
-        if self._stored_head is not None:
-            return self._stored_head[2]
-        if self.added:
-            return next(iter(self.added.values())).leader_unix_ms
-        return None
-
-    def _evict_oldest(self, evicting_ms: int) -> None:
-        oldest_ms = self._oldest_ms()
-        assert oldest_ms is not None, f"table of {self.count} ids has none to evict"
-        if self._stored_head is not None:
-            revision, rid, _ = self._stored_head
-            self._stored_head = None
-            self.evicted_stored.append((revision, rid))
-            self._evicted_ids.add(rid)
-        else:
-            del self.added[next(iter(self.added))]
-        self.count -= 1
-        self.evicted_through_ms = max(self.evicted_through_ms, oldest_ms or evicting_ms)

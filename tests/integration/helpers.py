@@ -9,10 +9,10 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
+from tests.waiting import wait_until
 from wal import Replayer, ShardWriter, WriterConfig, WriterIdentity, shard_transactional_id
 from wal.record import AcceptedRecord
 
@@ -101,13 +101,12 @@ class ZombieProcess:
 
     def wait_stopped(self, timeout_s: float = 30.0) -> None:
         """Until the kernel reports the process as stopped (state T)."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            state = Path(f"/proc/{self.proc.pid}/stat").read_text().split(")")[-1].split()[0]
-            if state == "T":
-                return
-            time.sleep(0.05)
-        raise AssertionError("zombie did not stop")
+
+        def state() -> str:
+            assert self.proc.poll() is None, f"zombie exited with {self.proc.returncode} instead of stopping"
+            return Path(f"/proc/{self.proc.pid}/stat").read_text().split(")")[-1].split()[0]
+
+        wait_until(lambda: state() == "T", timeout_s, what=f"zombie pid {self.proc.pid} to stop (state T)")
 
     def resume(self) -> None:
         os.kill(self.proc.pid, signal.SIGCONT)
@@ -125,11 +124,3 @@ class ZombieProcess:
             self.proc.kill()
             self.proc.wait(10)
 
-
-def eventually(predicate: Any, timeout_s: float = 10.0, what: str = "condition") -> None:
-    """Poll `predicate` until true; commit markers, for one, are written after commit returns."""
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} not reached within {timeout_s}s")
-        time.sleep(0.05)

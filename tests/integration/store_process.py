@@ -6,21 +6,25 @@ import os
 import signal
 import subprocess
 import sys
-import time
+import urllib.request
 from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvstore.v1 import cluster_pb2_grpc, kv_pb2_grpc
+from tests.waiting import wait_until
 from wal.broker import free_port
 
 REPO = Path(__file__).resolve().parents[2]
+# A metric family's samples: the family's own name (gauges) or it with the type's suffix.
+_SAMPLE_SUFFIXES = ("", "_total", "_created", "_sum", "_count", "_bucket")
 
 
 class StoreProcess:
     def __init__(self, kafka: str, data_dir: Path, cluster: str, shards: int = 4, port: int | None = None,
-                 extra_args: tuple[str, ...] = (), node_id: str = "node-1") -> None:
+                 extra_args: tuple[str, ...] = (), node_id: str = "node-1", metrics: bool = False) -> None:
         self.extra_args = extra_args
         self.node_id = node_id
         self.kafka = kafka
@@ -32,6 +36,8 @@ class StoreProcess:
         self.proc: subprocess.Popen[bytes] | None = None
         self.channel: grpc.Channel | None = None
         self.env: dict[str, str] = {}  # extra environment, e.g. KVSTORE_FAILPOINTS
+        # The node's Prometheus endpoint (`metric()`): what tests assert on instead of log text.
+        self.metrics_port = free_port() if metrics else None
 
     def start(self, timeout_s: float = 60.0) -> StoreProcess:
         self.data_dir.mkdir(parents=True, exist_ok=True)
@@ -39,6 +45,8 @@ class StoreProcess:
         cmd = [sys.executable, "-m", "kvstore.server", "--kafka", self.kafka, "--data-dir", str(self.data_dir),
                "--listen", self.address, "--cluster", self.cluster, "--shards", str(self.shards),
                "--transaction-timeout-ms", "20000", "--node-id", self.node_id, *self.extra_args]
+        if self.metrics_port is not None:
+            cmd += ["--metrics-port", str(self.metrics_port)]
         self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
                                      env={**os.environ, "PYTHONPATH": str(REPO), **self.env})
         log.close()
@@ -49,17 +57,27 @@ class StoreProcess:
     def wait_serving(self, timeout_s: float) -> None:
         assert self.channel is not None and self.proc is not None
         health = health_pb2_grpc.HealthStub(self.channel)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, f"store exited with {self.proc.returncode}"
-            try:
-                reply = health.Check(health_pb2.HealthCheckRequest(service="kvstore.v1.KV"), timeout=1)
-                if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-            except grpc.RpcError:
-                pass
-            time.sleep(0.1)
-        raise AssertionError(f"store not SERVING after {timeout_s}s")
+        proc = self.proc
+
+        def serving() -> bool:
+            assert proc.poll() is None, f"store exited with {proc.returncode}"
+            reply = health.Check(health_pb2.HealthCheckRequest(service="kvstore.v1.KV"), timeout=1)
+            return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
+
+        wait_until(serving, timeout_s, interval_s=0.1, what=f"store {self.node_id} at {self.address} to be SERVING")
+
+    def metric(self, name: str, **labels: str) -> float:
+        """The sum of the node's samples called `name` (e.g. `kvstore_fencings_total`) whose labels
+        include `labels`; 0 if it has none with those labels. Needs `metrics=True`. A name the node
+        does not export at all fails (a typo must not read as 0)."""
+        assert self.metrics_port is not None, "start the node with metrics=True"
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5) as reply:
+            text = reply.read().decode()
+        families = list(text_string_to_metric_families(text))
+        exported = {family.name + suffix for family in families for suffix in _SAMPLE_SUFFIXES}
+        assert name in exported, f"node {self.node_id} exports no metric {name}"
+        samples = [sample for family in families for sample in family.samples if sample.name == name]
+        return sum(s.value for s in samples if all(s.labels.get(k) == v for k, v in labels.items()))
 
     @property
     def kv(self) -> kv_pb2_grpc.KVStub:

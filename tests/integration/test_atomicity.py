@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.integration.helpers import eventually, payloads, replay_all, writer
+from tests.integration.helpers import payloads, replay_all, writer
+from tests.waiting import wait_until
 from wal import OffsetMismatchError, Replayer
 from wal.broker import LocalKafka
 
@@ -21,7 +22,8 @@ def test_committed_batches_are_whole_and_upcoming_offsets_count_markers(kafka: L
         assert result.offsets == tuple(range(upcoming, upcoming + size))
         assert result.upcoming_offset == upcoming + size + 1  # the commit marker takes one offset
         # The partition agrees once the marker is written (asynchronously, after commit returns).
-        eventually(lambda r=result: w.end_offset() == r.upcoming_offset, what="marker in high watermark")
+        wait_until(lambda r=result: w.end_offset() == r.upcoming_offset, 10,
+                   what=f"the commit marker in the high watermark ({result.upcoming_offset})")
         upcoming = result.upcoming_offset
         expected_payloads += batch
 
@@ -38,7 +40,7 @@ def test_aborted_batch_is_invisible(kafka: LocalKafka, topic: str) -> None:
     with pytest.raises(OffsetMismatchError):
         w.append([b"x1", b"x2", b"x3"], expected_offset=end_before + 1)
     # The records and the abort marker are in the log, read_committed never shows them.
-    eventually(lambda: w.end_offset() == end_before + 3 + 1, what="abort marker")
+    wait_until(lambda: w.end_offset() == end_before + 3 + 1, 10, what="the abort marker in the high watermark")
     assert w.stats.aborts == 1
     records, _ = replay_all(kafka.bootstrap_servers, topic)
     assert payloads(records) == [b"kept"]

@@ -45,7 +45,9 @@ def test_a_prepared_writer_fences_nobody_until_it_fences(kafka: LocalKafka, topi
     a.fence()
     a.append([b"a1"])
     b.prepare()
-    time.sleep(2.0)  # ample time for anything librdkafka might do on its own
+    # The point of the test is an absence: the prepared writer, left alone a while (ample time for
+    # anything librdkafka might do on its own), has not fenced A. Only A's next append can tell.
+    time.sleep(2.0)
     a.append([b"a2"])  # still the shard's writer
     assert b.fence() == a.upcoming_offset
     with pytest.raises(FencedError):

@@ -74,8 +74,14 @@ def test_make_up_serves_round_trips_and_resumes(tmp_path: Path) -> None:
         assert {n["address"] for n in shard_map["nodes"]} == set(endpoints), shard_map
         assert all(s["leader"] in endpoints and s["leader_ready"] for s in shard_map["shards"]), shard_map
         assert kvstore(endpoint, "get", "", "--output", "json").returncode == 2  # clear error, no traceback
+        # The demo kills only a node the dev cluster recorded as its own child: without the
+        # cluster's data dir it refuses, before any load, with a clear message.
+        refused = kvstore(",".join(endpoints), "demo", "failover", "--data-dir", str(tmp_path / "elsewhere"))
+        assert refused.returncode == 1 and "only a node the local dev cluster started" in refused.stderr, refused
+        assert "Traceback" not in refused.stderr
         # The failover demo against the running cluster: kill a leader under load, then verify.
-        demo = kvstore(",".join(endpoints), "demo", "failover", "--output", "json", "--warmup", "2", "--after", "3")
+        demo = kvstore(",".join(endpoints), "demo", "failover", "--data-dir", str(data), "--output", "json",
+                       "--warmup", "2", "--after", "3")
         assert demo.returncode == 0, demo.stderr
         result = json.loads(demo.stdout.splitlines()[-1])
         assert result["acked"] > 0 and result["acked_lost"] == 0 and result["duplicates"] == 0, result
@@ -95,3 +101,4 @@ def test_make_up_serves_round_trips_and_resumes(tmp_path: Path) -> None:
         again.cleanup()
     leftovers = subprocess.run(["pgrep", "-f", str(data)], capture_output=True, text=True, check=False).stdout
     assert leftovers.strip() == "", "processes of the dev cluster survived Ctrl-C"
+    assert not (data / "children.json").exists(), "the record of the dev cluster's nodes outlived it"

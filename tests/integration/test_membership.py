@@ -9,12 +9,11 @@ shares the partitions again.
 from __future__ import annotations
 
 import threading
-import time
-from collections.abc import Callable
 
 import pytest
 
 from tests.conftest import unique
+from tests.waiting import NotYet, holds_for, wait_until
 from wal.broker import LocalKafka
 from wal.membership import GroupMember
 
@@ -42,11 +41,12 @@ class _Tracked:
             return set(self.owned)
 
 
-def _until(predicate: Callable[[], bool], timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, f"{what} not reached within {timeout_s}s"
-        time.sleep(0.05)
+def _shared(a: _Tracked, b: _Tracked) -> bool:
+    """Every partition owned, by exactly one of the two, and each owns some."""
+    mine, theirs = a.snapshot(), b.snapshot()
+    if not (mine and theirs and len(mine | theirs) == 4 and not mine & theirs):
+        raise NotYet(f"a owns {sorted(mine)}, b owns {sorted(theirs)}")
+    return True
 
 
 def test_step_aside_hands_every_partition_over_and_come_back_shares_again(kafka: LocalKafka) -> None:
@@ -56,14 +56,13 @@ def test_step_aside_hands_every_partition_over_and_come_back_shares_again(kafka:
     a.member.start()
     b.member.start()
     try:
-        _until(lambda: a.snapshot() and b.snapshot() and len(a.snapshot() | b.snapshot()) == 4, 40, "shared")
+        wait_until(lambda: _shared(a, b), 40, what="the partitions shared by a and b")
         a.member.step_aside()
-        _until(lambda: not a.snapshot() and b.snapshot() == {0, 1, 2, 3}, 20, "b owns everything")
-        time.sleep(1.0)
-        assert not a.snapshot(), "a member that stepped aside got partitions back"
+        wait_until(lambda: not a.snapshot() and b.snapshot() == {0, 1, 2, 3}, 20, what="b to own everything")
+        # What is asserted is an absence (no partition comes back to a), so it is watched over a window.
+        holds_for(lambda: not a.snapshot(), 1.0, what="a, which stepped aside, owning no partition")
         a.member.come_back()
-        _until(lambda: a.snapshot() and len(a.snapshot() | b.snapshot()) == 4
-               and not (a.snapshot() & b.snapshot()), 40, "shared again")
+        wait_until(lambda: _shared(a, b), 40, what="the partitions shared again")
     finally:
         a.member.leave()
         b.member.leave()

@@ -9,7 +9,8 @@ import pytest
 from confluent_kafka import TopicPartition
 from confluent_kafka.admin import AdminClient
 
-from tests.integration.helpers import eventually, payloads, writer
+from tests.integration.helpers import payloads, writer
+from tests.waiting import wait_until
 from wal import OffsetMismatchError, OffsetOutOfRangeError, Replayer
 from wal.broker import LocalKafka
 
@@ -33,7 +34,7 @@ def test_replay_reaches_end_of_partition_ending_in_abort_marker(kafka: LocalKafk
     with pytest.raises(OffsetMismatchError):
         w.append([b"aborted-1", b"aborted-2"], expected_offset=99)
     end = 2 + 2 + 1  # "a", its marker, two aborted records, the abort marker
-    eventually(lambda: w.end_offset() == end, what="abort marker")
+    wait_until(lambda: w.end_offset() == end, 10, what="the abort marker in the high watermark")
     with Replayer(kafka.bootstrap_servers, topic, 0, 0) as r:
         assert payloads(list(r.read_to_end(10))) == [b"a"]
         assert r.position == end
@@ -152,7 +153,10 @@ def test_a_seek_before_any_poll_saw_the_refusal_is_not_refused_again(kafka: Loca
     w = writer(kafka.bootstrap_servers, topic)
     end = w.append([b"a"]).upcoming_offset
     with Replayer(kafka.bootstrap_servers, topic, 0, end + 100) as r:
-        time.sleep(2.0)  # the first fetch is refused within ~0.3 s; nobody polls
+        # Timing is the point here: nothing observes the refusal without polling, and polling would
+        # consume it. The first fetch is refused within ~0.3 s; were it later, the seek below would
+        # simply come first and the test would pass without the race (weaker, never flaky).
+        time.sleep(2.0)
         r.seek(0)
         assert payloads(list(r.read_to_end(10))) == [b"a"]
         assert r.position == end

@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -20,12 +20,15 @@ import pytest
 from confluent_kafka import KafkaError, KafkaException, Producer
 
 from kvstore import errors
-from kvstore.core.evaluate import evaluate_put
+from kvstore.core.batch import write_of
+from kvstore.core.role import Role
+from kvstore.internal.v1 import wal_entry_pb2
 from kvstore.server import failpoints
 from kvstore.server.metrics import Metrics
-from kvstore.server.replica import ReplicaConfig, Role, ShardReplica
-from kvstore.v1 import kv_pb2, wal_entry_pb2
+from kvstore.server.replica import ReplicaConfig, ShardReplica
+from kvstore.v1 import kv_pb2
 from tests.conftest import unique
+from tests.waiting import holds_for_async, wait_until_async
 from wal.broker import LocalKafka
 from wal.record import WriterIdentity, encode
 
@@ -48,18 +51,10 @@ async def _replica(config: ReplicaConfig, *, lead: bool) -> AsyncIterator[ShardR
         await replica.stop()
 
 
-async def _until(predicate: Callable[[], bool], timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, f"{what} not reached within {timeout_s}s"
-        await asyncio.sleep(0.02)
-
-
 async def _put(replica: ShardReplica, key: bytes, value: bytes, request_id: str = "") -> kv_pb2.PutResponse:
     request = kv_pb2.PutRequest(key=key, value=value, request_id=request_id,
                                 first_attempt_unix_ms=int(time.time() * 1000))
-    response = await replica.write(lambda lookup, rev: evaluate_put(request, lookup, 0, rev), request_id,
-                                   request.ByteSize(), kv_pb2.PutResponse, request.first_attempt_unix_ms)
+    response = await replica.write(write_of(request, 0), request.ByteSize())
     assert isinstance(response, kv_pb2.PutResponse)
     return response
 
@@ -85,15 +80,15 @@ def test_failed_apply_after_commit_answers_committed_and_gives_the_shard_up(kafk
         async with _replica(_config(kafka, topic, tmp_path, "a"), lead=True) as replica:
             told: list[str | None] = []
             replica.on_unable_to_lead = lambda shard, reason: told.append(reason)
-            await _until(lambda: replica.role is Role.LEADER, 30, "leading")
+            await wait_until_async(lambda: replica.role is Role.LEADING, 30, what="the replica to lead")
             await _put(replica, b"before", b"1")
             failpoints.arm("apply-after-commit", 1)
             response = await _put(replica, b"k", b"v", "rid-1")  # committed: answered as such
             assert response.HasField("result") and response.result.revision > 0
             assert told and told[0] is not None and "failpoint" in told[0]
-            assert replica.role is not Role.LEADER
+            assert replica.role is not Role.LEADING
             replica.set_lead(True)  # the group offering it back at once: refused until rebuilt
-            await _until(lambda: None in told, 30, "rebuilt")
+            await wait_until_async(lambda: None in told, 30, what="the replica rebuilt (may lead again)")
             assert replica.store.get(b"k") is not None and replica.store.get(b"before") is not None
             assert replica.store.request("rid-1") is not None  # a retry is answered, not applied again
             assert _metric(replica, "kvstore_leader_changes_total") == 1, "re-led while rebuilding"
@@ -114,7 +109,7 @@ def test_unknown_commit_outcome_fences_then_continues(kafka: LocalKafka, tmp_pat
 
     async def scenario() -> None:
         async with _replica(_config(kafka, topic, tmp_path, "a"), lead=True) as replica:
-            await _until(lambda: replica.role is Role.LEADER, 30, "leading")
+            await wait_until_async(lambda: replica.role is Role.LEADING, 30, what="the replica to lead")
             writer = replica._writer
             assert writer is not None
             failing = {"on": True}
@@ -138,7 +133,7 @@ def test_unknown_commit_outcome_fences_then_continues(kafka: LocalKafka, tmp_pat
             with pytest.raises(errors.UnknownOutcomeError):
                 await _put(replica, b"maybe", b"?", "rid-maybe")
             failing["on"] = False
-            await _until(lambda: replica.role is Role.LEADER, 15, "leading again")
+            await wait_until_async(lambda: replica.role is Role.LEADING, 15, what="the replica to lead again")
             # Fenced and caught up without losing the leadership: waiting for the settled end
             # instead would time out on the open transaction and start the takeover over.
             assert _metric(replica, "kvstore_leader_changes_total") == 1
@@ -164,7 +159,7 @@ def test_shutdown_waits_for_the_append_and_answers_unknown_past_its_bound(kafka:
     async def scenario() -> None:
         replica = ShardReplica(_config(kafka, topic, tmp_path, "a"), Metrics())
         replica.start(lead=True)
-        await _until(lambda: replica.role is Role.LEADER, 30, "leading")
+        await wait_until_async(lambda: replica.role is Role.LEADING, 30, what="the replica to lead")
         writer = replica._writer
         assert writer is not None
 
@@ -182,7 +177,7 @@ def test_shutdown_waits_for_the_append_and_answers_unknown_past_its_bound(kafka:
         writer._before_commit = slow_commit
         writer.close = close  # type: ignore[method-assign]
         put = asyncio.create_task(_put(replica, b"slow", b"v", "rid-slow"))
-        await _until(lambda: "commit-starts" in events, 10, "commit under way")
+        await wait_until_async(lambda: "commit-starts" in events, 10, what="the commit under way")
         stopping = asyncio.create_task(replica.stop())
         with pytest.raises(errors.UnknownOutcomeError):
             await asyncio.wait_for(put, 20)  # the stop bound (2 x call_timeout_s) passed
@@ -210,7 +205,7 @@ def test_record_in_the_marker_slot_is_applied_by_the_leader_as_by_followers(kafk
     async def scenario() -> None:
         async with _replica(_config(kafka, topic, tmp_path, "leader"), lead=True) as leader, \
                 _replica(_config(kafka, topic, tmp_path, "follower"), lead=False) as follower:
-            await _until(lambda: leader.role is Role.LEADER, 30, "leading")
+            await wait_until_async(lambda: leader.role is Role.LEADING, 30, what="the replica to lead")
             await _put(leader, b"a", b"1")
             writer = leader._writer
             assert writer is not None
@@ -220,7 +215,7 @@ def test_record_in_the_marker_slot_is_applied_by_the_leader_as_by_followers(kafk
             def slip_in() -> None:
                 if slipped:
                     return
-                slot = leader._written_end - 1  # type: ignore[operator]  # last record + 1
+                slot = leader.machine.written_end - 1  # type: ignore[operator]  # last record + 1
                 entry = wal_entry_pb2.WalEntry(effects=[wal_entry_pb2.Effect(
                     put=wal_entry_pb2.PutEffect(key=b"slipped", value=b"in"))])
                 value, headers = encode(slot, WriterIdentity("intruder"), entry.SerializeToString())
@@ -232,9 +227,10 @@ def test_record_in_the_marker_slot_is_applied_by_the_leader_as_by_followers(kafk
             await _put(leader, b"b", b"2")  # commits; the marker lands one slot later than assumed
             with pytest.raises(errors.UnavailableError):
                 await _put(leader, b"c", b"3")  # W2: aborted, definite
-            await _until(lambda: leader.role is Role.LEADER, 15, "leading again")
+            await wait_until_async(lambda: leader.role is Role.LEADING, 15, what="the replica to lead again")
             await _put(leader, b"c", b"3")
-            await _until(lambda: follower.store.applied_offset >= leader.store.applied_offset, 15, "follower")
+            await wait_until_async(lambda: follower.store.applied_offset >= leader.store.applied_offset, 15,
+                                   what="the follower to catch up")
             assert leader.store.get(b"slipped") is not None, "the leader skipped the slot it never saw"
             assert follower.store.get(b"slipped") is not None
             assert leader.store.get(b"slipped").mod_revision == slipped[0]  # type: ignore[union-attr]
@@ -252,7 +248,7 @@ def test_group_commit_is_bounded_by_wal_entry_bytes(kafka: LocalKafka, tmp_path:
 
     async def scenario() -> None:
         async with _replica(config, lead=True) as replica:
-            await _until(lambda: replica.role is Role.LEADER, 30, "leading")
+            await wait_until_async(lambda: replica.role is Role.LEADING, 30, what="the replica to lead")
             values = [bytes([65 + i]) * 3_000 for i in range(6)]  # ~3 KB entries: at most 2 a batch
             puts = [_put(replica, f"k{i}".encode(), v, f"rid-{i}") for i, v in enumerate(values)]
             too_big = _put(replica, b"huge", b"x" * 6_000, "rid-huge")
@@ -284,7 +280,7 @@ def test_replica_below_a_truncated_log_start_stays_behind_instead_of_jumping(kaf
 
     async def scenario() -> None:
         async with _replica(_config(kafka, topic, tmp_path, "leader"), lead=True) as leader:
-            await _until(lambda: leader.role is Role.LEADER, 30, "leading")
+            await wait_until_async(lambda: leader.role is Role.LEADING, 30, what="the replica to lead")
             for i in range(3):
                 await _put(leader, f"k{i}".encode(), b"v")
             start = leader.store.applied_offset - 2  # the last put's record
@@ -292,15 +288,16 @@ def test_replica_below_a_truncated_log_start_stays_behind_instead_of_jumping(kaf
         async with _replica(_config(kafka, topic, tmp_path, "late"), lead=False) as late:
             told: list[str | None] = []
             late.on_unable_to_lead = lambda shard, reason: told.append(reason)
-            # Bounded wait for the refusal (a fixed sleep was too short on a loaded CI machine).
-            await _until(lambda: bool(told), 30, "told it cannot lead")
-            await asyncio.sleep(1)  # and it stays behind: no jump over the gap afterwards
-            assert late.store.applied_offset == 0 and not late.caught_up
-            assert late.store.get(b"k2") is None  # nothing applied past the gap
+            await wait_until_async(lambda: bool(told), 30, what="the replica to say it cannot lead")
+            # And it stays behind, retrying: no jump over the gap afterwards. An absence, so it is
+            # watched over a window (the replica retries several times within it).
+            await holds_for_async(lambda: late.store.applied_offset == 0 and not late.caught_up
+                                  and late.store.get(b"k2") is None, 1.0,
+                                  what="the replica staying at checkpoint 0, nothing applied past the gap")
             assert told and told[0] is not None and "snapshot" in told[0]  # leaves the shard to others
             late.set_lead(True)  # the group offering it: refused, not a loop of failing takeovers
-            await asyncio.sleep(1)
-            assert late.role is not Role.LEADER and late.store.applied_offset == 0
+            await holds_for_async(lambda: late.role is not Role.LEADING and late.store.applied_offset == 0, 1.0,
+                                  what="the replica refusing to lead")
 
     asyncio.run(scenario())
 
@@ -318,7 +315,7 @@ def test_checkpoint_beyond_the_end_waits_out_the_grace_then_rebuilds(kafka: Loca
 
     async def scenario() -> None:
         async with _replica(config, lead=True) as leader:
-            await _until(lambda: leader.role is Role.LEADER, 30, "leading")
+            await wait_until_async(lambda: leader.role is Role.LEADING, 30, what="the replica to lead")
             await _put(leader, b"real", b"1")
         # The same replica's directory, but ahead of the log: as if the topic had been recreated.
         from kvstore.server.storage import ShardStore
@@ -328,10 +325,14 @@ def test_checkpoint_beyond_the_end_waits_out_the_grace_then_rebuilds(kafka: Loca
         ahead = store.applied_offset
         store.close()
         async with _replica(config, lead=False) as follower:
-            await asyncio.sleep(2.0)
-            assert follower.store.applied_offset == ahead, "wiped before the grace passed"
-            await _until(lambda: follower.caught_up and follower.store.applied_offset < ahead, 20, "rebuilt")
+            # Half the grace: the checkpoint must be kept all that time (an absence, watched over a window).
+            await holds_for_async(lambda: follower.store.applied_offset == ahead
+                                  and _metric(follower, "kvstore_rebuilds_total") == 0, 2.0,
+                                  what="the checkpoint beyond the end kept during the grace (wiped too early)")
+            await wait_until_async(lambda: follower.caught_up and follower.store.applied_offset < ahead, 20,
+                                   what="the replica rebuilt from the WAL after the grace")
             assert follower.store.get(b"real") is not None
+            assert _metric(follower, "kvstore_rebuilds_total") == 1
 
     asyncio.run(scenario())
 
@@ -344,14 +345,13 @@ def test_a_retry_older_than_the_request_id_horizon_is_refused_not_applied(kafka:
 
     async def scenario() -> None:
         async with _replica(_config(kafka, topic, tmp_path, "a"), lead=True) as replica:
-            await _until(lambda: replica.role is Role.LEADER, 30, "leading")
+            await wait_until_async(lambda: replica.role is Role.LEADING, 30, what="the replica to lead")
             first = await _put(replica, b"k", b"v", "rid-kept")
             two_hours_ago = int(time.time() * 1000) - 2 * 3_600_000
             request = kv_pb2.PutRequest(key=b"old", value=b"v", request_id="rid-old",
                                         first_attempt_unix_ms=two_hours_ago)
             with pytest.raises(errors.RequestExpiredError) as info:
-                await replica.write(lambda lookup, rev: evaluate_put(request, lookup, 0, rev), "rid-old",
-                                    request.ByteSize(), kv_pb2.PutResponse, two_hours_ago)
+                await replica.write(write_of(request, 0), request.ByteSize())
             assert "expired" in str(info.value) and info.value.definite
             assert replica.store.get(b"old") is None
             again = await _put(replica, b"k", b"v", "rid-kept")  # still remembered: the original answer
@@ -369,13 +369,13 @@ def test_marker_slot_assumed_before_a_resign_is_read_when_following(kafka: Local
     async def scenario() -> None:
         async with _replica(_config(kafka, topic, tmp_path, "leader"), lead=True) as leader, \
                 _replica(_config(kafka, topic, tmp_path, "follower"), lead=False) as follower:
-            await _until(lambda: leader.role is Role.LEADER, 30, "leading")
+            await wait_until_async(lambda: leader.role is Role.LEADING, 30, what="the replica to lead")
             writer = leader._writer
             assert writer is not None
             intruder = Producer({"bootstrap.servers": kafka.bootstrap_servers})
 
             def slip_in() -> None:
-                slot = leader._written_end - 1  # type: ignore[operator]
+                slot = leader.machine.written_end - 1  # type: ignore[operator]
                 entry = wal_entry_pb2.WalEntry(effects=[wal_entry_pb2.Effect(
                     put=wal_entry_pb2.PutEffect(key=b"slipped", value=b"in"))])
                 value, headers = encode(slot, WriterIdentity("intruder"), entry.SerializeToString())
@@ -387,9 +387,10 @@ def test_marker_slot_assumed_before_a_resign_is_read_when_following(kafka: Local
             await _put(leader, b"b", b"2")
             assert leader.store.unverified is not None
             await leader.resign(10)
-            await _until(lambda: leader.role is Role.FOLLOWER and leader.store.get(b"slipped") is not None, 15,
-                         "the former leader read the slot it had assumed")
-            await _until(lambda: follower.store.applied_offset == leader.store.applied_offset, 15, "follower")
+            await wait_until_async(lambda: leader.role is Role.FOLLOWER and leader.store.get(b"slipped") is not None,
+                                   15, what="the former leader to read the slot it had assumed")
+            await wait_until_async(lambda: follower.store.applied_offset == leader.store.applied_offset, 15,
+                                   what="the follower to catch up")
             assert leader.store.digest() == follower.store.digest()
 
     asyncio.run(scenario())
@@ -404,12 +405,12 @@ def test_a_second_attempt_while_the_first_commits_is_unknown_not_refused(kafka: 
 
     async def scenario() -> None:
         async with _replica(_config(kafka, topic, tmp_path, "a"), lead=True) as replica:
-            await _until(lambda: replica.role is Role.LEADER, 30, "leading")
+            await wait_until_async(lambda: replica.role is Role.LEADING, 30, what="the replica to lead")
             writer = replica._writer
             assert writer is not None
             writer._before_commit = lambda: release.wait(20)
             first = asyncio.create_task(_put(replica, b"k", b"v", "rid-twice"))
-            await _until(lambda: replica._txn_started is not None, 10, "committing")
+            await wait_until_async(lambda: replica._txn_started is not None, 10, what="the first attempt committing")
             with pytest.raises(errors.UnknownOutcomeError):
                 await _put(replica, b"k", b"v", "rid-twice")
             release.set()

@@ -18,6 +18,7 @@ from kvstore.core.sharding import shard_of
 from kvstore.v1 import cluster_pb2, kv_pb2
 from tests.conftest import unique
 from tests.integration.store_process import StoreProcess
+from tests.waiting import NotYet, wait_until
 from wal.broker import LocalKafka
 
 pytestmark = pytest.mark.kafka
@@ -169,22 +170,13 @@ def test_lost_or_corrupt_leveldb_is_rebuilt_from_the_wal(store: StoreProcess, da
 def test_watch_streams_changes(store: StoreProcess) -> None:
     first = put(store, b"w/1", b"before")
     stream = store.kv.Watch(kv_pb2.WatchRequest(prefix=b"w/"), timeout=TIMEOUT)  # from now on
-    events: list[kv_pb2.WatchEvent] = []
-
-    def read() -> None:
-        for event in stream:
-            events.append(event)
-            if len(events) == 3:
-                return
-
-    reader = threading.Thread(target=read)
-    reader.start()
-    time.sleep(0.5)  # let the watch register before the writes (it starts "from now")
+    # The first event says the watch is registered: the writes below cannot slip in before it.
+    assert next(stream).type == kv_pb2.WatchEvent.TYPE_CREATED
     put(store, b"w/2", b"a")
     put(store, b"w/1", b"b")
     store.kv.Delete(kv_pb2.DeleteRequest(key=b"w/2"), timeout=TIMEOUT)
     put(store, b"elsewhere", b"ignored")
-    reader.join(TIMEOUT)
+    events = [next(stream) for _ in range(3)]
     stream.cancel()
     assert [(e.type, e.kv.key) for e in events] == [
         (kv_pb2.WatchEvent.TYPE_PUT, b"w/2"), (kv_pb2.WatchEvent.TYPE_PUT, b"w/1"),
@@ -194,6 +186,7 @@ def test_watch_streams_changes(store: StoreProcess) -> None:
     # From a past revision: history comes from the WAL.
     history = store.kv.Watch(kv_pb2.WatchRequest(key=b"w/1", start_revision=first.result.revision),
                              timeout=TIMEOUT)
+    assert next(history).type == kv_pb2.WatchEvent.TYPE_CREATED  # first, also before history
     got = [next(history).kv.value, next(history).kv.value]
     history.cancel()
     assert got == [b"before", b"b"]
@@ -226,6 +219,12 @@ def test_limits_and_malformed_requests_get_clear_errors(store: StoreProcess) -> 
                         timeout=TIMEOUT), "MAX_TXN_OPS"),
         (lambda: kv.Scan(kv_pb2.ScanRequest(limit=limits.MAX_SCAN_LIMIT + 1), timeout=TIMEOUT), "MAX_SCAN_LIMIT"),
         (lambda: kv.Scan(kv_pb2.ScanRequest(start=b"b", end=b"a"), timeout=TIMEOUT), "greater than start"),
+        # A revision belongs to one shard: a scan of 4 shards cannot take a shard-less minimum.
+        (lambda: kv.Scan(kv_pb2.ScanRequest(read=kv_pb2.ReadOptions(consistency=kv_pb2.CONSISTENCY_STALE,
+                                                                   min_revision=0)), timeout=TIMEOUT),
+         "ReadOptions.min_revision names no shard, but a scan reads all 4 shards"),
+        (lambda: kv.Scan(kv_pb2.ScanRequest(min_revisions=[kv_pb2.ShardRevision(shard=4, revision=0)]),
+                         timeout=TIMEOUT), "shard 4 out of range"),
     ]
     keys = [f"span{i}".encode() for i in range(64)]
     first_shard = shard_of(keys[0], 4)
@@ -266,7 +265,7 @@ def test_graceful_shutdown_loses_no_acknowledged_write(store: StoreProcess) -> N
     threads = [threading.Thread(target=writer, args=(n,)) for n in range(4)]
     for thread in threads:
         thread.start()
-    time.sleep(2.0)
+    wait_until(lambda: len(acked) >= 40, 60, what="writes acknowledged before the shutdown")  # mid-stream
     assert store.proc is not None
     store.proc.send_signal(signal.SIGTERM)
     assert store.proc.wait(60) == 0, "graceful shutdown did not exit cleanly"
@@ -329,6 +328,35 @@ def test_follower_replica_tails_the_wal_and_serves_stale_reads(store: StoreProce
         follower.stop()
 
 
+def test_stale_scan_waits_per_shard_on_a_replica(store: StoreProcess, tmp_path: Path) -> None:
+    """Read-your-writes on a scan served by a replica: the scan names, per shard, the revision it
+    must have applied. Many writes land on one shard only, so its revisions run far beyond the
+    other shards' ends, where one shard-less number for every shard could never be reached."""
+    follower = StoreProcess(store.kafka, tmp_path / "follower", store.cluster, extra_args=("--follower",),
+                            node_id="replica")
+    follower.start()
+    try:
+        keys = [k for k in (f"ps/{i:03d}".encode() for i in range(400)) if shard_of(k, 4) == 1][:30]
+        last = [put(store, key, b"v") for key in keys][-1].result
+        assert last.shard == 1 and last.revision > 30  # beyond any other shard's end (they got nothing)
+        stale = kv_pb2.ReadOptions(consistency=kv_pb2.CONSISTENCY_STALE)
+        floor = kv_pb2.ShardRevision(shard=1, revision=last.revision)
+        reply = follower.kv.Scan(kv_pb2.ScanRequest(prefix=b"ps/", read=stale, limit=100, min_revisions=[floor]),
+                                 timeout=TIMEOUT)
+        assert [kv.key for kv in reply.kvs] == sorted(keys)
+        header = next(h for h in reply.headers if h.shard == 1)
+        assert header.applied_revision > last.revision and header.served_by == follower.node_id
+        # A revision shard 1 has not reached yet: the scan waits for it (bounded), then says so.
+        ahead = kv_pb2.ShardRevision(shard=1, revision=last.revision + 1000)
+        started = time.monotonic()
+        waited = bad(lambda: follower.kv.Scan(kv_pb2.ScanRequest(prefix=b"ps/", read=stale, min_revisions=[ahead]),
+                                              timeout=1.5))
+        assert waited.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED), waited
+        assert time.monotonic() - started >= 1.0
+    finally:
+        follower.stop()
+
+
 def test_reflection_and_metrics(kafka: LocalKafka, tmp_path: Path) -> None:
     from urllib.request import urlopen
 
@@ -348,6 +376,7 @@ def test_reflection_and_metrics(kafka: LocalKafka, tmp_path: Path) -> None:
                                             timeout=TIMEOUT)
         services = {s.name for reply in replies for s in reply.list_services_response.service}
         assert {"kvstore.v1.KV", "kvstore.v1.Cluster", "grpc.health.v1.Health"} <= services
+        assert not any("internal" in name for name in services)  # the peer service is not the API
         text = urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=TIMEOUT).read().decode()
         for name in ("kvstore_commit_latency_seconds_count", "kvstore_batch_records_bucket", "kvstore_applied_offset",
                      "kvstore_lag_records", "kvstore_w3_rejections_total", "kvstore_fencings_total",
@@ -386,13 +415,14 @@ def test_foreign_write_into_the_wal_is_detected_and_the_leader_settles(store: St
     codes: list[grpc.StatusCode] = []
 
     def until_ok(call: Callable[[], T]) -> T:
-        for _ in range(50):  # bounded: the probe settles within a few batches
+        def attempt() -> T:
             try:
                 return call()
             except grpc.RpcError as error:
                 codes.append(error.code())
-                time.sleep(0.2)
-        pytest.fail(f"the leader never settled: {codes}")
+                raise NotYet(f"{error.code().name}: {error.details()}") from error
+
+        return wait_until(attempt, 10, interval_s=0.2, what="the leader to settle after the foreign record")
 
     assert until_ok(lambda: get(store, key)).kv.value == b"mine"
     request_id = unique("again")  # the same id on every retry: applied at most once

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,6 +12,7 @@ from confluent_kafka.admin import AdminClient
 from kvstore.dev import demo
 from tests.integration.helpers import payloads, replay_all, writer
 from tests.integration.test_cluster import SHARDS, Cluster, run_and_verify
+from tests.waiting import wait_until
 from wal import WalError
 from wal.broker import LocalKafka
 
@@ -35,12 +35,9 @@ def test_appends_survive_killing_the_partition_leader(cluster: LocalKafka) -> No
     topic = "wal-rf3"
     cluster.create_topic(topic, partitions=1)
     admin = AdminClient({"bootstrap.servers": cluster.bootstrap_servers})
-    deadline = time.monotonic() + 30
-    while 0 not in (partitions := admin.list_topics(topic, timeout=10).topics[topic].partitions):
-        # another broker's metadata may still lag the controller's (bounded wait)
-        assert time.monotonic() < deadline, f"{topic} has no partition 0 in the metadata after 30 s"
-        time.sleep(0.1)
-    partition = partitions[0]
+    # Another broker's metadata may still lag the controller's.
+    partition = wait_until(lambda: admin.list_topics(topic, timeout=10).topics[topic].partitions.get(0), 30,
+                           interval_s=0.1, what=f"partition 0 of {topic} in the metadata")
     assert len(partition.replicas) == 3
     w = writer(cluster.bootstrap_servers, topic, call_timeout_s=10.0, retry_limit=6)
     committed: list[bytes] = []
@@ -78,17 +75,16 @@ def test_store_cluster_keeps_writing_when_a_broker_dies(cluster: LocalKafka, tmp
     victim: int | None = None
     try:
         workload = demo.Workload(nodes.endpoints, SHARDS).start()
-        time.sleep(2)
+        wait_until(lambda: len(workload.acks) >= 50, 60, what="the workload to be writing (50 acknowledged)")
         meta = AdminClient({"bootstrap.servers": cluster.bootstrap_servers}).list_topics(f"{nodes.name}.wal",
                                                                                          timeout=10)
         leaders = Counter(p.leader for p in meta.topics[f"{nodes.name}.wal"].partitions.values())
         victim = leaders.most_common(1)[0][0] - 1
         cluster.kill_node(victim)
         before = len(workload.acks)
-        deadline = time.monotonic() + 60
-        while len(workload.acks) < before + 50:  # bounded: partition leaders move in seconds
-            assert time.monotonic() < deadline, "writes stalled after losing one broker of three"
-            time.sleep(0.5)
+        # Partition leaders move in seconds.
+        wait_until(lambda: len(workload.acks) >= before + 50, 60, interval_s=0.5,
+                   what=f"50 more acknowledged writes after losing one broker of three (had {before})")
         run_and_verify(nodes, workload)
     finally:
         nodes.stop()

@@ -21,6 +21,7 @@ from kvstore.v1 import cluster_pb2
 from tests.conftest import unique
 from tests.integration.store_process import StoreProcess
 from tests.pipeline.conftest import cli_json
+from tests.waiting import NotYet, wait_until
 from wal.broker import LocalKafka
 
 pytestmark = [pytest.mark.kafka, pytest.mark.pipeline, pytest.mark.slow]
@@ -32,7 +33,7 @@ class Nodes:
     def __init__(self, kafka: str, base: Path, snapshots: str) -> None:
         self.cluster = unique("boot").replace("-", "")
         self.nodes = {name: StoreProcess(kafka, base / name, self.cluster, shards=SHARDS, node_id=name,
-                                         extra_args=("--snapshot-dir", snapshots))
+                                         extra_args=("--snapshot-dir", snapshots), metrics=True)
                       for name in ("a", "b", "c")}
 
     def client(self, *names: str) -> Client:
@@ -47,13 +48,13 @@ class Nodes:
         return out
 
     def wait_equal(self, names: list[str], timeout_s: float = 60.0) -> dict[int, tuple[int, str]]:
-        deadline = time.monotonic() + timeout_s
-        while True:
+        def agreed() -> dict[int, tuple[int, str]]:
             seen = {n: self.digests(n) for n in names}
-            if all(seen[n] == seen[names[0]] for n in names):
-                return seen[names[0]]
-            assert time.monotonic() < deadline, f"replicas never agreed: {seen}"
-            time.sleep(0.5)
+            if any(seen[n] != seen[names[0]] for n in names):
+                raise NotYet(seen)
+            return seen[names[0]]
+
+        return wait_until(agreed, timeout_s, interval_s=0.5, what=f"replicas {names} to agree")
 
     def stop(self) -> None:
         for node in self.nodes.values():
@@ -107,8 +108,8 @@ def test_nodes_bootstrap_from_a_snapshot_after_truncation(
     final = nodes.wait_equal(["a", "b", "c"])
     assert all(final[s][0] > cuts[s] for s in range(SHARDS))
     for name in ("b", "c"):
-        log = (tmp_path / f"{nodes.cluster}-{name}.log").read_text()
-        assert "loaded snapshot" in log, f"node {name} did not load the snapshot"
+        loads = {s: nodes.nodes[name].metric("kvstore_snapshot_loads_total", shard=str(s)) for s in range(SHARDS)}
+        assert all(n >= 1 for n in loads.values()), f"node {name} did not load the snapshot: {loads}"
 
     a.stop()  # b and c lead now; neither ever saw rid-old's write happen, only its snapshot
     with nodes.client("b", "c") as client:

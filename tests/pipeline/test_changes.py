@@ -19,9 +19,9 @@ from pyspark.sql import functions as F
 
 from kvstore import cli
 from kvstore.core.state import decode_entry
+from kvstore.internal.v1 import wal_entry_pb2
 from kvstore.pipeline import changes
 from kvstore.pipeline.target import WalTarget
-from kvstore.v1 import wal_entry_pb2
 from tests.conftest import unique
 from tests.integration.helpers import writer
 from wal import Replayer, ShardWriter, WriterConfig, WriterIdentity, delete_below, shard_transactional_id

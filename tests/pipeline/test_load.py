@@ -25,6 +25,7 @@ from kvstore.pipeline import load
 from kvstore.pipeline.target import WalTarget
 from tests.conftest import unique
 from tests.integration.store_process import StoreProcess
+from tests.waiting import NotYet, wait_until
 from wal.broker import LocalKafka
 from wal.clients import PartitionEnds
 
@@ -56,15 +57,15 @@ class Cluster:
         return Client(self.endpoints, timeout_s=20, max_attempts=100, max_backoff_s=0.2)
 
     def leader(self, shard: int, timeout_s: float = 60.0) -> StoreProcess:
-        deadline = time.monotonic() + timeout_s
         with self.client() as client:
-            while True:
+            def settled() -> StoreProcess:
                 smap = client.shard_map(timeout_s=10)
                 info = smap.shards[shard]
-                if all(s.leader_ready for s in smap.shards) and info.leader_id:
-                    return next(n for n in self.nodes if n.node_id == info.leader_id)
-                assert time.monotonic() < deadline, f"no settled leader: {smap}"
-                time.sleep(0.2)
+                if not (all(s.leader_ready for s in smap.shards) and info.leader_id):
+                    raise NotYet(smap)
+                return next(n for n in self.nodes if n.node_id == info.leader_id)
+
+            return wait_until(settled, timeout_s, interval_s=0.2, what=f"a settled leader of shard {shard}")
 
 
 @pytest.fixture(scope="module")
@@ -287,10 +288,15 @@ def test_leader_sigkill_mid_load_applies_every_row_exactly_once(cluster: Cluster
 
     loader = threading.Thread(target=run)
     loader.start()
-    deadline = time.monotonic() + 60
-    while ends.high_watermark(cluster.target.topic, shard) < start + 40:  # shard 0 is being written
-        assert loader.is_alive() and time.monotonic() < deadline, f"the load did not start writing: {outcome}"
-        time.sleep(0.05)
+
+    def writing() -> int:
+        assert loader.is_alive(), f"the load ended before the kill: {outcome}"
+        end = ends.high_watermark(cluster.target.topic, shard)
+        if end < start + 40:
+            raise NotYet(f"high watermark {end}")
+        return end
+
+    wait_until(writing, 60, what=f"the load to write shard {shard} (40 offsets past {start})")
     assert loader.is_alive()
     victim.stop(signal.SIGKILL)
     killed_at = ends.high_watermark(cluster.target.topic, shard)

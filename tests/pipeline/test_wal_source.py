@@ -8,6 +8,7 @@ from pyspark.sql import SparkSession
 
 from kvstore.pipeline import wal_source
 from tests.integration.helpers import writer
+from tests.waiting import NotYet, wait_until
 from wal import clients
 from wal.broker import LocalKafka
 from wal.record import EXPECTED_OFFSET_HEADER, WriterIdentity, encode, judge
@@ -20,19 +21,21 @@ def _python_verdicts(bootstrap: str, topic: str, end: int) -> dict[int, tuple[st
     consumer = Consumer(clients.consumer_config(bootstrap, "read_committed"))
     consumer.assign([TopicPartition(topic, 0, 0)])
     out: dict[int, tuple[str, bytes | None, str, int]] = {}
-    try:
-        while True:
-            position = consumer.position([TopicPartition(topic, 0)])[0].offset
-            if position >= end and out:
-                break
-            msg = consumer.poll(1.0)
-            if msg is None or msg.error():
+
+    def read_to_end() -> bool:
+        for msg in consumer.consume(1_000, 0.2):
+            if msg.error():
                 continue
             verdict, accepted = judge(msg.offset(), msg.value(), msg.headers())
             out[msg.offset()] = (verdict.value, accepted.payload if accepted else None,
                                  accepted.writer.id if accepted else "", accepted.writer.term if accepted else 0)
-            if msg.offset() + 1 >= end:
-                break
+        position = consumer.position([TopicPartition(topic, 0)])[0].offset
+        if not (out and (position >= end or max(out) + 1 >= end)):
+            raise NotYet(f"position {position}, {len(out)} records read")
+        return True
+
+    try:
+        wait_until(read_to_end, 60, interval_s=0.01, what=f"a read_committed consumer to read up to offset {end}")
     finally:
         consumer.close()
     return out

@@ -257,8 +257,9 @@ class FakeClient:
         return TxnResult(True, 0, 44, False, results, request_id or "t")
 
     def scan_all(self, start: str, end: str, prefix: str, limit: int, consistency: str,
-                 *, keys_only: bool) -> Iterator[KeyValue]:
-        self._record("scan_all", start, end, prefix, limit, consistency, keys_only=keys_only)
+                 *, keys_only: bool, min_revisions: dict[int, int] | None = None) -> Iterator[KeyValue]:
+        self._record("scan_all", start, end, prefix, limit, consistency, keys_only=keys_only,
+                     min_revisions=min_revisions)
         for page in self.pages:
             yield from page.kvs
 
@@ -270,7 +271,7 @@ class FakeClient:
         self._record("shard_map")
         return ShardMap(2, "wal", "n1:1", (ShardInfo(0, "n1:1", 3, 10, 12, 2, 0, "n1", True),
                                            ShardInfo(1, "n2:1", 0, 5, 5, 0, 0, "n2", False)),
-                        (NodeInfo("n1", "n1:1", (0,), 42, True), NodeInfo("n2", "n2:1", (), 43, True)))
+                        (NodeInfo("n1", "n1:1", (0,), True), NodeInfo("n2", "n2:1", (), False)))
 
     def list_transactions(self, older_than_ms: int = 0) -> list[TransactionInfo]:
         self._record("list_transactions", older_than_ms)
@@ -413,10 +414,40 @@ def test_scan_limits_total_keys_and_pages(fake: FakeClient, capsys: pytest.Captu
     assert rc == 0
     assert out.splitlines() == ["KEY  VALUE  VERSION  MOD_REVISION", "p0          1        0",
                                 "p1   x      1        1", "p2   xx     1        2"]
-    assert fake.calls[-1] == ("scan_all", ("", "", "p", 3, "linearizable"), {"keys_only": False})
+    assert fake.calls[-1] == ("scan_all", ("", "", "p", 3, "linearizable"), {"keys_only": False, "min_revisions": {}})
     rc, out, _ = run(["scan", "--start", "a", "--end", "z", "--keys-only", "-o", "json"], capsys)
     assert json_lines(out) == [{"key": f"p{i}"} for i in range(5)]
-    assert fake.calls[-1] == ("scan_all", ("a", "z", "", 0, "linearizable"), {"keys_only": True})
+    assert fake.calls[-1] == ("scan_all", ("a", "z", "", 0, "linearizable"), {"keys_only": True, "min_revisions": {}})
+
+
+def test_scan_min_revisions_name_their_shard(fake: FakeClient, capsys: pytest.CaptureFixture[str]) -> None:
+    rc, _, _ = run(["scan", "--prefix", "p", "--consistency", "stale", "--min-revision", "0:7",
+                    "--min-revision", "2:40", "--min-revision", "0:9"], capsys)
+    assert rc == 0
+    assert fake.calls[-1] == ("scan_all", ("", "", "p", 0, "stale"), {"keys_only": False,
+                                                                      "min_revisions": {0: 9, 2: 40}})
+
+
+def test_scan_refuses_a_revision_without_its_shard(fake: FakeClient, capsys: pytest.CaptureFixture[str]) -> None:
+    rc, _, err = run(["scan", "--min-revision", "7"], capsys)
+    assert rc == 2 and fake.calls == []
+    assert "names its shard: SHARD:REV" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize(("text", "pair"), [("0:7", (0, 7)), ("3:0", (3, 0)), (" 1 : 2 ", (1, 2))])
+def test_parse_shard_revision(text: str, pair: tuple[int, int]) -> None:
+    assert cli.parse_shard_revision(text) == pair
+
+
+@pytest.mark.parametrize("text", ["7", "a:1", "1:b", "-1:3", "1:-3", "1:2:3"])
+def test_parse_shard_revision_refuses(text: str) -> None:
+    with pytest.raises(argparse.ArgumentTypeError):
+        cli.parse_shard_revision(text)
+
+
+def test_min_revisions_keeps_the_highest_per_shard() -> None:
+    assert cli.min_revisions([(1, 5), (0, 3), (1, 2)]) == {0: 3, 1: 5}
+    assert cli.min_revisions([]) == {}
 
 
 def test_scan_large_limit_uses_server_max_page(fake: FakeClient, capsys: pytest.CaptureFixture[str]) -> None:
@@ -462,11 +493,13 @@ def test_shards(fake: FakeClient, capsys: pytest.CaptureFixture[str]) -> None:
     assert lines[1].split() == ["SHARD", "LEADER", "NODE", "TERM", "APPLIED", "END", "LAG", "OPEN_TXN_MS"]
     assert lines[2].split() == ["0", "n1:1", "n1", "3", "10", "12", "2", "0"]
     assert lines[3].split() == ["1", "n2:1", "n2", "(taking", "over)", "0", "5", "5", "0", "0"]
-    assert lines[5].split() == ["NODE", "ADDRESS", "LEADS", "PID", "ROLE"]
-    assert lines[6].split() == ["n1", "n1:1", "0", "42", "leader-capable"]
+    assert lines[5].split() == ["NODE", "ADDRESS", "LEADS", "ROLE"]  # no pid: the API carries none
+    assert lines[6].split() == ["n1", "n1:1", "0", "leader-capable"]
+    assert lines[7].split() == ["n2", "n2:1", "-", "read", "replica"]
     (record,) = json_lines(run(["shards", "-o", "json"], capsys)[1])
     assert record["shard_count"] == 2 and record["shards"][0]["leader"] == "n1:1"
-    assert record["shards"][1]["leader_ready"] is False and record["nodes"][1]["pid"] == 43
+    assert record["shards"][1]["leader_ready"] is False
+    assert record["nodes"][1] == {"node_id": "n2", "address": "n2:1", "leads": [], "can_lead": False}
 
 
 @pytest.mark.parametrize(("text", "ms"), [("500ms", 500), ("30s", 30_000), ("2m", 120_000), ("1h", 3_600_000),

@@ -35,16 +35,19 @@ from kvstore.client import (
     PutResult,
     RequestExpired,
     RetryAction,
+    TxnResult,
     Unavailable,
     UnknownOutcome,
     backoff_delay,
     error_from_status,
     retry_action,
+    revisions_of,
     to_bytes,
     txn_keys,
     txn_shard,
     write_attempt_is_definite,
 )
+from kvstore.client.requests import shard_revisions
 from kvstore.core.sharding import shard_of
 from kvstore.errors import (
     LEADER_HINT_KEY,
@@ -690,6 +693,31 @@ def test_txn_is_routed_to_the_leader_of_its_shard_and_results_are_parsed() -> No
     assert isinstance(get, GetResult) and get.found and get.value == b"v" and get.header is None
 
 
+def test_routing_asks_for_the_public_shard_map() -> None:
+    """The map a client routes with is the public one (no node-to-node fields on the wire)."""
+    client = Client(["n1:1"])
+    s = Scripted(client, 1, {0: "n1:1"}, [put_ok()])
+    client.put("k", "v")
+    (fetch,) = s.calls("ShardMap")
+    assert fetch.request == cluster_pb2.ShardMapRequest()
+
+
+def test_shard_revisions_name_their_shard_and_are_checked() -> None:
+    assert [(r.shard, r.revision) for r in shard_revisions({2: 9, 0: 0})] == [(0, 0), (2, 9)]
+    assert shard_revisions({}) == []
+    for bad in ({-1: 3}, {0: -1}, {0: True}, {"0": 1}):
+        with pytest.raises(InvalidArgument, match="min_revisions"):
+            shard_revisions(bad)  # type: ignore[arg-type]
+
+
+def test_revisions_of_keeps_the_highest_revision_per_shard() -> None:
+    writes = [PutResult(b"a", 0, 7, 1, False, "r"), PutResult(b"b", 1, 3, 1, False, "r"),
+              DeleteResult(b"c", 0, 12, True, False, "r"), TxnResult(True, 1, None, False, (), "r"),
+              PutResult(b"d", 0, 9, 1, False, "r")]
+    assert revisions_of(writes) == {0: 12, 1: 3}
+    assert revisions_of([]) == {}
+
+
 def test_client_side_argument_errors() -> None:
     with pytest.raises(InvalidArgument):
         Client([])
@@ -703,6 +731,8 @@ def test_client_side_argument_errors() -> None:
         client.watch()
     with pytest.raises(InvalidArgument):
         client.put("k", "v", request_id="")
+    with pytest.raises(InvalidArgument, match="min_revisions"):
+        client.scan(prefix="p", consistency="stale", min_revisions={0: -1})
 
 
 # ============================================================================================
@@ -738,6 +768,8 @@ class FakeCluster:
         self.revision = 0
         self.hints = True
         self.watch_events: list[kv_pb2.WatchEvent] = []
+        self.watch_registers = True  # a server that answers `created` first (every server now)
+        self.watch_break_after: int | None = None  # end the stream with UNAVAILABLE after this many events
         self.servers: list[grpc.Server] = []
         self.addresses: list[str] = []
         for _ in range(nodes):
@@ -875,7 +907,13 @@ class FakeNode(kv_pb2_grpc.KVServicer, cluster_pb2_grpc.ClusterServicer):
 
     def Watch(self, request: kv_pb2.WatchRequest, context: grpc.ServicerContext) -> Iterator[kv_pb2.WatchEvent]:
         self._enter("Watch", request, context, None)
-        yield from self.cluster.watch_events
+        events, break_after = self.cluster.watch_events, self.cluster.watch_break_after  # as of the open
+        if self.cluster.watch_registers:
+            yield kv_pb2.WatchEvent(type=kv_pb2.WatchEvent.TYPE_CREATED)
+            if break_after is not None:
+                yield from events[:break_after]
+                context.abort(SC.UNAVAILABLE, "node went away")
+            yield from events
         while context.is_active():  # until the client cancels
             time.sleep(0.01)
 
@@ -1072,13 +1110,64 @@ def test_watch_retries_before_the_first_event(cluster: FakeCluster, client: Clie
     assert len(cluster.calls_to("Watch")) == 2
 
 
+def test_watch_returns_once_registered_and_never_yields_created(cluster: FakeCluster, client: Client) -> None:
+    """`created` is consumed by opening: the first event a caller sees is a change."""
+    cluster.watch_events = [kv_pb2.WatchEvent(type=kv_pb2.WatchEvent.TYPE_PUT, kv=kv_pb2.KeyValue(key=b"w"))]
+    with client.watch(key="w") as watch:
+        event = next(watch)
+    assert event.type == "put" and event.kv.key == b"w"
+
+
+def test_watch_that_is_never_registered_fails_within_the_open_deadline(cluster: FakeCluster) -> None:
+    cluster.watch_registers = False  # an old or stuck server: the stream opens, `created` never comes
+    with Client([cluster.addresses[0]], timeout_s=5.0, max_attempts=2, backoff_s=0.01,
+                attempt_timeout_s=0.2) as c:
+        started = time.monotonic()
+        with pytest.raises(Unavailable, match="did not register the watch"):
+            c.watch(prefix="w")
+        assert time.monotonic() - started < 2.0
+    assert len(cluster.calls_to("Watch")) == 2  # the per-attempt cap moved on, then the attempts ran out
+
+
+def test_watch_from_now_that_breaks_after_registering_is_raised_not_reopened(
+        cluster: FakeCluster, client: Client) -> None:
+    """Registered, then lost before any change arrived: reopening "from now" could silently skip
+    the changes in between, so the caller is told (and watches again from what it saw)."""
+    cluster.watch_break_after = 0
+    with client.watch(prefix="w") as watch, pytest.raises(Unavailable, match="node went away"):
+        next(watch)
+    assert len(cluster.calls_to("Watch")) == 1
+
+
+def test_watch_with_a_start_revision_is_reopened_until_something_was_delivered(
+        cluster: FakeCluster, client: Client) -> None:
+    """From a start revision the server replays history: reopening before anything was delivered
+    loses and repeats nothing."""
+    cluster.watch_events = [kv_pb2.WatchEvent(type=kv_pb2.WatchEvent.TYPE_PUT, kv=kv_pb2.KeyValue(key=b"w"))]
+    cluster.watch_break_after = 0
+    watch = client.watch(prefix="w", start_revision=0)
+    cluster.watch_break_after = None  # the reopened stream works
+    with watch:
+        assert next(watch).kv.key == b"w"
+    assert len(cluster.calls_to("Watch")) == 2
+
+
+def test_scan_sends_per_shard_min_revisions(cluster: FakeCluster, client: Client) -> None:
+    put0, put1 = client.put(key_on(0, 2), "a"), client.put(key_on(1, 2), "b")
+    again0 = client.put(key_on(0, 2, "j"), "c")
+    client.scan(prefix="k", consistency="stale", min_revisions=revisions_of([put0, put1, again0]))
+    (call,) = cluster.calls_to("Scan")
+    assert [(r.shard, r.revision) for r in call.request.min_revisions] == [(0, again0.revision), (1, put1.revision)]
+    assert not call.request.read.HasField("min_revision")  # a scan never sends a shard-less minimum
+
+
 def test_close_closes_channels(cluster: FakeCluster) -> None:
     c = Client(cluster.addresses, max_channels=1)
     c.put(key_on(0, 2), "v")
     c.put(key_on(1, 2), "v")  # a second address: the first channel is evicted
-    assert len(c._conns) == 1
+    assert len(c._channels) == 1
     c.close()
-    assert not c._conns
+    assert not len(c._channels)
     with pytest.raises(KvError, match="closed"):
         c.get("k")
 

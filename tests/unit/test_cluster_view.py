@@ -55,7 +55,7 @@ def test_group_config_heartbeats_often_and_is_static_and_cooperative(session_ms:
 def view(node: str, address: str, leads: dict[int, int], shards: int = 3) -> cluster_pb2.ShardMapResponse:
     """A node's local view: it leads `leads` (shard -> term), sees the others unled."""
     out = cluster_pb2.ShardMapResponse(shard_count=shards, topic="t", served_by=node)
-    out.nodes.append(cluster_pb2.NodeInfo(node_id=node, address=address, leads=sorted(leads), pid=1, can_lead=True))
+    out.nodes.append(cluster_pb2.NodeInfo(node_id=node, address=address, leads=sorted(leads), can_lead=True))
     for shard in range(shards):
         mine = shard in leads
         out.shards.append(cluster_pb2.ShardInfo(shard=shard, leader=address if mine else "", term=leads.get(shard, 0),

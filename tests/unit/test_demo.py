@@ -17,10 +17,13 @@ from kvstore.client import (
     InvalidArgument,
     KeyValue,
     KvError,
+    NodeInfo,
     NotLeader,
     Overloaded,
     PutResult,
     RequestExpired,
+    ShardInfo,
+    ShardMap,
     Unavailable,
     UnknownOutcome,
 )
@@ -211,6 +214,46 @@ def test_replicas_unequal_fails_the_verdict() -> None:
     verdict = demo.Verdict(acked=1, acked_lost=0, duplicates=0, replicas_equal=False, replicas={},
                            lost_examples=[])
     assert not verdict.ok
+
+
+# ============================================================================================
+# Whom the demo kills
+
+
+class MapOnlyClient:
+    """Answers the shard map only: the demo must not get further than choosing its victim."""
+
+    def __init__(self, smap: ShardMap) -> None:
+        self.smap = smap
+
+    def __enter__(self) -> MapOnlyClient:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        pass
+
+    def shard_map(self, **_: Any) -> ShardMap:
+        return self.smap
+
+
+def test_failover_asks_its_kill_first_and_refuses_before_any_load(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The victim is the shard's leader as the map names it (id and address, no pid); the demo's
+    `kill` decides whether it may signal it, before a single write is sent."""
+    smap = ShardMap(2, "wal", "a:1", (ShardInfo(0, "b:1", 3, 0, 0, 0, 0, "node-2", True),
+                                      ShardInfo(1, "a:1", 2, 0, 0, 0, 0, "node-1", True)),
+                    (NodeInfo("node-1", "a:1", (1,), True), NodeInfo("node-2", "b:1", (0,), True)))
+    monkeypatch.setattr(demo, "Client", lambda *_, **__: MapOnlyClient(smap))
+    started: list[demo.Workload] = []
+    monkeypatch.setattr(demo.Workload, "start", lambda self: started.append(self) or self)
+    asked: list[tuple[NodeInfo, int]] = []
+
+    def refuse(node: NodeInfo, sig: int) -> str:
+        asked.append((node, sig))
+        raise RuntimeError("not a node the dev cluster started")
+
+    with pytest.raises(RuntimeError, match="not a node the dev cluster started"):
+        demo.failover(["a:1"], kill=refuse, shard=0, quiet=True)
+    assert asked == [(NodeInfo("node-2", "b:1", (0,), True), 0)] and started == []
 
 
 # ============================================================================================

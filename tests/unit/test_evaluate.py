@@ -8,8 +8,8 @@ import pytest
 
 from kvstore.core.evaluate import Evaluation, compare_holds, evaluate_delete, evaluate_put, evaluate_txn, key_value
 from kvstore.core.state import ChangeType, KeyState, apply_entries
+from kvstore.internal.v1 import wal_entry_pb2 as pb
 from kvstore.v1 import kv_pb2 as kv
-from kvstore.v1 import wal_entry_pb2 as pb
 
 C = kv.Compare
 SHARD, REV = 3, 42

@@ -18,10 +18,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from kvstore.core.state import KeyState, RequestRecord
+from kvstore.internal.v1 import wal_entry_pb2 as pb
 from kvstore.pipeline.fold import FOLD_INPUT, FOLD_OUTPUT, FoldError, fold
 from kvstore.server import snapshot
 from kvstore.server.storage import ShardStore
-from kvstore.v1 import wal_entry_pb2 as pb
 
 TOPIC = "wal-test"
 MAX_IDS = 7

@@ -8,7 +8,7 @@ from collections.abc import Collection
 import pytest
 
 from kvstore.core.state import Applied, ChangeType, KeyState, RequestRecord, apply_entries, next_key_state
-from kvstore.v1 import wal_entry_pb2 as pb
+from kvstore.internal.v1 import wal_entry_pb2 as pb
 
 
 def put(key: bytes, value: bytes = b"v") -> pb.Effect:

@@ -13,8 +13,8 @@ import pytest
 from kvstore import limits
 from kvstore.core.request_horizon import expired
 from kvstore.core.state import KeyState, RequestRecord, apply_entries
+from kvstore.internal.v1 import wal_entry_pb2 as pb
 from kvstore.server.storage import FORMAT_VERSION, ShardStore, StorageError
-from kvstore.v1 import wal_entry_pb2 as pb
 
 TOPIC = "wal-test"
 GARBAGE = b"\xde\xad\xbe\xef" * 64

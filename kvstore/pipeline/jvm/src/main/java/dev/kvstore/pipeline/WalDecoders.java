@@ -38,7 +38,7 @@ public final class WalDecoders {
   static {
     Map<String, Descriptor> messages = load();
     RECORD = require(messages, "wal.v1.Record");
-    ENTRY = require(messages, "kvstore.v1.WalEntry");
+    ENTRY = require(messages, "kvstore.internal.v1.WalEntry");
   }
 
   private WalDecoders() {}
@@ -73,7 +73,7 @@ public final class WalDecoders {
   }
 
   /**
-   * kvstore.v1.WalEntry -> struct(request_id, effects array(struct(kind, key, value)), response,
+   * kvstore.internal.v1.WalEntry -> struct(request_id, effects array(struct(kind, key, value)), response,
    * leader_unix_ms); NULL if it does not parse or an effect has no kind.
    */
   public static final class DecodeEntry implements UDF1<byte[], Row> {

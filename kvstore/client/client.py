@@ -1,0 +1,547 @@
+"""`Client`: the calls of the public API, each with routing, one deadline and bounded retries
+(the contract is described in `kvstore.client`'s docstring)."""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from types import TracebackType
+from typing import Self, TypeVar
+
+import grpc
+from google.protobuf.message import Message
+
+from kvstore.client.errors import (
+    DeadlineExceeded,
+    InvalidArgument,
+    KvError,
+    NotLeader,
+    UnknownOutcome,
+    error_from_rpc,
+)
+from kvstore.client.requests import (
+    BytesLike,
+    Compare,
+    Consistency,
+    Op,
+    consistency_pb,
+    make_first_attempt_unix_ms,
+    make_request_id,
+    scan_request,
+    to_bytes,
+    txn_keys,
+    txn_shard,
+)
+from kvstore.client.results import (
+    DeleteResult,
+    FenceResult,
+    GetResult,
+    KeyValue,
+    PutResult,
+    ReadHeader,
+    ScanPage,
+    ShardMap,
+    TransactionInfo,
+    TxnResult,
+    txn_op_result,
+)
+from kvstore.client.retry import (
+    DEFAULT_ATTEMPT_TIMEOUT_S,
+    DEFAULT_MAX_BACKOFF_S,
+    RetryAction,
+    backoff_delay,
+    keep_unknown,
+    retry_action,
+)
+from kvstore.client.transport import DEFAULT_MAX_CHANNELS, Channels, Conn, Router, invoke
+from kvstore.client.watch import Watch
+from kvstore.v1 import cluster_pb2, kv_pb2
+
+# One endpoint may be black-holed; fetching the map from it must not eat the whole deadline
+# before the next endpoint is tried. A node answers the map from what it knows plus its peers'
+# views (each bounded by the server's own fan-out deadline), so this is ample.
+MAP_FETCH_TIMEOUT_S = 2.0
+
+R = TypeVar("R", bound=Message)
+
+
+class Client:
+    """A connection to a kvstore cluster; thread-safe, use one per process.
+
+    `endpoints` are seed addresses ("host:port"); the client learns the leaders from the shard
+    map. `timeout_s` is the default deadline of every call (retries included), overridable per
+    call; `max_attempts` bounds the tries of one call; `backoff_s` is the first backoff, doubled
+    per attempt up to `max_backoff_s`. `attempt_timeout_s` caps one attempt, so a node that
+    stopped answering (a paused process, a black hole) costs that much, not the whole deadline:
+    the attempt counts as "outcome unknown" and is retried elsewhere with the same request id.
+
+    Writes (`put`, `delete`, `txn`) return only once committed, raise `UnknownOutcome` when any
+    attempt may have committed (retry later with its `request_id` and `first_attempt_unix_ms`),
+    `RequestExpired` when the store refused such a retry as too old (outcome unknown for good),
+    and any other `KvError` only when nothing of the write committed (see `kvstore.client`).
+    """
+
+    def __init__(
+        self,
+        endpoints: Sequence[str],
+        *,
+        timeout_s: float = 5.0,
+        max_attempts: int = 6,
+        backoff_s: float = 0.05,
+        max_backoff_s: float = DEFAULT_MAX_BACKOFF_S,
+        max_channels: int = DEFAULT_MAX_CHANNELS,
+        attempt_timeout_s: float = DEFAULT_ATTEMPT_TIMEOUT_S,
+    ) -> None:
+        if isinstance(endpoints, str):  # a str is a Sequence[str] of characters: accept "a:1,b:2"
+            endpoints = endpoints.split(",")
+        seeds = tuple(dict.fromkeys(e.strip() for e in endpoints if e.strip()))
+        if not seeds:
+            raise InvalidArgument("at least one endpoint is needed")
+        if timeout_s <= 0 or max_attempts < 1 or backoff_s < 0 or max_backoff_s < 0 or max_channels < 1:
+            raise InvalidArgument("timeout_s must be > 0, max_attempts and max_channels >= 1, backoffs >= 0")
+        self._timeout_s = timeout_s
+        self._max_attempts = max_attempts
+        self._backoff_s = backoff_s
+        self._max_backoff_s = max_backoff_s
+        if attempt_timeout_s <= 0:
+            raise InvalidArgument(f"attempt_timeout_s must be > 0: {attempt_timeout_s}")
+        self._attempt_timeout_s = attempt_timeout_s
+        self._router = Router(seeds)
+        self._channels = Channels(max_channels)
+        # Seams for tests: no real sleeping, deterministic jitter.
+        self._sleep: Callable[[float], None] = time.sleep
+        self._rng = random.Random()
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Close every channel; calls in flight (and watches) end with `Cancelled`."""
+        self._channels.close()
+
+    @property
+    def endpoints(self) -> tuple[str, ...]:
+        """The seeds, then the nodes learned from shard maps."""
+        return self._router.endpoints
+
+    # -- the API -----------------------------------------------------------------------------
+
+    def get(
+        self,
+        key: BytesLike,
+        consistency: Consistency = "linearizable",
+        min_revision: int | None = None,
+        *,
+        timeout_s: float | None = None,
+    ) -> GetResult:
+        """Read one key. `stale` may be served by any node; `min_revision` (a revision of the
+        key's shard, e.g. an earlier `put`'s) makes it wait until that node applied it."""
+        k = to_bytes(key)
+        read = kv_pb2.ReadOptions(consistency=consistency_pb(consistency))
+        if min_revision is not None:
+            read.min_revision = min_revision
+        resp = self._call(
+            "Get", kv_pb2.GetRequest(key=k, read=read), kv_pb2.GetResponse,
+            key=None if consistency == "stale" else k, timeout_s=timeout_s,
+        )
+        return GetResult.from_pb(k, resp)
+
+    def put(
+        self,
+        key: BytesLike,
+        value: BytesLike,
+        request_id: str | None = None,
+        *,
+        timeout_s: float | None = None,
+        first_attempt_unix_ms: int | None = None,
+    ) -> PutResult:
+        """Write one key; answered once its WAL batch committed.
+
+        To finish a write that ended in `UnknownOutcome` (say, in another process), pass its
+        `request_id` and `first_attempt_unix_ms`: the store applies it at most once, and refuses
+        it with `RequestExpired` if it is older than what the store remembers. Without
+        `first_attempt_unix_ms` the first attempt is now, which is right only for a new id."""
+        k, rid = to_bytes(key), make_request_id(request_id)
+        first_ms = make_first_attempt_unix_ms(first_attempt_unix_ms, request_id)
+        request = kv_pb2.PutRequest(key=k, value=to_bytes(value, "value"), request_id=rid,
+                                    first_attempt_unix_ms=first_ms)
+        resp = self._call("Put", request, kv_pb2.PutResponse, key=k, timeout_s=timeout_s, request_id=rid,
+                          write=True, first_attempt_unix_ms=first_ms)
+        return PutResult.from_pb(k, resp, rid)
+
+    def delete(
+        self,
+        key: BytesLike,
+        request_id: str | None = None,
+        *,
+        timeout_s: float | None = None,
+        first_attempt_unix_ms: int | None = None,
+    ) -> DeleteResult:
+        """Delete one key (not an error if it does not exist); ids and outcomes as in `put`."""
+        k, rid = to_bytes(key), make_request_id(request_id)
+        first_ms = make_first_attempt_unix_ms(first_attempt_unix_ms, request_id)
+        request = kv_pb2.DeleteRequest(key=k, request_id=rid, first_attempt_unix_ms=first_ms)
+        resp = self._call("Delete", request, kv_pb2.DeleteResponse, key=k, timeout_s=timeout_s, request_id=rid,
+                          write=True, first_attempt_unix_ms=first_ms)
+        return DeleteResult.from_pb(k, resp, rid)
+
+    def txn(
+        self,
+        compares: Sequence[Compare] = (),
+        success: Sequence[Op] = (),
+        failure: Sequence[Op] = (),
+        request_id: str | None = None,
+        *,
+        timeout_s: float | None = None,
+        first_attempt_unix_ms: int | None = None,
+    ) -> TxnResult:
+        """Run `success` if every compare holds, else `failure`, atomically, within one shard.
+
+        Raises `CrossShardTxn` before sending when the keys span shards. Ids and outcomes as in
+        `put` (a Txn is a write, even when its branch only reads).
+        """
+        rid = make_request_id(request_id)
+        first_ms = make_first_attempt_unix_ms(first_attempt_unix_ms, request_id)
+        deadline = self._deadline(timeout_s)
+        keys = txn_keys(compares, success, failure)
+        shard_count = self._known_shard_count(deadline)
+        if shard_count is not None:
+            txn_shard(compares, success, failure, shard_count)
+        # else: no node answered the map; the server applies the same check.
+        request = kv_pb2.TxnRequest(
+            compares=[c.to_pb() for c in compares],
+            success=[o.to_pb() for o in success],
+            failure=[o.to_pb() for o in failure],
+            request_id=rid,
+            first_attempt_unix_ms=first_ms,
+        )
+        resp = self._call(
+            "Txn", request, kv_pb2.TxnResponse, key=keys[0] if keys else None, deadline=deadline, request_id=rid,
+            write=True, first_attempt_unix_ms=first_ms,
+        )
+        branch = success if resp.succeeded else failure
+        results = tuple(txn_op_result(op.key, r, rid) for op, r in zip(branch, resp.results, strict=False))
+        w = resp.result
+        revision = w.revision if w.HasField("revision") else None
+        return TxnResult(resp.succeeded, w.shard, revision, w.replayed, results, rid)
+
+    def scan(
+        self,
+        start: BytesLike = b"",
+        end: BytesLike = b"",
+        prefix: BytesLike = b"",
+        limit: int = 0,
+        consistency: Consistency = "linearizable",
+        *,
+        page_token: bytes = b"",
+        keys_only: bool = False,
+        min_revisions: Mapping[int, int] | None = None,
+        timeout_s: float | None = None,
+    ) -> ScanPage:
+        """One page of `[start, end)` or of `prefix`, in key order across all shards.
+
+        Any node can answer (it gathers from the shards itself). `limit` 0 = server default.
+        `min_revisions` (shard -> revision, with `stale`): each shard is read only once its
+        replica applied that revision of that shard, e.g. `revisions_of([put1, put2])` to see
+        your own writes. A revision belongs to one shard, so a scan has no single minimum.
+        """
+        request = scan_request(start, end, prefix, limit, consistency, keys_only, min_revisions)
+        request.page_token = page_token
+        resp = self._call("Scan", request, kv_pb2.ScanResponse, key=None, timeout_s=timeout_s)
+        return ScanPage(
+            tuple(KeyValue.from_pb(kv) for kv in resp.kvs),
+            resp.next_page_token,
+            tuple(ReadHeader.from_pb(h) for h in resp.headers),
+        )
+
+    def scan_all(
+        self,
+        start: BytesLike = b"",
+        end: BytesLike = b"",
+        prefix: BytesLike = b"",
+        limit: int = 0,
+        consistency: Consistency = "linearizable",
+        *,
+        keys_only: bool = False,
+        min_revisions: Mapping[int, int] | None = None,
+        timeout_s: float | None = None,
+    ) -> Iterator[KeyValue]:
+        """Every key of the range, page by page (`limit` is the page size); each page is a call
+        with its own deadline, so a long scan is not cut off by one timeout."""
+        scan_request(start, end, prefix, limit, consistency, keys_only, min_revisions)  # fail early
+        token = b""
+        while True:
+            page = self.scan(
+                start, end, prefix, limit, consistency, page_token=token, keys_only=keys_only,
+                min_revisions=min_revisions, timeout_s=timeout_s,
+            )
+            yield from page.kvs
+            if not page.next_page_token:
+                return
+            token = page.next_page_token
+
+    def watch(
+        self,
+        key: BytesLike = b"",
+        prefix: BytesLike = b"",
+        start_revision: int | None = None,
+        *,
+        timeout_s: float | None = None,
+    ) -> Watch:
+        """Changes to `key` (or every key under `prefix`) from `start_revision` on (None = from now).
+
+        Returns once the server registered the watch (its `created` event, within `timeout_s` or
+        the client's default): every change applied after that is delivered, so a caller may
+        write right away, without sleeping first. Returns an iterator of `WatchEvent`s (changes
+        only); `cancel()` (or leaving its `with` block) ends it. The stream itself has no
+        deadline unless `timeout_s` is given: it is meant to last.
+        """
+        k, p = to_bytes(key), to_bytes(prefix, "prefix")
+        if bool(k) == bool(p):
+            raise InvalidArgument("watch needs exactly one of key or prefix")
+        request = kv_pb2.WatchRequest(key=k, prefix=p)
+        if start_revision is not None:
+            request.start_revision = start_revision
+        return Watch(self, request, k or None, timeout_s)
+
+    def shard_map(self, *, timeout_s: float | None = None) -> ShardMap:
+        """Fetch the current shard map from any endpoint (and refresh the routing cache)."""
+        deadline = self._deadline(timeout_s)
+        # With several endpoints, one black-holed node must not eat the whole deadline.
+        cap_s = MAP_FETCH_TIMEOUT_S if len(self._router.endpoints) > 1 else None
+        last: KvError | None = None
+        attempts = 0
+        while attempts < self._max_attempts:
+            for _ in range(len(self._router.endpoints)):
+                if attempts >= self._max_attempts or deadline - time.monotonic() <= 0:
+                    break
+                attempts += 1
+                try:
+                    return self._fetch_map(self._router.any_endpoint(), deadline, cap_s)
+                except KvError as error:
+                    last = error
+                    self._router.rotate()
+                    # A deadline here is the per-endpoint cap (a node not answering): next one.
+                    if retry_action(error) is RetryAction.FAIL and not isinstance(error, DeadlineExceeded):
+                        raise
+            if attempts >= self._max_attempts or deadline - time.monotonic() <= 0:
+                break
+            self._sleep_backoff(attempts, deadline)
+        raise self._give_up(last, attempts, None)
+
+    def list_transactions(self, older_than_ms: int = 0, *, timeout_s: float | None = None) -> list[TransactionInfo]:
+        """Shards whose WAL transaction has been open at least `older_than_ms` (seed 004)."""
+        if older_than_ms < 0:
+            raise InvalidArgument(f"older_than_ms must be >= 0: {older_than_ms}")
+        resp = self._call("ListTransactions", cluster_pb2.ListTransactionsRequest(older_than_ms=older_than_ms),
+                          cluster_pb2.ListTransactionsResponse, key=None, timeout_s=timeout_s)
+        return [TransactionInfo(t.shard, t.first_offset, t.end_offset, t.age_ms, t.leader_id)
+                for t in resp.transactions]
+
+    def fence(self, shard: int, *, timeout_s: float | None = None) -> FenceResult:
+        """Force-terminate `shard`'s transaction (a fresh init_transactions on its id). The live
+        leader finds itself fenced, steps down, and leadership settles again by itself."""
+        if shard < 0:
+            raise InvalidArgument(f"shard must be >= 0: {shard}")
+        resp = self._call("FenceShard", cluster_pb2.FenceShardRequest(shard=shard), cluster_pb2.FenceShardResponse,
+                          key=None, timeout_s=timeout_s)
+        return FenceResult(resp.shard, resp.end_offset, resp.notified)
+
+    # -- internals: routing ------------------------------------------------------------------
+
+    def _deadline(self, timeout_s: float | None) -> float:
+        t = self._timeout_s if timeout_s is None else timeout_s
+        if t <= 0:
+            raise InvalidArgument(f"timeout must be positive: {t}")
+        return time.monotonic() + t
+
+    def _rotate(self, failed: str | None = None) -> None:
+        self._router.rotate(failed)
+
+    def _invalidate_map(self) -> None:
+        self._router.invalidate()
+
+    def _fetch_map(self, target: str, deadline: float, cap_s: float | None) -> ShardMap:
+        """The merged shard map from `target` (it asks the other nodes), cached for routing."""
+        remaining = deadline - time.monotonic()
+        timeout = min(remaining, cap_s) if cap_s is not None else remaining
+        try:
+            resp = self._invoke(target, "ShardMap", cluster_pb2.ShardMapRequest(), max(timeout, 0.001))
+        except grpc.RpcError as exc:
+            raise error_from_rpc(exc, target=target) from None
+        if not isinstance(resp, cluster_pb2.ShardMapResponse):
+            raise KvError(f"unexpected response from {target}: {type(resp).__name__}", target=target)
+        smap = ShardMap.from_pb(resp)
+        self._router.learn(smap)
+        return smap
+
+    def _cached_map(self, deadline: float) -> ShardMap | None:
+        """The cached map, fetched (one try per endpoint) if there is none; None if none answered."""
+        cached = self._router.cached()
+        if cached is not None:
+            return cached
+        for _ in range(len(self._router.endpoints)):
+            if deadline - time.monotonic() <= 0:
+                return None
+            target = self._router.any_endpoint()
+            try:
+                smap = self._fetch_map(target, deadline, MAP_FETCH_TIMEOUT_S)
+            except KvError:
+                self._router.rotate(target)
+                continue
+            return smap if smap.shard_count > 0 else None
+        return None
+
+    def _known_shard_count(self, deadline: float) -> int | None:
+        known = self._router.shard_count()
+        if known is not None:
+            return known
+        smap = self._cached_map(deadline)
+        return smap.shard_count if smap is not None else None
+
+    def _route(self, key: bytes | None, deadline: float) -> str:
+        """The leader of `key`'s shard when known; otherwise any endpoint (which will hint)."""
+        if key is None:
+            return self._router.any_endpoint()
+        smap = self._cached_map(deadline)
+        if smap is None:
+            return self._router.any_endpoint()
+        return self._router.leader_for(key, smap)
+
+    # -- internals: calls and retries --------------------------------------------------------
+
+    def _conn(self, target: str) -> Conn:
+        return self._channels.get(target)
+
+    def _invoke(self, target: str, method: str, request: Message, timeout: float) -> Message:
+        """One attempt: one RPC to one node. Raises `grpc.RpcError`. (The seam unit tests replace.)"""
+        return invoke(self._conn(target), method, request, timeout)
+
+    def _sleep_backoff(self, attempt: int, deadline: float) -> None:
+        delay = backoff_delay(attempt, self._backoff_s, self._max_backoff_s, self._rng)
+        delay = min(delay, max(0.0, deadline - time.monotonic()))
+        if delay > 0:
+            self._sleep(delay)
+
+    def _give_up(self, last: KvError | None, attempts: int, request_id: str | None) -> KvError:
+        if last is None:
+            return DeadlineExceeded("deadline exceeded before any attempt", request_id=request_id)
+        last.attempts = max(attempts, 1)
+        return last
+
+    def _call(
+        self,
+        method: str,
+        request: Message,
+        response_type: type[R],
+        *,
+        key: bytes | None,
+        timeout_s: float | None = None,
+        deadline: float | None = None,
+        request_id: str | None = None,
+        write: bool = False,
+        first_attempt_unix_ms: int | None = None,
+    ) -> R:
+        """Run one request with routing and bounded retries; the request (and so its request
+        id and first-attempt time) is the same object on every attempt.
+
+        `write`: a Put, Delete or Txn, whose errors are classified for W7 (module docstring);
+        an error it raises carries `request_id` and `first_attempt_unix_ms` to retry with."""
+        try:
+            return self._attempts(method, request, response_type, key=key, timeout_s=timeout_s, deadline=deadline,
+                                  request_id=request_id, write=write)
+        except KvError as error:
+            if write:
+                error.request_id = request_id
+                error.first_attempt_unix_ms = first_attempt_unix_ms
+            raise
+
+    def _attempts(
+        self,
+        method: str,
+        request: Message,
+        response_type: type[R],
+        *,
+        key: bytes | None,
+        timeout_s: float | None,
+        deadline: float | None,
+        request_id: str | None,
+        write: bool,
+    ) -> R:
+        if deadline is None:
+            deadline = self._deadline(timeout_s)
+        hint: str | None = None
+        last: KvError | None = None
+        unknown: UnknownOutcome | None = None  # an earlier attempt may have committed (W7)
+        attempt = 0
+        while attempt < self._max_attempts:
+            if deadline - time.monotonic() <= 0:
+                break
+            attempt += 1
+            target = hint or self._route(key, deadline)
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            capped = remaining > self._attempt_timeout_s
+            try:
+                response = self._invoke(target, method, request, min(remaining, self._attempt_timeout_s))
+            except grpc.RpcError as exc:
+                error = error_from_rpc(exc, target=target, request_id=request_id, write=write)
+                if capped and error.code == grpc.StatusCode.DEADLINE_EXCEEDED and \
+                        isinstance(error, DeadlineExceeded | UnknownOutcome):
+                    # Our per-attempt cap, not the caller's deadline: the node is not answering.
+                    # A write may have committed there (W7); the retry carries the same id.
+                    error = UnknownOutcome(f"{target} did not answer within {self._attempt_timeout_s}s",
+                                           code=grpc.StatusCode.DEADLINE_EXCEEDED, target=target,
+                                           request_id=request_id)
+            except KvError as closed:  # the client was closed under the call: nothing sent this time
+                closed.attempts = attempt
+                raise keep_unknown(closed, unknown, write=write) from None
+            else:
+                if not isinstance(response, response_type):
+                    raise KvError(f"unexpected response from {target}: {type(response).__name__}", target=target)
+                return response
+            if isinstance(error, UnknownOutcome):
+                unknown = error
+            action = retry_action(error)
+            if action is RetryAction.FAIL:
+                error.attempts = attempt
+                raise keep_unknown(error, unknown, write=write)
+            last = error
+            if attempt >= self._max_attempts:
+                break
+            if action is RetryAction.REDIRECT:
+                assert isinstance(error, NotLeader)
+                self._invalidate_map()
+                new_hint = error.leader_hint
+                if new_hint and new_hint != target:
+                    hint = new_hint
+                    continue  # a fresh node: no reason to wait
+                hint = None
+            elif action is RetryAction.REROUTE:
+                self._invalidate_map()
+                self._rotate(target)
+                hint = None
+            # BACKOFF: keep the target (and any hint).
+            self._sleep_backoff(attempt, deadline)
+        if last is not None and deadline - time.monotonic() <= 0:
+            if write and unknown is not None:
+                # W7: the deadline ends the retries, not the uncertainty of the unknown attempt.
+                then = "" if last is unknown else f"; the retries then failed: {last.message}"
+                raise UnknownOutcome(
+                    f"deadline exceeded, outcome unknown: {unknown.message}{then}", code=unknown.code,
+                    metadata=unknown.metadata, target=unknown.target, request_id=request_id, attempts=attempt,
+                )
+            raise DeadlineExceeded(
+                f"deadline exceeded; last error: {last.message}",
+                code=grpc.StatusCode.DEADLINE_EXCEEDED, target=last.target, request_id=request_id, attempts=attempt,
+            )
+        raise keep_unknown(self._give_up(last, attempt, request_id), unknown, write=write)

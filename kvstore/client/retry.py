@@ -1,0 +1,76 @@
+"""The client's retry policy, pure: what to do after a failed attempt, how long to wait, and what
+a call that gives up reports. The loop that applies it (`Client._attempts`) only executes it.
+"""
+
+from __future__ import annotations
+
+import enum
+import random
+
+from kvstore.client.errors import (
+    DeadlineExceeded,
+    InvalidArgument,
+    KvError,
+    NotLeader,
+    Overloaded,
+    RequestExpired,
+    Unavailable,
+    UnknownOutcome,
+)
+
+DEFAULT_MAX_BACKOFF_S = 1.0
+# A healthy node answers well within this (a commit takes milliseconds; a takeover answers
+# UNAVAILABLE at once). Longer means it is paused or cut off: try another one.
+DEFAULT_ATTEMPT_TIMEOUT_S = 5.0
+_JITTER = random.Random()
+
+
+class RetryAction(enum.Enum):
+    """What the retry loop does after an attempt failed."""
+
+    FAIL = "fail"  # raise now: retrying cannot help (or could do harm)
+    REDIRECT = "redirect"  # go to the leader hint at once
+    REROUTE = "reroute"  # refresh the shard map, try the next endpoint, back off
+    BACKOFF = "backoff"  # same target, after a backoff
+
+
+def retry_action(error: KvError) -> RetryAction:
+    """Classify a failed attempt. Pure: the retry policy in one place, table-tested."""
+    if isinstance(error, NotLeader):
+        return RetryAction.REDIRECT if error.leader_hint else RetryAction.REROUTE
+    if isinstance(error, Unavailable | UnknownOutcome):
+        # An unknown outcome usually means the leader lost its shard (or its connection)
+        # mid-commit: look again. The retry carries the same request id.
+        return RetryAction.REROUTE
+    if isinstance(error, Overloaded):
+        return RetryAction.BACKOFF
+    return RetryAction.FAIL
+
+
+def backoff_delay(attempt: int, base_s: float, cap_s: float, rng: random.Random | None = None) -> float:
+    """Delay before attempt `attempt + 1`: exponential, capped, with "equal jitter".
+
+    Half of the delay is fixed so retries still spread out in time; the other half is random so
+    clients that failed together do not come back together.
+    """
+    ceiling = min(cap_s, base_s * 2.0 ** max(0, attempt - 1))
+    half = ceiling / 2
+    return half + (rng or _JITTER).uniform(0.0, half)
+
+
+def keep_unknown(error: KvError, unknown: UnknownOutcome | None, *, write: bool = False) -> KvError:
+    """W7 for the caller: once an attempt's outcome was unknown, a later "nothing was done"
+    (unavailable, not leader, overloaded, invalid, a deadline, ...) says nothing about that
+    attempt, so the call as a whole still has an unknown outcome and must not look like a clean
+    failure. `RequestExpired` already says the outcome is unknown (and that retrying is futile):
+    it is kept. Reads keep their older rule, which also let InvalidArgument and DeadlineExceeded
+    through (a read has no outcome to hide)."""
+    if unknown is None or isinstance(error, UnknownOutcome | RequestExpired):
+        return error
+    if not write and isinstance(error, InvalidArgument | DeadlineExceeded):
+        return error
+    return UnknownOutcome(
+        f"{unknown.message}; the retries then failed: {error.message}",
+        code=unknown.code, metadata=unknown.metadata, target=unknown.target, request_id=error.request_id,
+        attempts=error.attempts,
+    )

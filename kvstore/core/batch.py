@@ -1,0 +1,205 @@
+"""Group-commit planning for one shard leader: writes in, a batch and its answers out; pure.
+
+The leader queues writes while a batch is in flight and turns the queue into the next batch
+here (DESIGN.md §4, group commit). Everything that decides what a write gets lives in this
+module, so the asyncio replica (`kvstore.server.replica`) and the deterministic simulation
+(tests/sim) share it:
+
+* **admission** (`admit`): a write whose request id committed before is answered with the
+  recorded answer (a replay, marked so); one that may be a forgotten id is refused as expired
+  (`kvstore.core.request_horizon`); one whose earlier attempt is still queued or committing is
+  "unknown for now" (W7: it must not end in a definite refusal while that attempt may commit);
+* **dedupe inside a batch**: a second attempt of the same id in one batch shares the first's
+  answer and adds no record;
+* **evaluation over an overlay**: each write is evaluated against the committed state plus the
+  writes planned before it in this batch, at the offset its record will land at (W1). The overlay
+  advances with `kvstore.core.state.apply_effects`, the state machine's own transition, so the
+  plan can never disagree with what apply will do;
+* **sizing** by WAL-entry bytes and records (the writer's limits, `BatchLimits`): a write that
+  does not fit goes first into the next batch (`Plan.carry`), evaluated again there; one entry
+  above the record limit alone is refused with the limit named.
+
+Answers fall in two groups: `Plan.now` (refusals and replays: independent of the append, given
+at once) and `Plan.after_commit` (given only once the batch committed, W5, or, for a batch with
+no records, once a read barrier passed). No clock is read here: the caller passes `now_unix_ms`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Container, Sequence
+from typing import Any, Protocol
+
+from kvstore import errors, limits
+from kvstore.core import request_horizon
+from kvstore.core.evaluate import Evaluation, Response, evaluate_delete, evaluate_put, evaluate_txn
+from kvstore.core.state import KeyState, Lookup, RequestRecord, apply_effects
+from kvstore.v1 import kv_pb2
+
+Build = Callable[[Lookup, int], Evaluation]
+
+
+class RequestTable(Protocol):
+    """The committed request-id window of a shard (LevelDB in a node, a dict in the simulation)."""
+
+    def request(self, request_id: str) -> RequestRecord | None: ...
+
+    @property
+    def evicted_through_ms(self) -> int: ...
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Write:
+    """One queued write as the planner sees it. `request_id` "" = no dedupe (a leader's probe)."""
+
+    request_id: str
+    build: Build
+    response_type: type[Any]  # PutResponse, DeleteResponse or TxnResponse: decodes a replayed answer
+    first_attempt_unix_ms: int = 0
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class BatchLimits:
+    """The WAL writer's limits a batch must respect (`wal.WriterConfig`)."""
+
+    max_records: int
+    max_bytes: int
+    max_record_bytes: int
+
+    def __post_init__(self) -> None:
+        assert self.max_records > 0 and self.max_bytes > 0 and self.max_record_bytes > 0, self
+
+
+Answer = Response | errors.StoreError
+
+
+@dataclasses.dataclass
+class Plan:
+    """What to append and what to answer. Indices refer to the `writes` given to `plan_batch`;
+    every index appears exactly once in `now`, `after_commit` or `carry`."""
+
+    revision: int  # the expected offset of the first record (W1)
+    payloads: list[bytes] = dataclasses.field(default_factory=list)
+    now: list[tuple[int, Answer]] = dataclasses.field(default_factory=list)
+    after_commit: list[tuple[int, Response]] = dataclasses.field(default_factory=list)
+    carry: list[int] = dataclasses.field(default_factory=list)
+    payload_bytes: int = 0
+
+    @property
+    def upcoming_if_committed(self) -> int:
+        """The partition's upcoming offset once this batch committed: records + the marker (W1)."""
+        assert self.payloads, "a batch without records appends nothing"
+        return self.revision + len(self.payloads) + 1
+
+
+ClientWrite = kv_pb2.PutRequest | kv_pb2.DeleteRequest | kv_pb2.TxnRequest
+
+
+def write_of(request: ClientWrite, shard: int) -> Write:
+    """A client's write (already validated) as the planner takes it: evaluated at plan time
+    against the state plus the batch before it (`kvstore.core.evaluate`)."""
+    if isinstance(request, kv_pb2.PutRequest):
+        put = request
+        return Write(put.request_id, lambda lookup, rev: evaluate_put(put, lookup, shard, rev), kv_pb2.PutResponse,
+                     put.first_attempt_unix_ms)
+    if isinstance(request, kv_pb2.DeleteRequest):
+        delete = request
+        return Write(delete.request_id, lambda lookup, rev: evaluate_delete(delete, lookup, shard, rev),
+                     kv_pb2.DeleteResponse, delete.first_attempt_unix_ms)
+    txn = request
+    return Write(txn.request_id, lambda lookup, rev: evaluate_txn(txn, lookup, shard, rev), kv_pb2.TxnResponse,
+                 txn.first_attempt_unix_ms)
+
+
+def replayed(response_type: type[Any], raw: bytes) -> Response:
+    """The original answer to a request id seen before, marked as a replay."""
+    response = response_type.FromString(raw)
+    if response.HasField("result"):
+        response.result.replayed = True
+    assert isinstance(response, (kv_pb2.PutResponse, kv_pb2.DeleteResponse, kv_pb2.TxnResponse)), response_type
+    return response
+
+
+def admit(write: Write, table: RequestTable, in_progress: Container[str], now_unix_ms: int, *,
+          horizon_ms: int = limits.REQUEST_ID_HORIZON_MS, skew_ms: int = limits.MAX_CLOCK_SKEW_MS) -> Answer | None:
+    """What a write gets before it is queued: None to queue it, else its answer now.
+
+    A replay of a committed id (its recorded answer), a refusal of an id that may have been
+    forgotten (`RequestExpiredError`, definite for this attempt), or `UnknownOutcomeError` when an
+    earlier attempt with this id is queued or committing here (`in_progress`): this attempt
+    must not end in a definite refusal (leadership lost, node stopping) while that one may
+    commit; a retry later finds the id in the table or free again."""
+    if not write.request_id:
+        return None
+    earlier = table.request(write.request_id)
+    if earlier is not None:
+        return replayed(write.response_type, earlier.response)
+    why = request_horizon.expired(write.first_attempt_unix_ms, now_unix_ms, table.evicted_through_ms, horizon_ms,
+                                  skew_ms)
+    if why is not None:
+        return errors.RequestExpiredError(why)
+    if write.request_id in in_progress:
+        return errors.UnknownOutcomeError("an earlier attempt with this request id is in progress; "
+                                          "retry with the same request id")
+    return None
+
+
+def plan_batch(writes: Sequence[Write], revision: int, lookup: Lookup, table: RequestTable, now_unix_ms: int,
+               batch_limits: BatchLimits, *, horizon_ms: int = limits.REQUEST_ID_HORIZON_MS,
+               skew_ms: int = limits.MAX_CLOCK_SKEW_MS) -> Plan:
+    """Plan the batch that starts at `revision` (the leader's upcoming offset) from `writes`, in
+    order. `lookup` reads the committed state; `table` the committed request ids.
+
+    Stamps each entry with `now_unix_ms` as its leader time (the clock by which every replica
+    forgets request ids at the same entry, `kvstore.server.storage`)."""
+    plan = Plan(revision=revision)
+    overlay: dict[bytes, KeyState | None] = {}
+
+    def current(key: bytes) -> KeyState | None:
+        return overlay[key] if key in overlay else lookup(key)
+
+    in_batch: dict[str, Response] = {}  # first answer of each id planned in this batch
+    for index, write in enumerate(writes):
+        rid = write.request_id
+        if rid and rid in in_batch:
+            plan.after_commit.append((index, in_batch[rid]))  # its first attempt's record, once
+            continue
+        refusal = admit(write, table, (), now_unix_ms, horizon_ms=horizon_ms, skew_ms=skew_ms)
+        if refusal is not None:
+            plan.now.append((index, refusal))
+            continue
+        record_revision = revision + len(plan.payloads)
+        try:
+            evaluation = write.build(current, record_revision)
+        except ValueError as exc:  # a condition the validator could not see (e.g. an unknown compare op)
+            plan.now.append((index, errors.InvalidRequestError(str(exc))))
+            continue
+        if evaluation.entry is not None:
+            evaluation.entry.leader_unix_ms = now_unix_ms
+            payload = evaluation.entry.SerializeToString()
+            if len(payload) > batch_limits.max_record_bytes:
+                # e.g. a Txn whose answer (stored with it for retries) carries large gets
+                plan.now.append((index, errors.InvalidRequestError(
+                    f"WAL record of {len(payload)} bytes exceeds the record limit {batch_limits.max_record_bytes}; "
+                    "split the Txn")))
+                continue
+            if plan.payloads and (plan.payload_bytes + len(payload) > batch_limits.max_bytes
+                                  or len(plan.payloads) >= batch_limits.max_records):
+                plan.carry.extend(range(index, len(writes)))  # in order, first into the next batch
+                break
+            for key, state in apply_effects(evaluation.entry.effects, record_revision, current):
+                overlay[key] = state
+            plan.payloads.append(payload)
+            plan.payload_bytes += len(payload)
+        if rid:
+            in_batch[rid] = evaluation.response
+        plan.after_commit.append((index, evaluation.response))
+    _check(plan, len(writes))
+    return plan
+
+
+def _check(plan: Plan, count: int) -> None:
+    """Paired assertion: every write is answered now, after the commit, or carried, once."""
+    seen = [i for i, _ in plan.now] + [i for i, _ in plan.after_commit] + plan.carry
+    assert sorted(seen) == list(range(count)), f"plan lost or doubled writes: {sorted(seen)} of {count}"
+    assert len(plan.payloads) <= max(1, len(plan.after_commit)), "more records than answered writes"

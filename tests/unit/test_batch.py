@@ -1,0 +1,179 @@
+"""`kvstore.core.batch`: admission, in-batch dedupe, the overlay, sizing and carry-over; pure.
+
+Each case is a table row: the committed state and request table, the writes in queue order, and
+the exact plan expected (records, who is answered now / after commit / carried, with what)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from kvstore import errors, limits
+from kvstore.core.batch import BatchLimits, Plan, Write, admit, plan_batch, replayed
+from kvstore.core.evaluate import Evaluation, evaluate_delete, evaluate_put, evaluate_txn
+from kvstore.core.state import KeyState, RequestRecord, apply_entries, decode_entry
+from kvstore.v1 import kv_pb2 as kv
+
+SHARD, REV = 1, 100
+NOW_MS = 1_800_000_000_000
+WIDE = BatchLimits(max_records=1000, max_bytes=1 << 20, max_record_bytes=1 << 20)
+
+
+@dataclasses.dataclass
+class Table:
+    """A request table as the planner sees it (LevelDB in a node)."""
+
+    rows: dict[str, RequestRecord] = dataclasses.field(default_factory=dict)
+    evicted_through_ms: int = 0
+
+    def request(self, request_id: str) -> RequestRecord | None:
+        return self.rows.get(request_id)
+
+
+def put(key: bytes, value: bytes = b"v", rid: str = "", first_ms: int = NOW_MS) -> Write:
+    req = kv.PutRequest(key=key, value=value, request_id=rid)
+    return Write(rid, lambda lookup, rev: evaluate_put(req, lookup, SHARD, rev), kv.PutResponse, first_ms)
+
+
+def delete(key: bytes, rid: str = "") -> Write:
+    req = kv.DeleteRequest(key=key, request_id=rid)
+    return Write(rid, lambda lookup, rev: evaluate_delete(req, lookup, SHARD, rev), kv.DeleteResponse, NOW_MS)
+
+
+def cas(key: bytes, version: int, value: bytes, rid: str = "") -> Write:
+    req = kv.TxnRequest(request_id=rid,
+                        compares=[kv.Compare(key=key, target=kv.Compare.TARGET_VERSION, op=kv.Compare.OP_EQUAL,
+                                             version=version)],
+                        success=[kv.TxnOp(put=kv.PutRequest(key=key, value=value))])
+    return Write(rid, lambda lookup, rev: evaluate_txn(req, lookup, SHARD, rev), kv.TxnResponse, NOW_MS)
+
+
+def get_only(key: bytes, rid: str = "") -> Write:
+    req = kv.TxnRequest(request_id=rid, success=[kv.TxnOp(get=kv.GetRequest(key=key))])
+    return Write(rid, lambda lookup, rev: evaluate_txn(req, lookup, SHARD, rev), kv.TxnResponse, NOW_MS)
+
+
+def committed(rid: str, revision: int = 7, version: int = 3) -> RequestRecord:
+    answer = kv.PutResponse(result=kv.WriteResult(shard=SHARD, revision=revision), version=version)
+    return RequestRecord(rid, revision, answer.SerializeToString(), NOW_MS - 1000)
+
+
+def plan(writes: list[Write], state: dict[bytes, KeyState] | None = None, table: Table | None = None,
+         batch_limits: BatchLimits = WIDE) -> Plan:
+    state = state or {}
+    return plan_batch(writes, REV, state.get, table or Table(), NOW_MS, batch_limits)
+
+
+def kinds(p: Plan) -> tuple[list[tuple[int, str]], list[int], list[int]]:
+    """(now: index and answer type name, after_commit indices, carry) for compact table rows."""
+    return ([(i, type(a).__name__) for i, a in p.now], [i for i, _ in p.after_commit], p.carry)
+
+
+# ---- admission ---------------------------------------------------------------------------------------
+
+ADMIT_CASES = [
+    # id, table, in progress, first attempt -> expected answer type (None = queue it)
+    ("no request id: always queued", "", Table({"a": committed("a")}), {"a"}, NOW_MS, None),
+    ("new id", "a", Table(), set(), NOW_MS, None),
+    ("committed before: replayed", "a", Table({"a": committed("a")}), set(), NOW_MS, "PutResponse"),
+    ("committed and in progress: the table wins", "a", Table({"a": committed("a")}), {"a"}, NOW_MS, "PutResponse"),
+    ("in progress here: unknown for now", "a", Table(), {"a"}, NOW_MS, "UnknownOutcomeError"),
+    ("beyond the horizon", "a", Table(), set(), NOW_MS - limits.REQUEST_ID_HORIZON_MS - 1, "RequestExpiredError"),
+    ("may be a forgotten id", "a", Table(evicted_through_ms=NOW_MS - 5), set(), NOW_MS - 10,
+     "RequestExpiredError"),
+    ("after the forgotten ones plus skew", "a", Table(evicted_through_ms=NOW_MS - limits.MAX_CLOCK_SKEW_MS - 10),
+     set(), NOW_MS - 5, None),
+]
+
+
+@pytest.mark.parametrize(("rid", "table", "in_progress", "first_ms", "expected"),
+                         [c[1:] for c in ADMIT_CASES], ids=[c[0] for c in ADMIT_CASES])
+def test_admit(rid: str, table: Table, in_progress: set[str], first_ms: int, expected: str | None) -> None:
+    answer = admit(put(b"k", rid=rid, first_ms=first_ms), table, in_progress, NOW_MS)
+    assert (None if answer is None else type(answer).__name__) == expected
+    if isinstance(answer, errors.StoreError):
+        assert answer.definite == (expected != "UnknownOutcomeError")
+
+
+def test_a_replay_is_the_recorded_answer_marked_replayed() -> None:
+    answer = admit(put(b"k", rid="a"), Table({"a": committed("a", revision=7, version=3)}), set(), NOW_MS)
+    assert isinstance(answer, kv.PutResponse)
+    assert (answer.result.revision, answer.version, answer.result.replayed) == (7, 3, True)
+    assert replayed(kv.PutResponse, committed("a").response).result.replayed
+
+
+# ---- planning -------------------------------------------------------------------------------------------
+
+PLAN_CASES = [
+    # name, writes, committed state, table, limits -> (now, after_commit, carry), records
+    ("one put", [put(b"a")], None, None, WIDE, ([], [0], []), 1),
+    ("a replay is answered now, not written", [put(b"a", rid="r")], None, Table({"r": committed("r")}), WIDE,
+     ([(0, "PutResponse")], [], []), 0),
+    ("second attempt in the batch shares the first's record", [put(b"a", rid="r"), put(b"a", rid="r")], None,
+     None, WIDE, ([], [0, 1], []), 1),
+    ("an expired retry is refused, the rest written", [put(b"a", rid="old", first_ms=1), put(b"b")], None, None,
+     WIDE, ([(0, "RequestExpiredError")], [1], []), 1),
+    ("read-only txn: no record, answered after a barrier", [get_only(b"a")], None, None, WIDE, ([], [0], []), 0),
+    ("count bound: the rest carried in order", [put(b"a"), put(b"b"), put(b"c")], None, None,
+     BatchLimits(2, 1 << 20, 1 << 20), ([], [0, 1], [2]), 2),
+    ("byte bound: carried", [put(b"a", b"x" * 60), put(b"b", b"x" * 60)], None, None,
+     BatchLimits(10, 100, 1 << 20), ([], [0], [1]), 1),
+    ("a record above the record limit is refused alone", [put(b"a", b"x" * 200), put(b"b")], None, None,
+     BatchLimits(10, 1 << 20, 100), ([(0, "InvalidRequestError")], [1], []), 1),
+    ("the first record is taken even if it alone passes the batch bytes", [put(b"a", b"x" * 200)], None, None,
+     BatchLimits(10, 100, 1 << 20), ([], [0], []), 1),
+]
+
+
+@pytest.mark.parametrize(("writes", "state", "table", "batch_limits", "expected", "records"),
+                         [c[1:] for c in PLAN_CASES], ids=[c[0] for c in PLAN_CASES])
+def test_plan(writes: list[Write], state: dict[bytes, KeyState] | None, table: Table | None,
+              batch_limits: BatchLimits, expected: tuple[list[tuple[int, str]], list[int], list[int]],
+              records: int) -> None:
+    p = plan(writes, state, table, batch_limits)
+    assert kinds(p) == expected
+    assert len(p.payloads) == records
+
+
+def test_records_land_at_consecutive_expected_offsets_and_see_the_overlay() -> None:
+    """W1: the i-th record's revision is REV + i; a later write sees the earlier ones' effects."""
+    p = plan([put(b"a", b"1"), cas(b"a", 1, b"2"), put(b"b"), delete(b"a"), cas(b"a", 0, b"3")])
+    responses = [r for _, r in p.after_commit]
+    assert [r.result.revision for r in responses] == [REV, REV + 1, REV + 2, REV + 3, REV + 4]
+    assert isinstance(responses[1], kv.TxnResponse) and responses[1].succeeded  # saw version 1 in the overlay
+    assert isinstance(responses[3], kv.DeleteResponse) and responses[3].deleted
+    assert isinstance(responses[4], kv.TxnResponse) and responses[4].succeeded  # deleted: version 0 again
+    assert p.upcoming_if_committed == REV + 5 + 1  # the commit marker takes one offset
+
+
+def test_the_plan_agrees_with_the_state_machine() -> None:
+    """What the leader predicted (versions in its answers) is what every replica applies."""
+    state = {b"a": KeyState(b"0", 4, 50, 10)}
+    p = plan([put(b"a", rid="1"), cas(b"a", 5, b"x", rid="2"), put(b"c", rid="3"), put(b"a", rid="4")], state)
+    applied = apply_entries(state.get, lambda rid: False, list(enumerate(p.payloads, start=REV)))
+    assert applied.writes[b"a"] == KeyState(b"v", 7, REV + 3, 10)
+    last = p.after_commit[3][1]
+    assert isinstance(last, kv.PutResponse) and last.version == 7
+    entries = [decode_entry(payload) for payload in p.payloads]
+    assert all(e is not None and e.leader_unix_ms == NOW_MS for e in entries)
+
+
+def test_an_evaluation_error_is_a_definite_refusal() -> None:
+    def bad(lookup: object, rev: int) -> Evaluation:
+        raise ValueError("compare op 9 is not supported")
+
+    p = plan([Write("x", bad, kv.TxnResponse), put(b"a")])
+    assert kinds(p) == ([(0, "InvalidRequestError")], [1], [])
+    assert "compare op 9" in str(p.now[0][1])
+
+
+def test_every_write_is_answered_or_carried_exactly_once() -> None:
+    """The paired assertion inside plan_batch, on a mixed queue with every kind of answer."""
+    writes = [put(b"a", rid="r"), put(b"b", rid="done"), put(b"a", rid="r"), get_only(b"a"),
+              put(b"c", b"x" * 300, rid="big"), put(b"d", rid="old", first_ms=1), put(b"e"), put(b"f")]
+    p = plan(writes, table=Table({"done": committed("done")}), batch_limits=BatchLimits(2, 1 << 20, 200))
+    indices = sorted([i for i, _ in p.now] + [i for i, _ in p.after_commit] + p.carry)
+    assert indices == list(range(len(writes)))
+    assert kinds(p) == ([(1, "PutResponse"), (4, "InvalidRequestError"), (5, "RequestExpiredError")],
+                        [0, 2, 3, 6], [7])

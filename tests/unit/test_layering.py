@@ -1,0 +1,110 @@
+"""The package rules of README "Packages", held by reading every import (module level and inside
+functions) of every module: who may import what, so a base install stays grpcio + protobuf, the
+core stays pure, and the log stays ignorant of the store."""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# What the pure core may import from the standard library: nothing that does I/O, reads a clock,
+# draws random numbers or schedules anything. Add a module here only if that stays true.
+CORE_STDLIB = {"__future__", "abc", "bisect", "collections", "dataclasses", "enum", "functools", "hashlib",
+               "heapq", "itertools", "math", "operator", "re", "struct", "typing", "zlib"}
+CORE_KVSTORE = ("kvstore.core", "kvstore.v1", "kvstore.internal.v1", "kvstore.errors", "kvstore.limits")
+
+HEAVY = ("confluent_kafka", "plyvel", "pyarrow", "pyspark", "pandas", "prometheus_client", "grpc_health",
+         "grpc_reflection")
+
+
+def _sources(package: str) -> list[Path]:
+    path = ROOT / package
+    files = [path] if path.suffix == ".py" else sorted(path.rglob("*.py"))
+    return [f for f in files if "_pb2" not in f.name]
+
+
+def _imports(path: Path, *, module_level_only: bool = False) -> Iterator[tuple[int, str]]:
+    """(line, imported module) for every import in `path`; relative imports resolved."""
+    tree = ast.parse(path.read_text(), str(path))
+    nodes = tree.body if module_level_only else list(ast.walk(tree))
+    package = ".".join(path.relative_to(ROOT).with_suffix("").parts[:-1])
+    for node in nodes:
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield node.lineno, alias.name
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                module = f"{base}.{node.module}" if node.module else base
+            else:
+                module = node.module or ""
+            yield node.lineno, module
+            if module in ("kvstore", "wal"):  # `from kvstore import errors` imports kvstore.errors
+                for alias in node.names:
+                    yield node.lineno, f"{module}.{alias.name}"
+
+
+def _within(module: str, prefixes: tuple[str, ...]) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in prefixes)
+
+
+def _violations(package: str, forbidden: tuple[str, ...], *, module_level_only: bool = False) -> list[str]:
+    return [f"{path.relative_to(ROOT)}:{line} imports {module}"
+            for path in _sources(package) for line, module in _imports(path, module_level_only=module_level_only)
+            if _within(module, forbidden)]
+
+
+def test_the_sources_are_where_the_rules_expect_them() -> None:
+    for package in ("wal", "kvstore/core", "kvstore/server", "kvstore/client", "kvstore/cli", "kvstore/dev",
+                    "kvstore/pipeline", "kvstore/errors.py", "kvstore/limits.py"):
+        assert _sources(package), f"{package} has no sources: update this test and README 'Packages'"
+
+
+def test_the_core_is_pure() -> None:
+    """No I/O, no clock, no Kafka, LevelDB or gRPC calls: the standard library's pure modules,
+    the generated messages and the shared errors and limits."""
+    wrong = [f"{path.relative_to(ROOT)}:{line} imports {module}"
+             for path in _sources("kvstore/core") for line, module in _imports(path)
+             if module.split(".")[0] not in CORE_STDLIB and not _within(module, CORE_KVSTORE)
+             and module not in ("kvstore", "collections.abc")]
+    assert not wrong, "kvstore.core must stay pure (README 'Packages'):\n" + "\n".join(wrong)
+
+
+def test_the_log_knows_nothing_of_the_store() -> None:
+    assert not _violations("wal", ("kvstore",))
+
+
+@pytest.mark.parametrize("package", ["kvstore/client", "kvstore/errors.py", "kvstore/limits.py"])
+def test_the_base_install_needs_only_grpcio_and_protobuf(package: str) -> None:
+    forbidden = ("wal", "kvstore.server", "kvstore.internal", "kvstore.cli", "kvstore.dev", "kvstore.pipeline",
+                 *HEAVY)
+    assert not _violations(package, forbidden)
+
+
+def test_shared_modules_import_no_other_kvstore_module() -> None:
+    wrong = [v for package in ("kvstore/errors.py", "kvstore/limits.py")
+             for v in _violations(package, ("kvstore",))]
+    assert not wrong
+
+
+def test_the_cli_imports_anything_beyond_the_client_only_where_a_command_needs_it() -> None:
+    forbidden = ("wal", "kvstore.server", "kvstore.pipeline", "kvstore.dev", "kvstore.internal", *HEAVY)
+    assert not _violations("kvstore/cli", forbidden, module_level_only=True)
+
+
+def test_a_node_never_imports_client_side_or_spark_code() -> None:
+    forbidden = ("kvstore.client", "kvstore.cli", "kvstore.dev", "kvstore.pipeline", "pyspark", "pandas")
+    assert not _violations("kvstore/server", forbidden)
+
+
+def test_dev_tooling_and_the_pipeline_are_leaves() -> None:
+    """Only the CLI (inside the commands that need them) reaches the dev tools and the pipeline."""
+    wrong = [v for package in ("wal", "kvstore/core", "kvstore/server", "kvstore/client", "kvstore/errors.py",
+                               "kvstore/limits.py") for v in _violations(package, ("kvstore.dev", "kvstore.pipeline"))]
+    wrong += _violations("kvstore/dev", ("kvstore.pipeline",))
+    assert not wrong
