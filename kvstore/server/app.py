@@ -34,13 +34,13 @@ from prometheus_client import start_http_server
 import wal
 import wal.transactions
 from kvstore import errors, limits
-from kvstore.core import validation
+from kvstore.core import reads, validation
 from kvstore.core.batch import write_of
 from kvstore.core.evaluate import key_value
 from kvstore.core.role import Role
 from kvstore.core.state import ChangeType
 from kvstore.internal.v1 import peer_pb2, peer_pb2_grpc
-from kvstore.server import reads, shardmap
+from kvstore.server import shardmap
 from kvstore.server.node import Node, NodeConfig
 from kvstore.server.peers import Peers
 from kvstore.server.replica import ShardReplica, Watcher, decode_changes

@@ -1,4 +1,4 @@
-"""`kvstore.server.reads`: a scan's minimum revisions are per shard (a revision is an offset of one
+"""`kvstore.core.reads`: a scan's minimum revisions are per shard (a revision is an offset of one
 shard's WAL), and a shard-less minimum is refused where it would be ambiguous."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from kvstore import errors
-from kvstore.server.reads import scan_floors
+from kvstore.core.reads import scan_floors
 from kvstore.v1 import kv_pb2
 
 
