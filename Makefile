@@ -21,7 +21,7 @@ up: venv proto kafka
 # report is printed without the floors.
 COV_FLOOR_WAL  ?= 83
 COV_FLOOR_CORE ?= 98
-NOCOV_TESTS    ?=
+NOCOV_TESTS    ?= tests/sim
 COV_REPORT      = $(PY) -m coverage report
 
 test: venv proto kafka spark lint

@@ -121,8 +121,18 @@ def evaluate_txn(req: kv_pb2.TxnRequest, lookup: Lookup, shard: int, revision: i
             results.append(kv_pb2.TxnOpResult(get=get))
         else:
             raise ValueError("a Txn operation must be a put, delete or get")
-    response = kv_pb2.TxnResponse(succeeded=succeeded, results=results,
-                                  result=write if effects else kv_pb2.WriteResult(shard=shard))
-    if not effects:
+    if not effects and not (req.request_id and _may_write(req)):
+        # Only gets, whichever branch: nothing to record, answered after a read barrier.
+        response = kv_pb2.TxnResponse(succeeded=succeeded, results=results, result=kv_pb2.WriteResult(shard=shard))
         return Evaluation(None, response)
+    # A branch that writes nothing in a Txn that could have written (a compare-and-set whose
+    # compare failed) is still recorded under its request id, as an entry without effects: an
+    # earlier attempt of the same id that reaches the leader late (delayed in transit past the
+    # client's deadline) must find this answer and replay it, never write after the client was
+    # told the other branch ran (found by the simulation, tests/sim).
+    response = kv_pb2.TxnResponse(succeeded=succeeded, results=results, result=write)
     return Evaluation(_entry(req.request_id, effects, response), response)
+
+
+def _may_write(req: kv_pb2.TxnRequest) -> bool:
+    return any(op.WhichOneof("op") in ("put", "delete") for op in (*req.success, *req.failure))

@@ -185,7 +185,9 @@ class RoleMachine:
     # ---- leadership life -------------------------------------------------------------------------
 
     def begin_fencing(self) -> None:
+        """A new leadership: its first fence sets its term (never a re-fence's leftover)."""
         assert self.keeps_leading, "fencing without being asked to lead"
+        self._refencing = False
         self._to(Role.FENCING)
 
     def fenced(self, end: int) -> bool:
@@ -265,6 +267,7 @@ class RoleMachine:
             self._to(Role.STOPPED if self.stopping else Role.FOLLOWER)
         self.upcoming = None
         self.written_end = None
+        self._refencing = False  # a re-fence cut short belongs to the leadership that ended
 
     def stopped(self) -> None:
         """The replica stopped (after `stop` and the loop's exit)."""

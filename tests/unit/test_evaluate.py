@@ -230,11 +230,24 @@ def test_evaluate_txn_entry_ignores_inner_request_id() -> None:
 )
 def test_evaluate_txn_without_writes(compares: list[kv.Compare], success: list[kv.TxnOp], failure: list[kv.TxnOp],
                                      results: list[kv.TxnOpResult]) -> None:
+    """The taken branch writes nothing but the other could have: with a request id the outcome
+    is recorded (an entry without effects, at REV) so that a late attempt of the same id replays
+    it; without one, nothing is recorded."""
     ev = txn(compares, success, failure)
-    assert ev.entry is None
-    assert ev.response.result == kv.WriteResult(shard=SHARD)
-    assert not ev.response.result.HasField("revision")  # unset: 0 would be a real offset
+    assert ev.entry is not None and list(ev.entry.effects) == [] and ev.entry.request_id == "t1"
+    assert kv.TxnResponse.FromString(ev.entry.response) == ev.response
+    assert ev.response.result == kv.WriteResult(shard=SHARD, revision=REV)
     assert list(ev.response.results) == results
+    anonymous = txn(compares, success, failure, request_id="")
+    assert anonymous.entry is None
+    assert anonymous.response.result == kv.WriteResult(shard=SHARD)
+    assert not anonymous.response.result.HasField("revision")  # unset: 0 would be a real offset
+    assert list(anonymous.response.results) == results
+
+
+def test_a_txn_of_only_gets_records_nothing() -> None:
+    ev = txn([cmp(EX, EQ, False)], [get(b"k")], [get(b"m")])
+    assert ev.entry is None and not ev.response.result.HasField("revision")
 
 
 @pytest.mark.parametrize(
@@ -293,7 +306,7 @@ def test_apply_matches_promised_versions(seed: int) -> None:
     ops = req.success if ev.response.succeeded else req.failure
     assert ev.response.succeeded == all(compare_holds(c, state.get(c.key)) for c in req.compares)
     writes = [(op, res) for op, res in zip(ops, ev.response.results, strict=True) if op.WhichOneof("op") != "get"]
-    if not writes:
+    if not writes and not any(op.WhichOneof("op") != "get" for op in (*req.success, *req.failure)):
         assert ev.entry is None and ev.response.result.revision == 0
         return
     assert ev.entry is not None and ev.response.result.revision == revision

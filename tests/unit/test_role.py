@@ -108,6 +108,17 @@ SCENARIOS: dict[str, tuple[Callable[[], RoleMachine], list[Step]]] = {
         (lambda m: m.step_down(), None, SD),
         (lambda m: m.stepped_down(), None, ST),
     ]),
+    "a re-fence cut short does not carry its term into the next leadership (sim seed 1055)": (leading_at, [
+        (lambda m: m.batch_started(10, 1), None, L),
+        (lambda m: m.batch_failed(AppendOutcome.UNKNOWN), Next.REFENCE, FE),
+        (lambda m: m.set_lead(False), None, FE),
+        (lambda m: m.fenced(30), False, SD),
+        (lambda m: m.stepped_down(), None, F),
+        (lambda m: m.set_lead(True), None, F),
+        (lambda m: m.begin_fencing(), None, FE),
+        (lambda m: m.fenced(60), True, C),
+        (lambda m: m.term, 61, C),
+    ]),
     "next leadership takes a new term": (leading_at, [
         (lambda m: m.batch_failed(AppendOutcome.FENCED), Next.STEP_DOWN, SD),
         (lambda m: m.stepped_down(), None, F),

@@ -1,0 +1,10 @@
+"""A deterministic simulation of the whole store protocol (issue 11, item 2).
+
+The real pure cores (`wal.guard`, `wal.record`, `kvstore.core.role`, `kvstore.core.batch`,
+`kvstore.core.evaluate`, `kvstore.core.request_window`, `kvstore.core.state`) run against
+models of everything around them: a Kafka broker with transactions (`kafka`), a consumer group
+(`group`), a network (`network`), nodes that crash and pause (`node`, `replica`, `writer`),
+clients with request ids (`client`), faults (`faults`), all on one seeded scheduler
+(`scheduler`). `checker` and `linearizability` judge each run; `harness` ties a run together.
+See README, "Deterministic simulation".
+"""

@@ -1,0 +1,215 @@
+"""The fault injector: crashes, restarts, pauses, bad networks, late EndTxns, a foreign writer,
+refusing brokers, at random moments of the run, all drawn from the run's one generator.
+
+Why these faults: each is one the protocol claims to survive (DESIGN.md §3-5).
+
+* **crash** a node (sometimes losing its disk): the in-memory state is gone; it restarts later
+  from its checkpoint and state (or from nothing) and replays the WAL;
+* **pause** a node (SIGSTOP), preferably a leader, mostly for up to three session timeouts,
+  sometimes for ten: the group moves its shards and the node wakes up as a zombie that still
+  believes it leads;
+* **freeze** every node at once (a host or hypervisor stall) for up to eight session timeouts:
+  nobody fences anybody, so a transaction left open outlives `transaction.timeout.ms` and the
+  coordinator aborts it, and everyone wakes up expelled;
+* **network storm**: for a while messages are late (beyond the call timeouts, so requests land
+  after their caller gave up), duplicated and lost;
+* **late EndTxn**: for a while commits and aborts in particular are late, the KIP-890 hazard;
+* **foreign write**: a producer outside the protocol appends a record to a shard, well formed
+  with the expected offset it guessed from the high watermark, or garbage; either may land
+  between a leader's records and its commit marker or shift the leader's next batch (W2, W3);
+* **broker refusals**: for a while requests are refused with retriable errors (a coordinator
+  moving, replicas missing), and commits are refused before EndTxn leaves the client.
+
+`heal` ends all of it: the network is calm again, paused nodes resume, crashed ones restart.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+
+from kvstore.core.evaluate import evaluate_put
+from kvstore.v1 import kv_pb2
+from tests.sim.checker import FOREIGN_WRITER
+from tests.sim.network import CALM, Conditions
+from tests.sim.node import Node
+from tests.sim.world import World
+from wal import record
+
+
+@dataclasses.dataclass(frozen=True)
+class FaultPlan:
+    """How often each fault strikes: one fault every `mean_gap_ms` on average, chosen by weight."""
+
+    mean_gap_ms: int = 1_000
+    crash: int = 3
+    pause: int = 4
+    freeze: int = 1
+    storm: int = 3
+    late_end_txn: int = 2
+    foreign_write: int = 3
+    refusals: int = 1
+    disk_loss: float = 0.15  # share of crashes that also lose the disk
+
+
+class FaultInjector:
+    def __init__(self, world: World, nodes: Sequence[Node], plan: FaultPlan) -> None:
+        self.world = world
+        self.nodes = list(nodes)
+        self.plan = plan
+        self.active = False
+        self._network_token = 0
+        self._refusal_token = 0
+        self._foreign = 0
+
+    def start(self) -> None:
+        self.active = True
+        self._schedule()
+
+    def heal(self) -> None:
+        """Stop injecting; undo every fault still in effect."""
+        self.active = False
+        self._network_token += 1
+        self._refusal_token += 1
+        self.world.net.conditions = CALM
+        self.world.broker.refuse_rate = 0.0
+        for node in self.nodes:
+            if node.paused:
+                self._resume(node)
+            elif not node.alive:
+                self._restart(node)
+
+    def _schedule(self) -> None:
+        gap = max(1, int(self.world.sched.rng.expovariate(1 / self.plan.mean_gap_ms)))
+        self.world.sched.at(gap, self._strike)
+
+    def _strike(self) -> None:
+        if not self.active:
+            return
+        p = self.plan
+        kinds = ("crash", "pause", "freeze", "storm", "late_end_txn", "foreign_write", "refusals")
+        weights = (p.crash, p.pause, p.freeze, p.storm, p.late_end_txn, p.foreign_write, p.refusals)
+        kind = self.world.sched.rng.choices(kinds, weights)[0]
+        getattr(self, f"_{kind}")()
+        self._schedule()
+
+    # ---- node faults --------------------------------------------------------------------------------
+
+    def _crash(self) -> None:
+        sched = self.world.sched
+        up = [n for n in self.nodes if n.alive]
+        if not up:
+            return
+        node = sched.rng.choice(up)
+        lose_disk = sched.chance(self.plan.disk_loss)
+        self.world.audit.counters["fault_crash"] += 1
+        self.world.trace.log(f"FAULT crash {node.name}{' (disk lost)' if lose_disk else ''}")
+        node.crash(lose_disk=lose_disk)
+        sched.at(sched.between(100, 3_000), lambda: self._restart(node))
+
+    def _restart(self, node: Node) -> None:
+        if node.alive:
+            return
+        self.world.trace.log(f"FAULT restart {node.name}")
+        node.restart()
+
+    def _pause(self) -> None:
+        sched = self.world.sched
+        up = [n for n in self.nodes if n.alive and not n.paused]
+        if not up:
+            return
+        leaders = [n for n in up if n.assigned]
+        node = sched.rng.choice(leaders if leaders and sched.chance(0.7) else up)
+        session = self.world.timing.session_timeout_ms
+        # mostly around the session timeout; sometimes beyond the transaction timeout
+        duration = sched.between(50, 3 * session) if sched.chance(0.9) else sched.between(3 * session, 10 * session)
+        self.world.audit.counters["fault_pause"] += 1
+        self.world.trace.log(f"FAULT pause {node.name} for {duration}ms (leads {sorted(node.assigned)})")
+        sched.pause(node)
+        sched.at(duration, self._resumer(node))
+
+    def _freeze(self) -> None:
+        sched = self.world.sched
+        up = [n for n in self.nodes if n.alive and not n.paused]
+        duration = sched.between(500, 8 * self.world.timing.session_timeout_ms)
+        self.world.audit.counters["fault_freeze"] += 1
+        self.world.trace.log(f"FAULT freeze {[n.name for n in up]} for {duration}ms")
+        for node in up:
+            sched.pause(node)
+            sched.at(duration, self._resumer(node))
+
+    def _resumer(self, node: Node) -> Callable[[], None]:
+        """What resumes `node` later, unless it crashed (and restarted) meanwhile."""
+        incarnation = node.incarnation
+
+        def resume() -> None:
+            if node.incarnation == incarnation:
+                self._resume(node)
+
+        return resume
+
+    def _resume(self, node: Node) -> None:
+        if node.alive and node.paused:
+            self.world.trace.log(f"FAULT resume {node.name}")
+            self.world.sched.resume(node)
+
+    # ---- network and broker faults ----------------------------------------------------------------------
+
+    def _storm(self) -> None:
+        sched = self.world.sched
+        conditions = Conditions(late=sched.rng.choice((0.01, 0.03, 0.1)), duplicate=sched.rng.choice((0.02, 0.1)),
+                                drop=sched.rng.choice((0.0, 0.01, 0.03)))
+        self._network(conditions, sched.between(100, 2_000), "storm")
+
+    def _late_end_txn(self) -> None:
+        sched = self.world.sched
+        self._network(Conditions(late_end_txn=0.5, duplicate=0.05), sched.between(200, 2_000), "late_end_txn")
+
+    def _network(self, conditions: Conditions, duration: int, kind: str) -> None:
+        self._network_token += 1
+        token = self._network_token
+        self.world.net.conditions = conditions
+        self.world.audit.counters[f"fault_{kind}"] += 1
+        self.world.trace.log(f"FAULT {kind} {conditions} for {duration}ms")
+
+        def calm() -> None:
+            if token == self._network_token:
+                self.world.net.conditions = CALM
+
+        self.world.sched.at(duration, calm)
+
+    def _refusals(self) -> None:
+        self._refusal_token += 1
+        token = self._refusal_token
+        self.world.broker.refuse_rate = self.world.sched.rng.choice((0.05, 0.2))
+        self.world.audit.counters["fault_refusals"] += 1
+
+        def stop() -> None:
+            if token == self._refusal_token:
+                self.world.broker.refuse_rate = 0.0
+
+        self.world.sched.at(self.world.sched.between(100, 1_000), stop)
+
+    def _foreign_write(self) -> None:
+        """A record from outside the protocol, with the expected offset a naive writer would
+        guess (the high watermark it just read), or garbage."""
+        world = self.world
+        shard = world.sched.between(0, world.shards - 1)
+        self._foreign += 1
+        world.audit.counters["fault_foreign_write"] += 1
+        if world.sched.chance(0.2):
+            world.broker.produce_foreign(shard, b"\xff not a WAL record", [])
+            return
+        _, guess = world.broker.ends(shard)
+        key = f"foreign-{self._foreign}".encode()
+        entry = evaluate_put(kv_pb2.PutRequest(key=key, value=b"x"), lambda _k: None, shard, guess).entry
+        assert entry is not None
+        value, headers = record.encode(guess, record.WriterIdentity(FOREIGN_WRITER, 0), entry.SerializeToString())
+
+        def land() -> None:
+            if not self.active:
+                return  # healed meanwhile: the foreign writer was stopped too
+            offset = world.broker.produce_foreign(shard, value, headers)
+            world.trace.log(f"FAULT foreign record on shard {shard} at {offset} (expects {guess})")
+
+        world.net.send(land, None)

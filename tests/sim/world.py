@@ -1,0 +1,117 @@
+"""What every simulated part shares: the scheduler, the network, the broker, the group, the
+timing constants, and the audit log the checker reads at the end.
+
+Why the timings are what they are: they keep the ratios of a real deployment (network delay <<
+call timeout < session timeout < transaction timeout; DESIGN.md §3 asks for
+`transaction.timeout.ms` above the worst batch time plus a broker bounce) while shrinking
+everything, so that a run of 10^5 steps sees dozens of leader changes.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+from kvstore.core.request_window import MemoryShard
+from tests.sim.group import GroupCoordinator
+from tests.sim.kafka import Broker
+from tests.sim.network import Network
+from tests.sim.scheduler import Scheduler
+
+
+@dataclasses.dataclass(frozen=True)
+class Timing:
+    """Every bound of the simulated deployment, in simulated milliseconds or counts."""
+
+    call_timeout_ms: int = 600  # one librdkafka call (init, produce+flush, commit, abort, end offsets)
+    settle_poll_ms: int = 10  # how often a settled-end read asks again while a transaction is open
+    fetch_wait_ms: int = 250  # a fetch's long poll (fetch.wait.max.ms)
+    fetch_timeout_ms: int = 1_500  # a fetch whose answer never came is sent again
+    fetch_limit: int = 64  # records per fetch answer
+    bootstrap_timeout_ms: int = 5_000  # a catch-up that takes longer gives the leadership up
+    linger_ms: int = 2  # group commit: wait this long for more writes before a batch
+    heartbeat_ms: int = 100
+    session_timeout_ms: int = 1_000
+    revoke_timeout_ms: int = 2_000
+    refence_pause_ms: int = 200  # after losing a leadership it still holds, before taking it again
+    barrier_timeout_ms: int = 2_000
+    txn_timeout_ms: int = 5_000  # transaction.timeout.ms, above the worst batch (produce + 4 commit calls)
+    max_pending: int = 64  # queued writes per shard (OverloadedError beyond)
+    batch_records: int = 6  # small, so that batches are carried over
+    batch_bytes: int = 2_048
+    record_bytes: int = 1_024
+    retry_limit: int = 3  # the guard's retries of a retriable call
+    produce_chunks: int = 3  # a batch goes out in 1..this many produce requests
+    # The request-id window (`kvstore.core.request_window`): small enough that long runs forget ids
+    # by count and by time and refuse retries that may be older than what is remembered
+    # (`kvstore.core.request_horizon`), large enough that the ids kept cover far more than the skew
+    # margin at the simulated write rate (~100/s per shard): with fewer, even first attempts are
+    # refused (limits.py: the horizon is min(time bound, ids / rate)). The skew margin is small:
+    # simulated clocks agree exactly.
+    request_ids: int = 2_048
+    request_horizon_ms: int = 15_000
+    clock_skew_ms: int = 2_000
+
+
+@dataclasses.dataclass(frozen=True)
+class LeaderCommit:
+    """A batch a leader's guard reported committed: where it says each record landed."""
+
+    node: str
+    shard: int
+    offsets: tuple[int, ...]
+    payloads: tuple[bytes, ...]
+
+
+@dataclasses.dataclass
+class Audit:
+    """What the run observed, for `tests.sim.checker` (the final log is the broker's)."""
+
+    leader_commits: list[LeaderCommit] = dataclasses.field(default_factory=list)
+    # (node, shard) -> every (offset, payload) that replica applied, across crashes and wipes
+    applied: dict[tuple[str, int], list[tuple[int, bytes]]] = dataclasses.field(default_factory=dict)
+    violations: list[str] = dataclasses.field(default_factory=list)
+    counters: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
+
+
+class Trace:
+    """The last events worth reading when a seed fails (faults, leadership, batch outcomes)."""
+
+    def __init__(self, sched: Scheduler, keep: int = 400) -> None:
+        self._sched = sched
+        self.lines: collections.deque[str] = collections.deque(maxlen=keep)
+
+    def log(self, text: str) -> None:
+        self.lines.append(f"{self._sched.steps:>9} {self._sched.now % 10_000_000:>8}ms {text}")
+
+
+@dataclasses.dataclass
+class World:
+    sched: Scheduler
+    net: Network
+    broker: Broker
+    group: GroupCoordinator
+    timing: Timing
+    audit: Audit
+    trace: Trace
+    shards: int
+    check_w2: bool = True  # False: the teeth test's leaders commit without comparing offsets
+    # True (the server's behaviour: gRPC deadlines are relative, so a request delayed in transit
+    # past its client's deadline still runs): a node runs it. This found that a failed
+    # compare-and-set left no trace under its request id (kvstore.core.evaluate now records it).
+    # False: a node drops a request that arrives after its client gave up.
+    late_requests: bool = True
+    _ids: int = 0
+
+    def next_id(self) -> int:
+        """A number unique in this run (producer instances, request sequences, attempts)."""
+        self._ids += 1
+        return self._ids
+
+    def new_disk(self) -> MemoryShard:
+        """An empty replica of one shard: what a node keeps across crashes (its LevelDB)."""
+        return MemoryShard(self.timing.request_ids, self.timing.request_horizon_ms)
+
+    def violation(self, text: str) -> None:
+        self.audit.violations.append(text)
+        self.trace.log(f"VIOLATION {text}")
