@@ -569,7 +569,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("key", nargs="?", default="")
     p.add_argument("--prefix", default="")
     p.add_argument("--from", dest="start_revision", type=_non_negative_int, default=None, metavar="REV",
-                   help="deliver changes at revisions >= REV (default 0 = from now on)")
+                   help="first deliver the history at revisions >= REV of the key's shard (with --prefix over "
+                        "several shards only 0, all history, names no shard; default: from now on)")
+    p.add_argument("--from-shard", dest="start_revisions", type=parse_shard_revision, action="append", default=[],
+                   metavar="SHARD:REV", help="with --prefix: SHARD's history from its revision REV (repeat per "
+                                             "shard; shards not named: from now on)")
 
     sub.add_parser("shards", parents=[common], help="show the shard map: leaders, terms, lag, nodes")
 
@@ -752,12 +756,12 @@ def _consistency(text: str) -> Consistency:
 
 
 def parse_shard_revision(text: str) -> tuple[int, int]:
-    """'SHARD:REV' -> (shard, revision). A bare revision is refused: a scan spans shards, and a
-    revision is an offset of one shard's WAL, meaningless on the others."""
+    """'SHARD:REV' -> (shard, revision). A bare revision is refused: a scan or prefix watch spans
+    shards, and a revision is an offset of one shard's WAL, meaningless on the others."""
     shard, sep, revision = text.partition(":")
     if not sep:
         raise argparse.ArgumentTypeError(
-            f"a scan's minimum revision names its shard: SHARD:REV, not {text!r} (a revision is an offset of one "
+            f"a revision across shards names its shard: SHARD:REV, not {text!r} (a revision is an offset of one "
             f"shard's WAL; `kvstore put` prints the shard and revision of a write)")
     try:
         pair = int(shard), int(revision)
@@ -788,7 +792,8 @@ def _scan(client: Client, args: argparse.Namespace) -> Iterable[KeyValue]:
 
 
 def _watch(client: Client, args: argparse.Namespace, printer: Printer) -> int:
-    watch = client.watch(args.key, args.prefix, args.start_revision)
+    watch = client.watch(args.key, args.prefix, args.start_revision,
+                         start_revisions=dict(args.start_revisions) or None)
     printer.event_header()
     try:
         for event in watch:

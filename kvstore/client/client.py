@@ -294,9 +294,15 @@ class Client:
         prefix: BytesLike = b"",
         start_revision: int | None = None,
         *,
+        start_revisions: Mapping[int, int] | None = None,
         timeout_s: float | None = None,
     ) -> Watch:
         """Changes to `key` (or every key under `prefix`) from `start_revision` on (None = from now).
+
+        A revision is an offset of one shard's WAL: a prefix watch over several shards takes
+        `start_revisions={shard: revision}` (shards not named: from now), or `start_revision=0`
+        for all history; a nonzero shard-less one is refused (`InvalidArgument`). To resume after
+        a break, pass each shard's last seen `mod_revision + 1` (`WatchEvent.shard`).
 
         Returns once the server registered the watch (its `created` event, within `timeout_s` or
         the client's default): every change applied after that is delivered, so a caller may
@@ -307,9 +313,13 @@ class Client:
         k, p = to_bytes(key), to_bytes(prefix, "prefix")
         if bool(k) == bool(p):
             raise InvalidArgument("watch needs exactly one of key or prefix")
+        if start_revision is not None and start_revisions:
+            raise InvalidArgument("give start_revision or start_revisions, not both")
         request = kv_pb2.WatchRequest(key=k, prefix=p)
         if start_revision is not None:
             request.start_revision = start_revision
+        for shard, revision in sorted((start_revisions or {}).items()):
+            request.start_revisions.append(kv_pb2.ShardRevision(shard=shard, revision=revision))
         return Watch(self, request, k or None, timeout_s)
 
     def shard_map(self, *, timeout_s: float | None = None) -> ShardMap:

@@ -32,10 +32,10 @@ class Watch(Iterator[WatchEvent]):
     Opening (until the server's `created` event) is retried like any call: bounded attempts,
     leader hints, the next endpoint, within the open deadline. Once registered, a failed stream
     is reopened only when that can neither lose nor repeat a change: nothing was delivered yet
-    and the watch replays from a `start_revision`. Otherwise the error is raised to the caller,
-    who knows the last revision it saw and can watch again from there (a watch "from now" that
-    broke may have missed changes meanwhile; the client cannot resume it for the caller, because
-    `start_revision` applies to every shard of a prefix watch alike).
+    and the watch replays from a start revision. Otherwise the error is raised to the caller,
+    who knows the last revision it saw of each shard and can watch again from there with
+    `start_revisions` (a watch "from now" that broke may have missed changes meanwhile, and the
+    shards it saw nothing of have no position the client could resume from).
     """
 
     def __init__(self, client: Client, request: kv_pb2.WatchRequest, key: bytes | None, timeout_s: float | None):
@@ -147,7 +147,8 @@ class Watch(Iterator[WatchEvent]):
                 if self._cancelled:
                     raise StopIteration from None
                 error = error_from_rpc(exc, target=self._target)
-                replayable = not self._delivered and self._request.HasField("start_revision")
+                replayable = not self._delivered and (self._request.HasField("start_revision")
+                                                      or bool(self._request.start_revisions))
                 if not replayable or retry_action(error) is RetryAction.FAIL \
                         or self._attempts >= self._client._max_attempts:
                     error.attempts = self._attempts

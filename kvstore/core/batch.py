@@ -34,6 +34,7 @@ from kvstore import errors, limits
 from kvstore.core import request_horizon
 from kvstore.core.evaluate import Evaluation, Response, evaluate_delete, evaluate_put, evaluate_txn
 from kvstore.core.state import KeyState, Lookup, RequestRecord, apply_effects
+from kvstore.internal.v1 import wal_entry_pb2
 from kvstore.v1 import kv_pb2
 
 Build = Callable[[Lookup, int], Evaluation]
@@ -109,6 +110,14 @@ def write_of(request: ClientWrite, shard: int) -> Write:
     txn = request
     return Write(txn.request_id, lambda lookup, rev: evaluate_txn(txn, lookup, shard, rev), kv_pb2.TxnResponse,
                  txn.first_attempt_unix_ms)
+
+
+def probe_write() -> Write:
+    """The leader's probe: an empty entry at its upcoming offset, no request id. Appended when a
+    read barrier saw the log beyond this leader's writes: if the log moved, W2 aborts it and the
+    leader learns the log again; if the leader was fenced, it steps down."""
+    return Write("", lambda lookup, revision: Evaluation(wal_entry_pb2.WalEntry(), kv_pb2.PutResponse()),
+                 kv_pb2.PutResponse)
 
 
 def replayed(response_type: type[Any], raw: bytes) -> Response:

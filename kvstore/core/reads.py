@@ -48,3 +48,36 @@ def scan_floors(read: kv_pb2.ReadOptions, min_revisions: Iterable[kv_pb2.ShardRe
         named.add(item.shard)
         floors[item.shard] = max(item.revision, floors.get(item.shard, item.revision))
     return floors
+
+
+def watch_starts(request: kv_pb2.WatchRequest, shards: Iterable[int], shard_count: int) -> dict[int, int]:
+    """shard -> the revision a watch's history starts at, for the `shards` it watches; shards
+    absent are watched from now on. The shard-less `start_revision` is refused on a watch over
+    several shards unless it is 0 (every partition starts at offset 0: all history)."""
+    watched = list(shards)
+    if request.HasField("start_revision"):
+        if request.start_revisions:
+            raise errors.InvalidRequestError("give start_revision or start_revisions, not both")
+        if request.start_revision < 0:
+            raise errors.InvalidRequestError(f"start_revision must be >= 0, got {request.start_revision}")
+        if request.start_revision > 0 and len(watched) > 1:
+            raise errors.InvalidRequestError(
+                f"start_revision {request.start_revision} names no shard, but this watch covers {len(watched)} "
+                "shards and a revision is an offset of one shard's WAL: give WatchRequest.start_revisions "
+                "(shard, revision) instead")
+        return dict.fromkeys(watched, request.start_revision)
+    starts: dict[int, int] = {}
+    for item in request.start_revisions:
+        if item.shard >= shard_count:
+            raise errors.InvalidRequestError(
+                f"start_revisions: shard {item.shard} out of range (the cluster has {shard_count} shards)")
+        if item.revision < 0:
+            raise errors.InvalidRequestError(
+                f"start_revisions: shard {item.shard}: revision must be >= 0, got {item.revision}")
+        if item.shard in starts:
+            raise errors.InvalidRequestError(f"start_revisions names shard {item.shard} more than once")
+        if item.shard not in watched:
+            raise errors.InvalidRequestError(f"start_revisions: shard {item.shard} is not watched by this watch "
+                                             f"(it watches shards {watched})")
+        starts[item.shard] = item.revision
+    return starts

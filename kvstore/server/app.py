@@ -223,8 +223,9 @@ class KVService(kv_pb2_grpc.KVServicer):
         try:
             if not request.prefix:
                 validation.check_key(request.key)
-            if request.start_revision < 0:
-                raise errors.InvalidRequestError("start_revision must be >= 0")
+            shards = ([self.node.shard_for(request.key)] if not request.prefix
+                      else list(range(self.node.config.shards)))
+            starts = reads.watch_starts(request, shards, self.node.config.shards)
             watching = sum(len(r.watchers) for r in self.node.replicas.values())
             if watching >= limits.MAX_WATCHERS:
                 raise errors.OverloadedError(f"{watching} watches open; limit MAX_WATCHERS is {limits.MAX_WATCHERS}")
@@ -232,8 +233,6 @@ class KVService(kv_pb2_grpc.KVServicer):
             code, details, metadata = errors.to_status(exc)
             await context.abort(code, details, trailing_metadata=metadata)
             return
-        shards = ([self.node.shard_for(request.key)] if not request.prefix
-                  else list(range(self.node.config.shards)))
         watcher = Watcher(request.key, request.prefix)
         replicas = [self.node.replica(s) for s in shards]
         for replica in replicas:
@@ -243,9 +242,9 @@ class KVService(kv_pb2_grpc.KVServicer):
             # Registered: every change applied from here on reaches the queue. Saying so lets a
             # caller start writing without sleeping first, and tells it the watch is not lost.
             yield kv_pb2.WatchEvent(type=kv_pb2.WatchEvent.TYPE_CREATED)
-            if request.HasField("start_revision"):
-                for replica in replicas:
-                    async for event in self._history(replica, watcher, request.start_revision):
+            for replica in replicas:
+                if replica.shard in starts:
+                    async for event in self._history(replica, watcher, starts[replica.shard]):
                         yield event
             while True:
                 item = await watcher.queue.get()

@@ -40,8 +40,8 @@ import wal
 import wal.clients
 import wal.writer
 from kvstore import errors, limits
-from kvstore.core.batch import BatchLimits, Write, admit, plan_batch
-from kvstore.core.evaluate import Evaluation, Response
+from kvstore.core.batch import BatchLimits, Write, admit, plan_batch, probe_write
+from kvstore.core.evaluate import Response
 from kvstore.core.recovery import Beyond, SnapshotOffer, beyond_end, snapshots_to_try
 from kvstore.core.role import (
     BROKEN,
@@ -55,12 +55,10 @@ from kvstore.core.role import (
     RoleMachine,
 )
 from kvstore.core.state import Change, KeyState, decode_entry, effect_key
-from kvstore.internal.v1 import wal_entry_pb2
 from kvstore.server import failpoints
 from kvstore.server.clock import SYSTEM_CLOCK, Clock
 from kvstore.server.metrics import Metrics
 from kvstore.server.storage import ShardStore, StorageError
-from kvstore.v1 import kv_pb2
 
 log = logging.getLogger(__name__)
 
@@ -864,10 +862,8 @@ class ShardReplica:
                 f.exception()  # retrieved: the probe's outcome only matters through the replica's state
 
         future.add_done_callback(done)
-        probe = Write("", lambda lookup, rev: Evaluation(wal_entry_pb2.WalEntry(), kv_pb2.PutResponse()),
-                      kv_pb2.PutResponse)
         try:
-            self._queue.put_nowait(_Pending(probe, 0, future))
+            self._queue.put_nowait(_Pending(probe_write(), 0, future))
             self._work.set()
         except asyncio.QueueFull:
             self._probing = False  # writes are flowing anyway: they will hit W2 themselves

@@ -192,6 +192,31 @@ def test_watch_streams_changes(store: StoreProcess) -> None:
     assert got == [b"before", b"b"]
 
 
+def test_a_prefix_watch_starts_per_shard(store: StoreProcess) -> None:
+    """A revision is an offset of one shard's WAL: a prefix watch names the shard of each start,
+    and a shard-less nonzero start over several shards is refused (never misread)."""
+    keys = {shard_of(k, 4): k for k in (f"ps/{i}".encode() for i in range(40))}
+    a, b = keys[0], keys[1]
+    put(store, a, b"a0")
+    first_a = put(store, a, b"a1")  # not at revision 0, which (all history) names no shard
+    put(store, b, b"b1")
+    put(store, a, b"a2")
+    with pytest.raises(grpc.RpcError) as refused:
+        next(store.kv.Watch(kv_pb2.WatchRequest(prefix=b"ps/", start_revision=first_a.result.revision),
+                            timeout=TIMEOUT))
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "start_revisions" in (refused.value.details() or "")
+    stream = store.kv.Watch(kv_pb2.WatchRequest(prefix=b"ps/", start_revisions=[
+        kv_pb2.ShardRevision(shard=0, revision=first_a.result.revision)]), timeout=TIMEOUT)
+    assert next(stream).type == kv_pb2.WatchEvent.TYPE_CREATED
+    history = [next(stream), next(stream)]  # shard 0's history only: shard 1 is watched from now on
+    put(store, b, b"b2")
+    live = next(stream)
+    stream.cancel()
+    assert [(e.shard, e.kv.value) for e in history] == [(0, b"a1"), (0, b"a2")]
+    assert (live.shard, live.kv.value) == (1, b"b2")
+
+
 def test_shard_map(store: StoreProcess) -> None:
     put(store, b"m", b"1")
     reply = store.cluster_stub.ShardMap(cluster_pb2.ShardMapRequest(), timeout=TIMEOUT)

@@ -29,11 +29,10 @@ import enum
 from collections.abc import Callable
 
 from kvstore import errors
-from kvstore.core.batch import Answer, BatchLimits, Write, admit, plan_batch
-from kvstore.core.evaluate import Evaluation, Response, key_value
+from kvstore.core.batch import Answer, BatchLimits, Write, admit, plan_batch, probe_write
+from kvstore.core.evaluate import Response, key_value
 from kvstore.core.request_window import MemoryShard
 from kvstore.core.role import AppendOutcome, Next, Role, RoleMachine
-from kvstore.core.state import decode_entry
 from kvstore.v1 import kv_pb2
 from tests.sim.kafka import FetchResult
 from tests.sim.scheduler import Actor
@@ -82,13 +81,6 @@ def append_outcome(exc: wal_errors.WalError) -> AppendOutcome:
     if isinstance(exc, wal_errors.WriterFatalError):
         return AppendOutcome.WRITER_FATAL
     return AppendOutcome.ABORTED
-
-
-def _probe_entry(lookup: object, revision: int) -> Evaluation:
-    """An empty WAL entry: the leader's probe (`kvstore.server.replica._probe`)."""
-    entry = decode_entry(b"")  # a fresh, empty WalEntry, without naming its generated module
-    assert entry is not None
-    return Evaluation(entry, kv_pb2.PutResponse())
 
 
 class Replica:
@@ -487,5 +479,5 @@ class Replica:
         if self.probing or self.role.role is not Role.LEADING:
             return
         self.probing = True
-        self.queue.append(_Pending(Write("", _probe_entry, kv_pb2.PutResponse), None))
+        self.queue.append(_Pending(probe_write(), None))
         self._maybe_start_batch()

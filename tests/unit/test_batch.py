@@ -10,7 +10,7 @@ import dataclasses
 import pytest
 
 from kvstore import errors, limits
-from kvstore.core.batch import BatchLimits, Plan, Write, admit, plan_batch, replayed
+from kvstore.core.batch import BatchLimits, Plan, Write, admit, plan_batch, probe_write, replayed
 from kvstore.core.evaluate import Evaluation, evaluate_delete, evaluate_put, evaluate_txn
 from kvstore.core.state import KeyState, RequestRecord, apply_entries, decode_entry
 from kvstore.v1 import kv_pb2 as kv
@@ -177,3 +177,10 @@ def test_every_write_is_answered_or_carried_exactly_once() -> None:
     assert indices == list(range(len(writes)))
     assert kinds(p) == ([(1, "PutResponse"), (4, "InvalidRequestError"), (5, "RequestExpiredError")],
                         [0, 2, 3, 6], [7])
+
+
+def test_the_probe_is_an_empty_entry_without_a_request_id() -> None:
+    p = plan([probe_write()])
+    assert len(p.payloads) == 1 and p.after_commit and not p.now
+    entry = decode_entry(p.payloads[0])
+    assert entry is not None and not entry.effects and entry.request_id == ""

@@ -263,8 +263,9 @@ class FakeClient:
         for page in self.pages:
             yield from page.kvs
 
-    def watch(self, key: str, prefix: str, start_revision: int) -> FakeWatch:
-        self._record("watch", key, prefix, start_revision)
+    def watch(self, key: str, prefix: str, start_revision: int,
+              start_revisions: dict[int, int] | None = None) -> FakeWatch:
+        self._record("watch", key, prefix, start_revision, start_revisions)
         return self.watch_obj
 
     def shard_map(self) -> ShardMap:
@@ -466,7 +467,7 @@ def test_watch_prints_events_and_ctrl_c_exits_0(fake: FakeClient, capsys: pytest
     fake.watch_obj = FakeWatch(events, KeyboardInterrupt())
     rc, out, err = run(["watch", "--prefix", "w", "--from", "3", "-o", "json"], capsys)
     assert rc == 0 and err == "" and fake.watch_obj.cancelled
-    assert fake.calls == [("watch", ("", "w", 3), {})]
+    assert fake.calls == [("watch", ("", "w", 3, None), {})]
     assert [(r["type"], r["key"], r["mod_revision"]) for r in json_lines(out)] == [("put", "w", 5), ("delete", "w", 6)]
     fake.watch_obj = FakeWatch(events, KeyboardInterrupt())
     rc, out, _ = run(["watch", "w"], capsys)
@@ -642,3 +643,12 @@ def test_demo_write_timeout_is_parsed() -> None:
     args = build_parser().parse_args(["demo", "failover", "--write-timeout", "0.5"])
     assert args.write_timeout == 0.5
     assert build_parser().parse_args(["demo", "failover"]).write_timeout == 10.0
+
+
+def test_watch_from_shard_revisions(fake: FakeClient, capsys: pytest.CaptureFixture[str]) -> None:
+    fake.watch_obj = FakeWatch([], KeyboardInterrupt())
+    rc, _out, err = run(["watch", "--prefix", "w", "--from-shard", "0:7", "--from-shard", "2:9"], capsys)
+    assert rc == 0 and err == ""
+    assert fake.calls == [("watch", ("", "w", None, {0: 7, 2: 9}), {})]
+    rc, _out, err = run(["watch", "--prefix", "w", "--from-shard", "7"], capsys)
+    assert rc == 2 and "SHARD:REV" in err

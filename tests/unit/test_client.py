@@ -1102,6 +1102,17 @@ def test_watch_delivers_events_and_cancels(cluster: FakeCluster, client: Client)
     assert call.request.prefix == b"w" and call.request.start_revision == 3
 
 
+def test_watch_per_shard_start_revisions(cluster: FakeCluster, client: Client) -> None:
+    cluster.watch_events = []
+    with client.watch(prefix="w", start_revisions={2: 40, 0: 7}):
+        pass
+    (call,) = cluster.calls_to("Watch")
+    assert [(r.shard, r.revision) for r in call.request.start_revisions] == [(0, 7), (2, 40)]
+    assert not call.request.HasField("start_revision")
+    with pytest.raises(InvalidArgument, match="not both"):
+        client.watch(prefix="w", start_revision=1, start_revisions={0: 1})
+
+
 def test_watch_retries_before_the_first_event(cluster: FakeCluster, client: Client) -> None:
     cluster.watch_events = [kv_pb2.WatchEvent(type=kv_pb2.WatchEvent.TYPE_PUT, kv=kv_pb2.KeyValue(key=b"w"))]
     cluster.fail(cluster.addresses[0], "Watch", Failure(SC.UNAVAILABLE, "starting"))
