@@ -35,19 +35,24 @@ def scan_floors(read: kv_pb2.ReadOptions, min_revisions: Iterable[kv_pb2.ShardRe
         if read.min_revision < 0:
             raise errors.InvalidRequestError(f"min_revision must be >= 0, got {read.min_revision}")
         floors[0] = read.min_revision
-    named: set[int] = set()
-    for item in min_revisions:
+    for shard, revision in _per_shard("min_revisions", min_revisions, shard_count).items():
+        floors[shard] = max(revision, floors.get(shard, revision))
+    return floors
+
+
+def _per_shard(field: str, items: Iterable[kv_pb2.ShardRevision], shard_count: int) -> dict[int, int]:
+    """(shard, revision) pairs checked: shards in range, revisions >= 0, each shard once."""
+    out: dict[int, int] = {}
+    for item in items:
         if item.shard >= shard_count:
             raise errors.InvalidRequestError(
-                f"min_revisions: shard {item.shard} out of range (the cluster has {shard_count} shards)")
+                f"{field}: shard {item.shard} out of range (the cluster has {shard_count} shards)")
         if item.revision < 0:
-            raise errors.InvalidRequestError(
-                f"min_revisions: shard {item.shard}: revision must be >= 0, got {item.revision}")
-        if item.shard in named:
-            raise errors.InvalidRequestError(f"min_revisions names shard {item.shard} more than once")
-        named.add(item.shard)
-        floors[item.shard] = max(item.revision, floors.get(item.shard, item.revision))
-    return floors
+            raise errors.InvalidRequestError(f"{field}: shard {item.shard}: revision must be >= 0, got {item.revision}")
+        if item.shard in out:
+            raise errors.InvalidRequestError(f"{field} names shard {item.shard} more than once")
+        out[item.shard] = item.revision
+    return out
 
 
 def watch_starts(request: kv_pb2.WatchRequest, shards: Iterable[int], shard_count: int) -> dict[int, int]:
@@ -66,18 +71,9 @@ def watch_starts(request: kv_pb2.WatchRequest, shards: Iterable[int], shard_coun
                 "shards and a revision is an offset of one shard's WAL: give WatchRequest.start_revisions "
                 "(shard, revision) instead")
         return dict.fromkeys(watched, request.start_revision)
-    starts: dict[int, int] = {}
-    for item in request.start_revisions:
-        if item.shard >= shard_count:
-            raise errors.InvalidRequestError(
-                f"start_revisions: shard {item.shard} out of range (the cluster has {shard_count} shards)")
-        if item.revision < 0:
-            raise errors.InvalidRequestError(
-                f"start_revisions: shard {item.shard}: revision must be >= 0, got {item.revision}")
-        if item.shard in starts:
-            raise errors.InvalidRequestError(f"start_revisions names shard {item.shard} more than once")
-        if item.shard not in watched:
-            raise errors.InvalidRequestError(f"start_revisions: shard {item.shard} is not watched by this watch "
-                                             f"(it watches shards {watched})")
-        starts[item.shard] = item.revision
+    starts = _per_shard("start_revisions", request.start_revisions, shard_count)
+    unwatched = sorted(set(starts) - set(watched))
+    if unwatched:
+        raise errors.InvalidRequestError(f"start_revisions: shard {unwatched[0]} is not watched by this watch "
+                                         f"(it watches shards {watched})")
     return starts

@@ -32,7 +32,8 @@ from kvstore import errors
 from kvstore.core.batch import Answer, BatchLimits, Write, admit, plan_batch, probe_write
 from kvstore.core.evaluate import Response, key_value
 from kvstore.core.request_window import MemoryShard
-from kvstore.core.role import AppendOutcome, Next, Role, RoleMachine
+from kvstore.core.role import Next, Role, RoleMachine
+from kvstore.server.replica import append_outcome  # the server shell's own mapping of WAL errors
 from kvstore.v1 import kv_pb2
 from tests.sim.kafka import FetchResult
 from tests.sim.scheduler import Actor
@@ -70,17 +71,6 @@ class _InFlight:
 class _Waiter:
     offset: int
     done: Callable[[errors.StoreError | None], None]
-
-
-def append_outcome(exc: wal_errors.WalError) -> AppendOutcome:
-    """What a WAL error says about an append (the server's shell has the same mapping)."""
-    if isinstance(exc, wal_errors.UnknownOutcomeError):
-        return AppendOutcome.UNKNOWN_FENCED if exc.fenced else AppendOutcome.UNKNOWN
-    if isinstance(exc, wal_errors.FencedError):
-        return AppendOutcome.FENCED
-    if isinstance(exc, wal_errors.WriterFatalError):
-        return AppendOutcome.WRITER_FATAL
-    return AppendOutcome.ABORTED
 
 
 class Replica:
