@@ -1,5 +1,5 @@
 # The store's image: `kvstore serve` (the default command), configured by KVSTORE_* environment
-# variables (kvstore/node.py NodeConfig), and the Spark pipeline (`kvstore snapshot create`,
+# variables (kvstore/server/config.py NodeConfig), and the Spark pipeline (`kvstore snapshot create`,
 # `kvstore audit`, `kvstore wal truncate`, ...) on `local[*]`. Used by docker-compose.yml (the
 # nodes and the one-shot `snapshot` service run this one image); kept correct by
 # tests/unit/test_compose.py.

@@ -41,7 +41,8 @@ from kvstore.core.role import Role
 from kvstore.core.state import ChangeType
 from kvstore.internal.v1 import peer_pb2, peer_pb2_grpc
 from kvstore.server import shardmap
-from kvstore.server.node import Node, NodeConfig
+from kvstore.server.config import NodeConfig
+from kvstore.server.node import Node
 from kvstore.server.peers import Peers
 from kvstore.server.replica import ShardReplica, Watcher, decode_changes
 from kvstore.v1 import cluster_pb2, cluster_pb2_grpc, kv_pb2, kv_pb2_grpc

@@ -57,6 +57,7 @@ from kvstore.core.role import (
 from kvstore.core.state import Change, KeyState, decode_entry, effect_key
 from kvstore.server import failpoints
 from kvstore.server.clock import SYSTEM_CLOCK, Clock
+from kvstore.server.config import ReplicaConfig
 from kvstore.server.metrics import Metrics
 from kvstore.server.storage import ShardStore, StorageError
 
@@ -72,27 +73,6 @@ BROKER_REPLICA_LAG_TIME_MAX_MS = 30_000
 # How long a checkpoint beyond the partition end must persist before the replica is rebuilt:
 # longer than the broker's own window above, so a stale end is waited out, never wiped over.
 BEYOND_END_GRACE_S = BROKER_REPLICA_LAG_TIME_MAX_MS / 1000 * 1.5
-
-
-@dataclasses.dataclass(frozen=True)
-class ReplicaConfig:
-    cluster: str
-    topic: str
-    shard: int
-    bootstrap_servers: str
-    node_id: str
-    data_dir: Path
-    transaction_timeout_ms: int = 60_000
-    call_timeout_s: float = 10.0
-    bootstrap_timeout_s: float = 120.0
-    linger_ms: float = limits.BATCH_LINGER_MS
-    max_batch_records: int = limits.MAX_BATCH_RECORDS
-    max_batch_bytes: int = limits.MAX_BATCH_BYTES
-    max_record_bytes: int = wal.writer.MAX_RECORD_BYTES_DEFAULT
-    max_pending_writes: int = limits.MAX_PENDING_WRITES_PER_SHARD
-    barrier_timeout_s: float = 10.0
-    # Snapshots to load when this replica is empty or below the WAL's log start (None: replay only).
-    snapshot_dir: str | None = None
 
 
 @dataclasses.dataclass

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from kvstore.server.replica import ReplicaConfig, writer_config
+from kvstore.server.config import ReplicaConfig
+from kvstore.server.replica import writer_config
 from tests.integration.helpers import ZombieProcess, payloads, replay_all, writer
 from wal import FencedError, ShardWriter, UnknownOutcomeError, shard_transactional_id
 from wal.broker import LocalKafka

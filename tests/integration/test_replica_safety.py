@@ -24,8 +24,9 @@ from kvstore.core.batch import write_of
 from kvstore.core.role import Role
 from kvstore.internal.v1 import wal_entry_pb2
 from kvstore.server import failpoints
+from kvstore.server.config import ReplicaConfig
 from kvstore.server.metrics import Metrics
-from kvstore.server.replica import ReplicaConfig, ShardReplica
+from kvstore.server.replica import ShardReplica
 from kvstore.v1 import kv_pb2
 from tests.conftest import unique
 from tests.waiting import holds_for_async, wait_until_async

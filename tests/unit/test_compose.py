@@ -26,7 +26,7 @@ import pytest
 import yaml
 
 from kvstore.cli import ENDPOINTS_ENV, build_parser
-from kvstore.server.node import NodeConfig
+from kvstore.server.config import NodeConfig
 from wal.broker import BROKER_SETTINGS, KAFKA_VERSION, _replication_settings
 
 ROOT = Path(__file__).resolve().parents[2]

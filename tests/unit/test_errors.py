@@ -153,7 +153,8 @@ def test_transactional_id_follows_the_topic() -> None:
 def test_two_deployments_sharing_a_topic_share_transactional_ids(tmp_path: Path) -> None:
     """Different cluster names, one topic: the same partitions, so the same writers' ids, so a
     leader of one deployment fences the other's (tests/integration/test_fencing.py runs it)."""
-    from kvstore.server.replica import ReplicaConfig, writer_config
+    from kvstore.server.config import ReplicaConfig
+    from kvstore.server.replica import writer_config
 
     def tid(cluster: str, topic: str) -> str:
         config = ReplicaConfig(cluster=cluster, topic=topic, shard=2, bootstrap_servers="127.0.0.1:1",
