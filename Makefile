@@ -72,6 +72,7 @@ bench-quick: venv proto kafka spark
 	$(PY) bench/kv.py --quick
 	$(PY) bench/failover.py --quick
 	$(PY) bench/pipeline.py --quick
+	$(PY) bench/peer.py --quick
 
 clean:
 	rm -rf $(VENV) .data build *.egg-info .coverage .coverage.*
