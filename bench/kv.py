@@ -116,10 +116,10 @@ class EmptyKV(kv_pb2_grpc.KVServicer):
         return kv_pb2.GetResponse()
 
 
-async def serve_empty(address: str) -> None:
+async def serve_empty(address: str, servicer: kv_pb2_grpc.KVServicer | None = None) -> None:
     """Runs in its own process like the store, so it does not share the load generator's GIL."""
     server = grpc.aio.server()
-    kv_pb2_grpc.add_KVServicer_to_server(EmptyKV(), server)  # type: ignore[no-untyped-call]
+    kv_pb2_grpc.add_KVServicer_to_server(servicer or EmptyKV(), server)  # type: ignore[no-untyped-call]
     server.add_insecure_port(address)
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

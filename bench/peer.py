@@ -51,7 +51,7 @@ import grpc.aio
 from google.protobuf.internal import api_implementation
 
 from kvstore.core.sharding import shard_of
-from kvstore.v1 import kv_pb2, kv_pb2_grpc
+from kvstore.v1 import kv_pb2
 from wal.broker import KAFKA_VERSION, free_port
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -171,18 +171,6 @@ class EmptyKV(kvbench.EmptyKV):
 
     async def Txn(self, request: kv_pb2.TxnRequest, context: Any) -> kv_pb2.TxnResponse:
         return kv_pb2.TxnResponse()
-
-
-async def serve_empty(address: str) -> None:
-    server = grpc.aio.server()
-    kv_pb2_grpc.add_KVServicer_to_server(EmptyKV(), server)  # type: ignore[no-untyped-call]
-    server.add_insecure_port(address)
-    stop = asyncio.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        asyncio.get_running_loop().add_signal_handler(sig, stop.set)
-    await server.start()
-    await stop.wait()
-    await server.stop(1)
 
 
 def wait_channel(proc: Proc, address: str, timeout_s: float) -> None:
@@ -509,7 +497,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="only print the README tables and redraw the plot of a recorded run")
     args = parser.parse_args(argv)
     if args.serve_empty:
-        asyncio.run(serve_empty(args.serve_empty))
+        asyncio.run(kvbench.serve_empty(args.serve_empty, EmptyKV()))
         return 0
     if args.render:
         report = json.loads(args.render.read_text())
