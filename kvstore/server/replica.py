@@ -1,5 +1,11 @@
 """One shard's replica: follower, bootstrapping leader, leader with group commit, read barrier.
 
+The I/O shell of the pure core: every decision is the core's (`kvstore.core.role.RoleMachine`
+for the leadership's states, what each append outcome leads to and the read barrier;
+`kvstore.core.batch` for admission, dedupe and batch planning; `kvstore.core.recovery` when the
+WAL and the checkpoint disagree). This module fences, replays, appends, applies and answers, and
+reports each result to the machine. The deterministic simulation (tests/sim) drives the same core.
+
 Runs on the server's asyncio loop. Blocking WAL calls (librdkafka) run in worker threads; the
 LevelDB store is touched only from the loop thread, so apply and reads never race.
 
