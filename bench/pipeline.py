@@ -176,8 +176,29 @@ def txn_baseline(endpoints: list[str], keys: list[bytes], shards: int, in_flight
     return len(keys) / (time.monotonic() - started)
 
 
+def write_batch_baseline(endpoints: list[str], keys: list[bytes], batch_rows: int, in_flight: int) -> float:
+    """The store's batch RPC from one Python client (`Client.put_many` of `batch_rows` keys of
+    one shard each, `in_flight` at a time: what the load's tasks send, without Spark); keys/s."""
+    import concurrent.futures
+
+    from kvstore.client import Client
+
+    by_shard: dict[int, list[bytes]] = {}
+    for key in keys:
+        by_shard.setdefault(shard_of(key, SHARDS), []).append(key)
+    per_shard = [[ks[i:i + batch_rows] for i in range(0, len(ks), batch_rows)] for ks in by_shard.values()]
+    batches = [b for group in itertools.zip_longest(*per_shard) for b in group if b is not None]
+    started = time.monotonic()
+    with Client(endpoints, timeout_s=60) as client, \
+            concurrent.futures.ThreadPoolExecutor(in_flight) as pool:
+        futures = [pool.submit(client.put_many, [(k, VALUE) for k in batch]) for batch in batches]
+        for future in futures:
+            future.result()
+    return len(keys) / (time.monotonic() - started)
+
+
 def bulk_load_section(rows: int, work: Path) -> dict[str, Any]:
-    """`kvstore load` against the Txn baseline on a three-node dev cluster (its own broker)."""
+    """`kvstore load` against the Txn and WriteBatch baselines on a three-node dev cluster (its own broker)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -196,21 +217,25 @@ def bulk_load_section(rows: int, work: Path) -> dict[str, Any]:
             topic = client.shard_map().topic
         target = WalTarget(info["kafka"], topic, SHARDS)
         spark = spark_session("local[2]", app_name="bench-pipeline-load", conf={"spark.driver.memory": "2g"})
-        in_flight = 2 * bulk.IN_FLIGHT_TXNS  # local[2]: two tasks at a time, each with IN_FLIGHT_TXNS
+        in_flight = 2 * bulk.IN_FLIGHT_BATCHES  # local[2]: two tasks at a time, each with IN_FLIGHT_BATCHES
         baseline = []
+        batch_baseline = []
         loads = []
         for round_ in range(2):  # alternate, so a noisy neighbour hurts both
             keys = [b"txn%d-%09d" % (round_, i) for i in range(rows)]
             baseline.append(txn_baseline(endpoints, keys, SHARDS, in_flight))
+            batch_keys = [b"wb%d-%09d" % (round_, i) for i in range(rows)]
+            batch_baseline.append(write_batch_baseline(endpoints, batch_keys, bulk.DEFAULT_BATCH_ROWS, in_flight))
             result = bulk.load(spark, str(dataset) if round_ == 0 else str(_copy(dataset, work, round_)),
                                "parquet", target, endpoints)
             assert result.applied == rows, result
             loads.append(result.keys_per_s)
         spark.stop()
-    best_load, best_txn = max(loads), max(baseline)
+    best_load, best_txn, best_batch = max(loads), max(baseline), max(batch_baseline)
     return {"rows": rows, "load_keys_per_s": [round(x) for x in loads],
             "txn_baseline_keys_per_s": [round(x) for x in baseline], "txn_in_flight": in_flight,
-            "load_vs_txn": round(best_load / best_txn, 2)}
+            "write_batch_baseline_keys_per_s": [round(x) for x in batch_baseline],
+            "load_vs_txn": round(best_load / best_txn, 2), "load_vs_write_batch": round(best_load / best_batch, 2)}
 
 
 def _copy(dataset: Path, work: Path, round_: int) -> Path:

@@ -12,6 +12,9 @@ MAX_VALUE_BYTES = 900_000
 MAX_REQUEST_BYTES = 1_000_000  # a whole request (a Txn with all its operations)
 MAX_REQUEST_ID_BYTES = 128
 MAX_TXN_OPS = 128  # compares + success ops + failure ops
+# One shard's part of a WriteBatch (one WAL record). The part's bytes are bounded by
+# MAX_REQUEST_BYTES and by the WAL's record limit; this bounds the work of one record.
+MAX_BATCH_MUTATIONS = 10_000
 DEFAULT_SCAN_LIMIT = 100
 MAX_SCAN_LIMIT = 1_000
 MAX_PENDING_WRITES_PER_SHARD = 10_000  # the group-commit queue; beyond it: RESOURCE_EXHAUSTED

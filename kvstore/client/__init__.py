@@ -49,15 +49,18 @@ What it adds on top of the generated stubs, and why:
 The package, by concept: `errors` (the hierarchy and the status mapping), `requests` (building
 and checking what is sent: bytes, compares, ops, request ids), `results` (what comes back),
 `retry` (the pure retry policy), `transport` (channels, routing, one attempt), `client`
-(`Client`: the calls and the retry loop), `watch` (`Watch`). Everything public is re-exported
+(`Client`: the calls and the retry loops, `write_batch` included), `batching` (`BatchingWriter`:
+single writes from many threads sent as batches), `watch` (`Watch`). Everything public is re-exported
 here: `from kvstore.client import Client, KvError, ...`. Only gRPC and protobuf are needed (the
 base install): nothing here imports the server, the WAL, Kafka or LevelDB.
 
 The metadata keys come from `kvstore.errors`, the server's single definition of the contract.
 """
 
+from kvstore.client.batching import BatchingWriter
 from kvstore.client.client import MAP_FETCH_TIMEOUT_S, Client
 from kvstore.client.errors import (
+    BatchIncomplete,
     Cancelled,
     CrossShardTxn,
     DeadlineExceeded,
@@ -85,6 +88,7 @@ from kvstore.client.requests import (
     txn_shard,
 )
 from kvstore.client.results import (
+    BatchResult,
     DeleteResult,
     FenceResult,
     GetResult,
@@ -95,6 +99,7 @@ from kvstore.client.results import (
     ScanPage,
     ShardInfo,
     ShardMap,
+    ShardWrite,
     TransactionInfo,
     TxnOpResult,
     TxnResult,
@@ -119,6 +124,9 @@ __all__ = [
     "DEFAULT_MAX_CHANNELS",
     "MAP_FETCH_TIMEOUT_S",
     "MAX_ENDPOINTS",
+    "BatchIncomplete",
+    "BatchResult",
+    "BatchingWriter",
     "BytesLike",
     "Cancelled",
     "Client",
@@ -144,6 +152,7 @@ __all__ = [
     "ScanPage",
     "ShardInfo",
     "ShardMap",
+    "ShardWrite",
     "TransactionInfo",
     "TxnOpResult",
     "TxnResult",

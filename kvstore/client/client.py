@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from types import TracebackType
 from typing import Self, TypeVar
 
@@ -13,18 +13,23 @@ import grpc
 from google.protobuf.message import Message
 
 from kvstore.client.errors import (
+    BatchIncomplete,
     DeadlineExceeded,
     InvalidArgument,
     KvError,
     NotLeader,
+    RequestExpired,
     UnknownOutcome,
     error_from_rpc,
+    error_from_status,
+    status_code,
 )
 from kvstore.client.requests import (
     BytesLike,
     Compare,
     Consistency,
     Op,
+    batch_parts,
     consistency_pb,
     make_first_attempt_unix_ms,
     make_request_id,
@@ -34,6 +39,7 @@ from kvstore.client.requests import (
     txn_shard,
 )
 from kvstore.client.results import (
+    BatchResult,
     DeleteResult,
     FenceResult,
     GetResult,
@@ -42,6 +48,7 @@ from kvstore.client.results import (
     ReadHeader,
     ScanPage,
     ShardMap,
+    ShardWrite,
     TransactionInfo,
     TxnResult,
     txn_op_result,
@@ -232,6 +239,57 @@ class Client:
         w = resp.result
         revision = w.revision if w.HasField("revision") else None
         return TxnResult(resp.succeeded, w.shard, revision, w.replayed, results, rid)
+
+    def write_batch(
+        self,
+        ops: Iterable[Op],
+        request_id: str | None = None,
+        *,
+        timeout_s: float | None = None,
+        first_attempt_unix_ms: int | None = None,
+    ) -> BatchResult:
+        """Many puts and deletes (`Op.put`, `Op.delete`) spanning shards: one WAL record per shard
+        (atomic per shard, in the given order), one call per leader, sent in parallel.
+
+        Each shard's part has its own request id (`request_id` + "/" + shard), so retries, here
+        or by the caller with the same `request_id`, `first_attempt_unix_ms` and operations,
+        apply every part at most once. Returns when every part committed; otherwise raises
+        `BatchIncomplete` naming the parts that committed and why each other did not (per part,
+        exactly a Put's outcome: definite, `UnknownOutcome` or `RequestExpired`). At most
+        MAX_BATCH_MUTATIONS per shard and MAX_REQUEST_BYTES per leader's call; for an unbounded
+        stream of writes use `BatchingWriter`.
+        """
+        rid = make_request_id(request_id)
+        first_ms = make_first_attempt_unix_ms(first_attempt_unix_ms, request_id)
+        deadline = self._deadline(timeout_s)
+        shard_count = self._known_shard_count(deadline)
+        if shard_count is None:
+            # Nothing was sent: the batch cannot be split without the shard count.
+            raise DeadlineExceeded("no node answered the shard map, so the batch could not be split by shard; "
+                                   "nothing was sent", request_id=rid, first_attempt_unix_ms=first_ms)
+        parts = batch_parts(ops, shard_count, rid, first_ms)
+        committed, failed = self._batch_attempts(parts, deadline)
+        if failed:
+            unknown = [s for s, e in failed.items() if isinstance(e, UnknownOutcome | RequestExpired)]
+            first = min(failed)
+            raise BatchIncomplete(
+                f"{len(failed)} of {len(parts)} parts not committed (shards {sorted(failed)}"
+                f"{f', outcome unknown for {unknown}' if unknown else ''}); shard {first}: {failed[first].message}",
+                committed=committed, errors=failed, request_id=rid, first_attempt_unix_ms=first_ms)
+        return BatchResult(tuple(committed[s] for s in sorted(committed)), rid)
+
+    def put_many(
+        self,
+        items: Mapping[BytesLike, BytesLike] | Iterable[tuple[BytesLike, BytesLike]],
+        request_id: str | None = None,
+        *,
+        timeout_s: float | None = None,
+        first_attempt_unix_ms: int | None = None,
+    ) -> BatchResult:
+        """`write_batch` of puts: `put_many({"a": "1", "b": "2"})` or of (key, value) pairs."""
+        pairs = items.items() if isinstance(items, Mapping) else items
+        return self.write_batch([Op.put(k, v) for k, v in pairs], request_id, timeout_s=timeout_s,
+                                first_attempt_unix_ms=first_attempt_unix_ms)
 
     def scan(
         self,
@@ -434,6 +492,131 @@ class Client:
     def _invoke(self, target: str, method: str, request: Message, timeout: float) -> Message:
         """One attempt: one RPC to one node. Raises `grpc.RpcError`. (The seam unit tests replace.)"""
         return invoke(self._conn(target), method, request, timeout)
+
+    def _invoke_many(self, calls: Sequence[tuple[str, Message]], method: str,
+                     timeout: float) -> list[Message | grpc.RpcError]:
+        """One attempt on each of several nodes at once: their answers or errors, in order.
+        Raises `KvError` only when the client was closed (nothing sent). (A seam for tests.)"""
+        if len(calls) == 1:
+            target, request = calls[0]
+            try:
+                return [self._invoke(target, method, request, timeout)]
+            except grpc.RpcError as exc:
+                return [exc]
+        futures = [getattr(self._conn(target).kv, method).future(request, timeout=timeout) for target, request in calls]
+        out: list[Message | grpc.RpcError] = []
+        for future in futures:
+            try:
+                out.append(future.result())
+            except grpc.RpcError as exc:
+                out.append(exc)
+        return out
+
+    def _batch_attempts(self, parts: Mapping[int, kv_pb2.ShardMutations],
+                        deadline: float) -> tuple[dict[int, ShardWrite], dict[int, KvError]]:
+        """The retry loop of a batch: each round sends every pending part to its shard's leader
+        (one call per node), then treats each part's error as `_attempts` treats a Put's. A part
+        leaves the loop committed, or failed for good (`retry_action` FAIL), or when the rounds
+        or the deadline run out; an unknown attempt is never turned into a definite failure."""
+        pending = dict(parts)
+        committed: dict[int, ShardWrite] = {}
+        failed: dict[int, KvError] = {}
+        last: dict[int, KvError] = {}
+        unknown: dict[int, UnknownOutcome] = {}
+        hints: dict[int, str] = {}
+        attempt = 0
+        while pending and attempt < self._max_attempts and deadline - time.monotonic() > 0:
+            attempt += 1
+            smap = self._cached_map(deadline)
+            groups: dict[str, list[int]] = {}
+            for shard in sorted(pending):
+                target = hints.pop(shard, None) or (smap.leader_of(shard) if smap else None) \
+                    or self._router.any_endpoint()
+                groups.setdefault(target, []).append(shard)
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            capped = remaining > self._attempt_timeout_s
+            calls = [(target, kv_pb2.WriteBatchRequest(shards=[pending[s] for s in shards]))
+                     for target, shards in groups.items()]
+            try:
+                answers = self._invoke_many(calls, "WriteBatch", min(remaining, self._attempt_timeout_s))
+            except KvError as closed:  # the client was closed: nothing sent this time
+                for shard in pending:
+                    failed[shard] = keep_unknown(closed, unknown.get(shard), write=True)
+                return committed, failed
+            wait = False
+            for (target, shards), answer in zip(groups.items(), answers, strict=True):
+                for shard, error in self._part_errors(target, shards, answer, pending, committed, capped).items():
+                    if isinstance(error, UnknownOutcome):
+                        unknown[shard] = error
+                    action = retry_action(error)
+                    if action is RetryAction.FAIL:
+                        error.attempts = attempt
+                        failed[shard] = keep_unknown(error, unknown.get(shard), write=True)
+                        del pending[shard]
+                        continue
+                    last[shard] = error
+                    if action is RetryAction.REDIRECT:
+                        assert isinstance(error, NotLeader)
+                        self._invalidate_map()
+                        if error.leader_hint and error.leader_hint != target:
+                            hints[shard] = error.leader_hint  # a fresh node: no reason to wait
+                            continue
+                    elif action is RetryAction.REROUTE:
+                        self._invalidate_map()
+                        self._rotate(target)
+                    else:  # BACKOFF: the same node again
+                        hints[shard] = target
+                    wait = True
+            if pending and wait and attempt < self._max_attempts:
+                self._sleep_backoff(attempt, deadline)
+        for shard, part in pending.items():  # out of rounds or of time
+            error = last.get(shard) or DeadlineExceeded("deadline exceeded before any attempt",
+                                                        request_id=part.request_id)
+            error.attempts = max(attempt, 1)
+            earlier = unknown.get(shard)
+            if earlier is not None and deadline - time.monotonic() <= 0:
+                error = UnknownOutcome(f"deadline exceeded, outcome unknown: {earlier.message}", code=earlier.code,
+                                       metadata=earlier.metadata, target=earlier.target,
+                                       request_id=part.request_id, attempts=attempt)
+            failed[shard] = keep_unknown(error, earlier, write=True)
+        return committed, failed
+
+    def _part_errors(self, target: str, shards: list[int], answer: Message | grpc.RpcError,
+                     pending: dict[int, kv_pb2.ShardMutations], committed: dict[int, ShardWrite],
+                     capped: bool) -> dict[int, KvError]:
+        """One node's answer for its parts: committed parts move from `pending` to `committed`;
+        the others' errors are returned. A failed call fails each of its parts alike."""
+        errors: dict[int, KvError] = {}
+        if isinstance(answer, grpc.RpcError):
+            for shard in shards:
+                error = error_from_rpc(answer, target=target, request_id=pending[shard].request_id, write=True)
+                if capped and error.code == grpc.StatusCode.DEADLINE_EXCEEDED:
+                    error = UnknownOutcome(f"{target} did not answer within {self._attempt_timeout_s}s",
+                                           code=grpc.StatusCode.DEADLINE_EXCEEDED, target=target,
+                                           request_id=pending[shard].request_id)
+                errors[shard] = error
+            return errors
+        if not isinstance(answer, kv_pb2.WriteBatchResponse):
+            raise KvError(f"unexpected response from {target}: {type(answer).__name__}", target=target)
+        for result in answer.results:
+            shard = result.shard
+            if shard not in shards or shard not in pending:
+                continue  # not a part of this call: ignored (the part stays pending)
+            rid = pending[shard].request_id
+            if result.HasField("error"):
+                e = result.error
+                errors[shard] = error_from_status(status_code(e.code), e.message, dict(e.metadata), target=target,
+                                                  request_id=rid, write=True)
+            else:
+                committed[shard] = ShardWrite.from_pb(result, rid)
+                del pending[shard]
+        for shard in shards:
+            if shard in pending and shard not in errors:
+                errors[shard] = UnknownOutcome(f"{target} answered without a result for shard {shard}",
+                                               target=target, request_id=pending[shard].request_id)
+        return errors
 
     def _sleep_backoff(self, attempt: int, deadline: float) -> None:
         delay = backoff_delay(attempt, self._backoff_s, self._max_backoff_s, self._rng)

@@ -59,6 +59,24 @@ class KvError(Exception):
         return f"{self.message}{suffix}"
 
 
+class BatchIncomplete(KvError):
+    """Some parts of a batch did not commit (`Client.write_batch`): `committed` holds the parts
+    that did (shard -> `ShardWrite`), `errors` why each other part did not (shard -> `KvError`,
+    classified exactly as a Put's). `unknown` is true when any of them may still have committed
+    (`UnknownOutcome`, `RequestExpired`). Sending the same operations again with the same
+    `request_id` and `first_attempt_unix_ms` is safe: committed parts answer as replays."""
+
+    def __init__(self, message: str, *, committed: Mapping[int, Any], errors: Mapping[int, KvError],
+                 request_id: str, first_attempt_unix_ms: int) -> None:
+        super().__init__(message, request_id=request_id, first_attempt_unix_ms=first_attempt_unix_ms)
+        self.committed = dict(committed)
+        self.errors = dict(errors)
+
+    @property
+    def unknown(self) -> bool:
+        return any(isinstance(e, UnknownOutcome | RequestExpired) for e in self.errors.values())
+
+
 class InvalidArgument(KvError, ValueError):
     """The request is malformed or breaks a limit; retrying it cannot succeed."""
 
@@ -137,6 +155,14 @@ def write_attempt_is_definite(code: grpc.StatusCode, details: str, metadata: Map
     return code == grpc.StatusCode.RESOURCE_EXHAUSTED and (
         "Sent message larger than max" in details or "SERVER: Received message larger than max" in details
     )
+
+
+_STATUS_CODES = {code.value[0]: code for code in grpc.StatusCode}
+
+
+def status_code(number: int) -> grpc.StatusCode:
+    """The gRPC code of its number (a batch part's error carries the number); UNKNOWN if none."""
+    return _STATUS_CODES.get(number, grpc.StatusCode.UNKNOWN)
 
 
 def error_from_status(

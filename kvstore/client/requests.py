@@ -14,6 +14,7 @@ import uuid
 from collections.abc import Iterable, Mapping
 from typing import Literal, get_args
 
+from kvstore import limits
 from kvstore.client.errors import CrossShardTxn, InvalidArgument
 from kvstore.core.sharding import shard_of
 from kvstore.v1 import kv_pb2
@@ -215,3 +216,40 @@ def txn_shard(
 def show_key(key: bytes) -> str:
     text = key.decode("utf-8", "backslashreplace")
     return repr(text if len(text) <= 40 else text[:37] + "...")
+
+
+def part_request_id(request_id: str, shard: int) -> str:
+    """The id of one shard's part of a batch: the batch's id and the shard, so a retry of the
+    same batch (same id, same operations) sends every part under the id it had before."""
+    return f"{request_id}/{shard}"
+
+
+def batch_parts(ops: Iterable[Op], shard_count: int, request_id: str,
+                first_attempt_unix_ms: int) -> dict[int, kv_pb2.ShardMutations]:
+    """Split puts and deletes by shard (`crc32(key) mod shard_count`), keeping their order, into
+    the parts of a WriteBatch, each under its own request id. Refuses what the server would
+    refuse, before anything is sent."""
+    parts: dict[int, kv_pb2.ShardMutations] = {}
+    for op in ops:
+        if not isinstance(op, Op) or op.kind == "get":
+            raise InvalidArgument(f"a batch takes Op.put and Op.delete only, not {op!r}")
+        shard = shard_of(op.key, shard_count)
+        part = parts.get(shard)
+        if part is None:
+            rid = part_request_id(request_id, shard)
+            if len(rid.encode()) > limits.MAX_REQUEST_ID_BYTES:
+                raise InvalidArgument(f"request_id {request_id!r} is too long for a batch: its parts' ids "
+                                      f"(id/shard) must fit MAX_REQUEST_ID_BYTES ({limits.MAX_REQUEST_ID_BYTES})")
+            part = parts[shard] = kv_pb2.ShardMutations(shard=shard, request_id=rid,
+                                                         first_attempt_unix_ms=first_attempt_unix_ms)
+        if op.kind == "put":
+            part.mutations.add(key=op.key, value=op.value)
+        else:
+            part.mutations.add(key=op.key, delete=True)
+    if not parts:
+        raise InvalidArgument("a batch needs at least one put or delete")
+    for shard, part in parts.items():
+        if len(part.mutations) > limits.MAX_BATCH_MUTATIONS:
+            raise InvalidArgument(f"{len(part.mutations)} mutations for shard {shard}; limit MAX_BATCH_MUTATIONS "
+                                  f"is {limits.MAX_BATCH_MUTATIONS} per shard and batch (use a BatchingWriter)")
+    return parts

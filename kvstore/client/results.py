@@ -221,6 +221,38 @@ def txn_op_result(key: bytes, result: kv_pb2.TxnOpResult, request_id: str) -> Tx
     raise KvError(f"txn result without an operation for {show_key(key)}")
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class ShardWrite:
+    """One committed part of a batch: every mutation of it landed at `revision` of `shard`."""
+
+    shard: int
+    revision: int
+    mutations: int
+    replayed: bool  # True when the store answered a retry of this part with the original result
+    request_id: str  # the part's own id (the batch's id + "/" + shard)
+
+    @classmethod
+    def from_pb(cls, result: kv_pb2.ShardMutationsResult, request_id: str) -> ShardWrite:
+        return cls(result.shard, result.result.revision, result.mutations, result.result.replayed, request_id)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class BatchResult:
+    """A batch whose every part committed, one `ShardWrite` per shard it touched (by shard)."""
+
+    shards: tuple[ShardWrite, ...]
+    request_id: str
+
+    @property
+    def mutations(self) -> int:
+        return sum(part.mutations for part in self.shards)
+
+    @property
+    def revisions(self) -> dict[int, int]:
+        """Per shard, where the part committed: `min_revisions` for a stale read of it."""
+        return {part.shard: part.revision for part in self.shards}
+
+
 def revisions_of(results: Iterable[PutResult | DeleteResult | TxnResult]) -> dict[int, int]:
     """Per shard, the highest revision among `results` (writes that wrote nothing are left
     out): the `min_revisions` of a read that must see all of them (read-your-writes on a

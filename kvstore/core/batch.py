@@ -32,7 +32,14 @@ from typing import Any, Protocol
 
 from kvstore import errors, limits
 from kvstore.core import request_horizon
-from kvstore.core.evaluate import Evaluation, Response, evaluate_delete, evaluate_put, evaluate_txn
+from kvstore.core.evaluate import (
+    Evaluation,
+    Response,
+    evaluate_delete,
+    evaluate_mutations,
+    evaluate_put,
+    evaluate_txn,
+)
 from kvstore.core.state import KeyState, Lookup, RequestRecord, apply_effects
 from kvstore.internal.v1 import wal_entry_pb2
 from kvstore.v1 import kv_pb2
@@ -55,7 +62,7 @@ class Write:
 
     request_id: str
     build: Build
-    response_type: type[Any]  # PutResponse, DeleteResponse or TxnResponse: decodes a replayed answer
+    response_type: type[Any]  # the response message of the request's kind: decodes a replayed answer
     first_attempt_unix_ms: int = 0
 
 
@@ -93,7 +100,7 @@ class Plan:
         return self.revision + len(self.payloads) + 1
 
 
-ClientWrite = kv_pb2.PutRequest | kv_pb2.DeleteRequest | kv_pb2.TxnRequest
+ClientWrite = kv_pb2.PutRequest | kv_pb2.DeleteRequest | kv_pb2.TxnRequest | kv_pb2.ShardMutations
 
 
 def write_of(request: ClientWrite, shard: int) -> Write:
@@ -107,6 +114,10 @@ def write_of(request: ClientWrite, shard: int) -> Write:
         delete = request
         return Write(delete.request_id, lambda lookup, rev: evaluate_delete(delete, lookup, shard, rev),
                      kv_pb2.DeleteResponse, delete.first_attempt_unix_ms)
+    if isinstance(request, kv_pb2.ShardMutations):
+        part = request
+        return Write(part.request_id, lambda _lookup, rev: evaluate_mutations(part, shard, rev),
+                     kv_pb2.ShardMutationsResult, part.first_attempt_unix_ms)
     txn = request
     return Write(txn.request_id, lambda lookup, rev: evaluate_txn(txn, lookup, shard, rev), kv_pb2.TxnResponse,
                  txn.first_attempt_unix_ms)
@@ -125,7 +136,8 @@ def replayed(response_type: type[Any], raw: bytes) -> Response:
     response = response_type.FromString(raw)
     if response.HasField("result"):
         response.result.replayed = True
-    assert isinstance(response, (kv_pb2.PutResponse, kv_pb2.DeleteResponse, kv_pb2.TxnResponse)), response_type
+    assert isinstance(response, (kv_pb2.PutResponse, kv_pb2.DeleteResponse, kv_pb2.TxnResponse,
+                                 kv_pb2.ShardMutationsResult)), response_type
     return response
 
 

@@ -15,7 +15,7 @@ from kvstore.core.state import KeyState, Lookup, next_key_state
 from kvstore.internal.v1 import wal_entry_pb2
 from kvstore.v1 import kv_pb2
 
-Response = kv_pb2.PutResponse | kv_pb2.DeleteResponse | kv_pb2.TxnResponse
+Response = kv_pb2.PutResponse | kv_pb2.DeleteResponse | kv_pb2.TxnResponse | kv_pb2.ShardMutationsResult
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +55,16 @@ def evaluate_delete(req: kv_pb2.DeleteRequest, lookup: Lookup, shard: int, revis
     existed = lookup(req.key) is not None
     response = kv_pb2.DeleteResponse(result=kv_pb2.WriteResult(shard=shard, revision=revision), deleted=existed)
     return Evaluation(_entry(req.request_id, [_delete_effect(req.key)], response), response)
+
+
+def evaluate_mutations(part: kv_pb2.ShardMutations, shard: int, revision: int) -> Evaluation:
+    """One WriteBatch part: its mutations as effects, in order; the answer names only the
+    revision. Nothing is looked up: a part has no conditions and no per-mutation results, which
+    is why it is the cheap way to write many keys."""
+    effects = [_delete_effect(m.key) if m.delete else _put_effect(m.key, m.value) for m in part.mutations]
+    response = kv_pb2.ShardMutationsResult(shard=shard, result=kv_pb2.WriteResult(shard=shard, revision=revision),
+                                           mutations=len(effects))
+    return Evaluation(_entry(part.request_id, effects, response), response)
 
 
 def compare_holds(compare: kv_pb2.Compare, state: KeyState | None) -> bool:

@@ -86,6 +86,41 @@ def check_txn(req: kv_pb2.TxnRequest, shard_count: int) -> int:
     return shards.pop()
 
 
+def check_write_batch(req: kv_pb2.WriteBatchRequest, shard_count: int) -> None:
+    """Validate a WriteBatch as a whole: one broken part refuses the call, so nothing of a
+    malformed batch is ever written (the parts are independent only once they are valid)."""
+    if not req.shards:
+        raise InvalidRequestError("a WriteBatch needs at least one part")
+    seen: set[int] = set()
+    for part in req.shards:
+        shard = part.shard
+        if shard >= shard_count:
+            raise InvalidRequestError(f"shard {shard} does not exist; the cluster has {shard_count} shards")
+        if shard in seen:
+            raise InvalidRequestError(f"shard {shard} has two parts; a WriteBatch takes at most one part per shard")
+        seen.add(shard)
+        check_request_id(part.request_id)
+        count = len(part.mutations)
+        if count == 0:
+            raise InvalidRequestError(f"the part for shard {shard} has no mutations")
+        if count > limits.MAX_BATCH_MUTATIONS:
+            raise InvalidRequestError(f"the part for shard {shard} has {count} mutations; "
+                                      f"limit MAX_BATCH_MUTATIONS is {limits.MAX_BATCH_MUTATIONS}")
+        for mutation in part.mutations:  # a plain loop: this runs once per mutation
+            key = mutation.key
+            if not key or len(key) > limits.MAX_KEY_BYTES:
+                check_key(key, "mutation key")
+            if mutation.delete:
+                if mutation.value:
+                    raise InvalidRequestError(f"a delete carries no value (key {key!r})")
+            elif len(mutation.value) > limits.MAX_VALUE_BYTES:
+                check_value(mutation.value)
+            if shard_of(key, shard_count) != shard:
+                raise InvalidRequestError(f"key {key[:64]!r} belongs to shard {shard_of(key, shard_count)}, "
+                                          f"not to shard {shard} (crc32(key) mod {shard_count})")
+    check_size(req.ByteSize())
+
+
 def scan_bounds(req: kv_pb2.ScanRequest) -> tuple[bytes, bytes | None, int]:
     """(start, end or None, limit) of a scan; a prefix becomes its [prefix, successor) range."""
     if req.prefix and (req.start or req.end):

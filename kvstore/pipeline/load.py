@@ -17,17 +17,18 @@ How it runs, and why:
   rows into `TASKS_PER_SHARD` partitions (by another hash of the key), sorted by key; the task
   of a partition writes to its shard's leader (the client routes, follows leader hints and
   refreshes its map on a failover).
-* **Duplicate keys: the last row wins.** A Txn may touch a key twice (the store applies both, so
+* **Duplicate keys: the last row wins.** A batch may touch a key twice (the store applies both, so
   the key would get version 2), so each key is written once per load: the row that comes last in
   (file path, position in the file) order, which is the order a person reads the files in and
   does not depend on how Spark splits them.
-* **Large Txns, several in flight.** A shard's rows, in key order, are cut into Txns of up to
-  `--batch-rows` (at most MAX_TXN_OPS) puts/deletes and at most `TXN_BYTES_BUDGET` bytes (under
-  MAX_REQUEST_BYTES and under the WAL's record limit, the entry carrying the answer too).
-  `IN_FLIGHT_TXNS` Txns per task are in flight, so the leader's group commit puts several Txns
-  in each WAL transaction.
-* **Never applied twice (W7).** A Txn's request id is a hash of the shard count, the shard and
-  the Txn's rows (keys, values, deletes): the same dataset cut the same way gives the same ids,
+* **Large batches, several in flight.** A shard's rows, in key order, are cut into batches of up
+  to `--batch-rows` (default DEFAULT_BATCH_ROWS, at most MAX_BATCH_MUTATIONS) puts/deletes and at
+  most `BATCH_BYTES_BUDGET` bytes (under MAX_REQUEST_BYTES and under the WAL's record limit),
+  each written with the store's batch RPC (`Client.write_batch`: one WAL record, no compares, no
+  per-row answers). `IN_FLIGHT_BATCHES` batches per task are in flight, so the leader's group
+  commit puts several in each WAL transaction.
+* **Never applied twice (W7).** A batch's request id is a hash of the shard count, the shard and
+  the batch's rows (keys, values, deletes): the same dataset cut the same way gives the same ids,
   in any run. The store applies an id at most once, so a retry after an unknown outcome (same id
   and `first_attempt_unix_ms`), a retried Spark task, or a rerun of the whole load applies each
   batch at most once. Content is the identity: loading again, within the horizon, a batch
@@ -35,16 +36,16 @@ How it runs, and why:
   rows cut differently (another `--batch-rows`, shard count or TASKS_PER_SHARD) are other ids.
   Limits: the store remembers ids for its request-id horizon, 1 h or 100k ids per shard,
   whichever comes first (`kvstore.limits`); a rerun after that applies the rows again (versions
-  grow). A load makes rows / (S * batch rows) ids per shard: past 100k (12.8M rows per shard at
-  128 rows per Txn) a rerun applies its earliest batches again. A retried Spark task sends the
+  grow). A load makes rows / (S * batch rows) ids per shard: past 100k (100M rows per shard at
+  1000 rows per batch) a rerun applies its earliest batches again. A retried Spark task sends the
   load's start time as its first attempt, so the store refuses ("expired, outcome unknown"),
   rather than applies again, a batch whose id it may have forgotten meanwhile; such a task (or
   one retried more than the horizon after the load started) fails the load.
 * **Failover.** An unknown outcome or a definite refusal (no leader yet, overloaded) is retried
-  with the same id, each Txn within `BATCH_DEADLINE_S`; beyond it the task fails naming the batch
+  with the same id, each batch within `BATCH_DEADLINE_S`; beyond it the task fails naming the batch
   and whether its outcome is unknown. A rerun is then the way to finish: it is safe.
 * **Applied or replayed.** The store marks an answer it repeats for a known request id
-  (`WriteResult.replayed`). A replayed Txn whose WAL offset lies at or above the shard's high
+  (`WriteResult.replayed`). A replayed batch whose WAL offset lies at or above the shard's high
   watermark at the load's start was committed during this load (an earlier attempt whose answer
   was lost): it counts as applied. Below it, an earlier load applied it: replayed. (Two loads of
   the same rows running at once would count each other's batches as applied.)
@@ -77,23 +78,26 @@ from kvstore.pipeline.errors import PipelineError
 from kvstore.pipeline.target import WalTarget
 from wal.writer import MAX_RECORD_BYTES_DEFAULT
 
-# A Txn's byte budget, counted as key + value + OP_OVERHEAD_BYTES per op: below the request
-# limit and below the WAL's record limit (the entry also holds the request id and the stored
-# answer, ~30 bytes per op), with room to spare.
-TXN_BYTES_BUDGET = min(limits.MAX_REQUEST_BYTES, MAX_RECORD_BYTES_DEFAULT) - 32 * 1024
-OP_OVERHEAD_BYTES = 16  # protobuf tags and lengths of a TxnOp around its key and value, rounded up
-assert limits.MAX_KEY_BYTES + limits.MAX_VALUE_BYTES + OP_OVERHEAD_BYTES <= TXN_BYTES_BUDGET, \
-    "the largest row must fit a Txn alone"
+# A batch's byte budget, counted as key + value + OP_OVERHEAD_BYTES per op: below the request
+# limit and below the WAL's record limit (the entry also holds the request id, the leader time
+# and a stored answer of a few bytes), with room to spare.
+BATCH_BYTES_BUDGET = min(limits.MAX_REQUEST_BYTES, MAX_RECORD_BYTES_DEFAULT) - 32 * 1024
+OP_OVERHEAD_BYTES = 16  # protobuf tags and lengths of a mutation around its key and value, rounded up
+assert limits.MAX_KEY_BYTES + limits.MAX_VALUE_BYTES + OP_OVERHEAD_BYTES <= BATCH_BYTES_BUDGET, \
+    "the largest row must fit a batch alone"
+DEFAULT_BATCH_ROWS = 1_000  # large enough to amortise a call and a record, small enough to retry cheaply
 # Each shard's rows go to this many tasks (by a hash of the key, so all rows of a key meet in one
 # task): progress in steps finer than a shard, less to redo when a task is retried, and more
-# than one executor per leader. Part of the id scheme: the cut into Txns depends on it.
+# than one executor per leader. Part of the id scheme: the cut into batches depends on it.
 TASKS_PER_SHARD = 4
-IN_FLIGHT_TXNS = 8  # per task; the leader folds those waiting into its next WAL batch
-BATCH_DEADLINE_S = 120.0  # one Txn, retries included: well above a failover (session timeout + bootstrap)
+IN_FLIGHT_BATCHES = 8  # per task; the leader folds those waiting into its next WAL transaction
+BATCH_DEADLINE_S = 120.0  # one batch, retries included: well above a failover (session timeout + bootstrap)
 CALL_TIMEOUT_S = 30.0  # one client call (its own retries included); the batch loop calls again
 RETRY_PAUSE_S = 0.2
 PROGRESS_INTERVAL_S = 3.0
-REQUEST_ID_PREFIX = "load1-"  # the id scheme's version: a change of scheme must change it
+# The id scheme's version: a change of scheme must change it. load1- were Txns (a replay of one
+# answers a TxnResponse); load2- are WriteBatch parts, sent as "load2-<hash>/<shard>".
+REQUEST_ID_PREFIX = "load2-"
 _ID_DOMAIN = b"kvstore.load.v1\0"
 _FORMATS = {".parquet": "parquet", ".csv": "csv", ".json": "json", ".jsonl": "json", ".ndjson": "json"}
 _ERROR_MARK = re.compile(r"<<kvstore-load>>(.*?)<</kvstore-load>>", re.DOTALL)
@@ -116,7 +120,7 @@ class LoadTaskError(Exception):
 
 
 # ---------------------------------------------------------------------------------------------
-# Pure parts: one key per row, the cut into Txns, the request id.
+# Pure parts: one key per row, the cut into batches, the request id.
 
 Row = tuple[bytes, bytes | None, bool]  # key, value (None for a delete), delete
 
@@ -138,10 +142,10 @@ def op_bytes(row: Row) -> int:
     return len(key) + (0 if delete or value is None else len(value)) + OP_OVERHEAD_BYTES
 
 
-def cut_batches(rows: Iterable[Row], max_ops: int, max_bytes: int = TXN_BYTES_BUDGET) -> Iterator[list[Row]]:
-    """Consecutive rows into Txns of at most `max_ops` ops and `max_bytes` (op_bytes). Depends on
-    the rows alone, so the same rows are cut the same way in every run (the ids rely on it)."""
-    assert 1 <= max_ops <= limits.MAX_TXN_OPS, f"ops per Txn {max_ops}"
+def cut_batches(rows: Iterable[Row], max_ops: int, max_bytes: int = BATCH_BYTES_BUDGET) -> Iterator[list[Row]]:
+    """Consecutive rows into batches of at most `max_ops` ops and `max_bytes` (op_bytes). Depends
+    on the rows alone, so the same rows are cut the same way in every run (the ids rely on it)."""
+    assert 1 <= max_ops <= limits.MAX_BATCH_MUTATIONS, f"ops per batch {max_ops}"
     batch: list[Row] = []
     size = 0
     for row in rows:
@@ -156,7 +160,7 @@ def cut_batches(rows: Iterable[Row], max_ops: int, max_bytes: int = TXN_BYTES_BU
 
 
 def request_id(shard_count: int, shard: int, batch: Sequence[Row]) -> str:
-    """The Txn's idempotency key: what it writes and where, so any run derives the same one."""
+    """The batch's idempotency key: what it writes and where, so any run derives the same one."""
     h = hashlib.blake2b(digest_size=16)
     h.update(_ID_DOMAIN + shard_count.to_bytes(4, "big") + shard.to_bytes(4, "big"))
     for key, value, delete in batch:
@@ -182,7 +186,7 @@ class TaskPlan:
     batch_rows: int
     start_offsets: dict[int, int]  # per shard, the WAL's high watermark when the load started
     job_start_unix_ms: int
-    in_flight: int = IN_FLIGHT_TXNS
+    in_flight: int = IN_FLIGHT_BATCHES
     batch_deadline_s: float = BATCH_DEADLINE_S
     call_timeout_s: float = CALL_TIMEOUT_S
 
@@ -197,7 +201,7 @@ class ShardStats:
 
 
 class _TaskWriter:
-    """Writes batches with up to `plan.in_flight` Txns outstanding; the first failure stops it."""
+    """Writes batches with up to `plan.in_flight` outstanding; the first failure stops it."""
 
     def __init__(self, plan: TaskPlan, client: Any, first_attempt_unix_ms: Callable[[], int]) -> None:
         self._plan = plan
@@ -211,9 +215,9 @@ class _TaskWriter:
 
     def submit(self, shard: int, batch: list[Row]) -> None:
         self._raise_failure()
-        # Bounded wait for a slot: a Txn holds one for at most its deadline.
+        # Bounded wait for a slot: a batch holds one for at most its deadline.
         if not self._slots.acquire(timeout=self._plan.batch_deadline_s + self._plan.call_timeout_s + 10):
-            raise LoadTaskError(f"shard {shard}: no Txn finished within {self._plan.batch_deadline_s} s")
+            raise LoadTaskError(f"shard {shard}: no batch finished within {self._plan.batch_deadline_s} s")
         self._raise_failure()
         self._pool.submit(self._write, shard, batch).add_done_callback(self._done)
 
@@ -233,12 +237,12 @@ class _TaskWriter:
             raise failure
 
     def finish(self) -> None:
-        """Wait for every Txn (each bounded by its deadline), then raise the first failure."""
+        """Wait for every batch (each bounded by its deadline), then raise the first failure."""
         self._pool.shutdown(wait=True)
         self._raise_failure()
 
     def abandon(self) -> None:
-        """After a failure: let outstanding Txns end by their own deadlines, start no more."""
+        """After a failure: let outstanding batches end by their own deadlines, start no more."""
         self._pool.shutdown(wait=True, cancel_futures=True)
 
     def _stats(self, shard: int) -> ShardStats:
@@ -246,13 +250,13 @@ class _TaskWriter:
             return self.stats.setdefault(shard, ShardStats())
 
     def _write(self, shard: int, batch: list[Row]) -> None:
-        from kvstore.client import InvalidArgument, KvError, Op, RequestExpired, UnknownOutcome
+        from kvstore.client import BatchIncomplete, InvalidArgument, KvError, Op, RequestExpired, UnknownOutcome
 
         plan = self._plan
         rid = request_id(plan.shard_count, shard, batch)
         ops = [Op.delete(key) if delete else Op.put(key, value or b"") for key, value, delete in batch]
         first_ms = self._first_ms()
-        where = f"shard {shard}: Txn {rid} ({len(batch)} rows, keys {_show(batch[0][0])}..{_show(batch[-1][0])})"
+        where = f"shard {shard}: batch {rid} ({len(batch)} rows, keys {_show(batch[0][0])}..{_show(batch[-1][0])})"
         deadline = time.monotonic() + plan.batch_deadline_s
         unknown = 0
         last: KvError | None = None
@@ -264,8 +268,12 @@ class _TaskWriter:
                 raise LoadTaskError(f"{where}: gave up after {plan.batch_deadline_s:.0f} s, {outcome}; last error: "
                                     f"{last}. Rerunning the same load is safe: applied batches are not applied again")
             try:
-                result = self._client.txn(success=ops, request_id=rid, first_attempt_unix_ms=first_ms,
-                                          timeout_s=min(remaining, plan.call_timeout_s))
+                try:
+                    batch_result = self._client.write_batch(ops, request_id=rid, first_attempt_unix_ms=first_ms,
+                                                            timeout_s=min(remaining, plan.call_timeout_s))
+                except BatchIncomplete as incomplete:  # one shard, one part: its own error
+                    raise incomplete.errors[shard] from None
+                [result] = batch_result.shards
             except RequestExpired as exc:
                 raise LoadTaskError(f"{where}: {exc}") from None
             except InvalidArgument as exc:
@@ -398,10 +406,10 @@ def format_of(path: str, given: str | None) -> str:
 
 def check_batch_rows(batch_rows: int | None) -> int:
     if batch_rows is None:
-        return limits.MAX_TXN_OPS
-    if not 1 <= batch_rows <= limits.MAX_TXN_OPS:
-        raise LoadError(f"--batch-rows must be between 1 and {limits.MAX_TXN_OPS} (MAX_TXN_OPS, the ops a Txn may "
-                        f"hold): {batch_rows}")
+        return DEFAULT_BATCH_ROWS
+    if not 1 <= batch_rows <= limits.MAX_BATCH_MUTATIONS:
+        raise LoadError(f"--batch-rows must be between 1 and {limits.MAX_BATCH_MUTATIONS} (MAX_BATCH_MUTATIONS, "
+                        f"the mutations one write to a shard may hold): {batch_rows}")
     return batch_rows
 
 
@@ -423,13 +431,13 @@ def command(args: argparse.Namespace, target: WalTarget | None, printer: Any) ->
     else:
         printer.line(f"loaded {args.file}: {result.rows} rows, {result.applied} applied, {result.replayed} replayed "
                      f"(already loaded), {result.duplicates} superseded by a later row of the same key; "
-                     f"{result.batches} Txns in {result.seconds:.1f} s ({result.keys_per_s:.0f} keys/s)")
+                     f"{result.batches} batches in {result.seconds:.1f} s ({result.keys_per_s:.0f} keys/s)")
     return 0
 
 
 def load(spark: Any, path: str, fmt: str, target: WalTarget, endpoints: Sequence[str], *,
-         batch_rows: int = limits.MAX_TXN_OPS, timeout_s: float = 10.0, progress: TextIO | None = None,
-         in_flight: int = IN_FLIGHT_TXNS) -> LoadResult:
+         batch_rows: int = DEFAULT_BATCH_ROWS, timeout_s: float = 10.0, progress: TextIO | None = None,
+         in_flight: int = IN_FLIGHT_BATCHES) -> LoadResult:
     """Check the dataset, then write it; see the module docstring. Raises LoadError."""
     batch_rows = check_batch_rows(batch_rows)
     started = time.monotonic()

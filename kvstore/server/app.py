@@ -146,6 +146,29 @@ class KVService(kv_pb2_grpc.KVServicer):
         assert isinstance(response, kv_pb2.TxnResponse)
         return response
 
+    @_handler("WriteBatch")
+    async def WriteBatch(self, request: kv_pb2.WriteBatchRequest, context: Any) -> kv_pb2.WriteBatchResponse:
+        validation.check_write_batch(request, self.node.config.shards)
+        results = await asyncio.gather(*(self._write_part(part) for part in request.shards))
+        return kv_pb2.WriteBatchResponse(results=results)
+
+    async def _write_part(self, part: kv_pb2.ShardMutations) -> kv_pb2.ShardMutationsResult:
+        """One part, answered like a unary write to its shard: committed, or the error (with
+        its kvstore-* metadata from the one mapping, `errors.to_status`) that call would get.
+        Anything else raised here fails the whole call untagged: every part is then unknown to
+        the client (W7), and its retry, with the same ids, is answered from the request table."""
+        shard = part.shard
+        try:
+            response = await self._leader(shard).write(write_of(part, shard), part.ByteSize())
+        except errors.StoreError as exc:
+            code, details, metadata = errors.to_status(exc)
+            self.node.metrics.requests.labels(method="WriteBatch.part", code=code.name).inc()
+            return kv_pb2.ShardMutationsResult(
+                shard=shard, error=kv_pb2.PartError(code=code.value[0], message=details, metadata=dict(metadata)))
+        assert isinstance(response, kv_pb2.ShardMutationsResult), type(response)
+        self.node.metrics.requests.labels(method="WriteBatch.part", code="OK").inc()
+        return response
+
     @_handler("Scan")
     async def Scan(self, request: kv_pb2.ScanRequest, context: Any) -> kv_pb2.ScanResponse:
         return await self.scan(request, list(range(self.node.config.shards)), context, forward=True)

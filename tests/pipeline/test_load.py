@@ -102,16 +102,17 @@ def test_cut_dedupe_and_ids_are_deterministic() -> None:
     rows: list[load.Row] = [(b"a", b"1", False), (b"a", b"2", False), (b"b", None, True), (b"c", b"x" * 10, False)]
     assert list(load.last_per_key(rows)) == [(b"a", b"2", False), (b"b", None, True), (b"c", b"x" * 10, False)]
     big = [(f"k{i:04d}".encode(), b"v" * 10_000, False) for i in range(300)]
-    batches = list(load.cut_batches(big, limits.MAX_TXN_OPS))
-    assert all(sum(load.op_bytes(r) for r in b) <= load.TXN_BYTES_BUDGET for b in batches)
-    assert all(len(b) <= limits.MAX_TXN_OPS for b in batches) and sum(map(len, batches)) == 300
+    batches = list(load.cut_batches(big, load.DEFAULT_BATCH_ROWS))
+    assert len(batches) > 1, "cut by bytes: 300 rows of 10 kB do not fit one batch"
+    assert all(sum(load.op_bytes(r) for r in b) <= load.BATCH_BYTES_BUDGET for b in batches)
+    assert sum(map(len, batches)) == 300
     assert [len(b) for b in load.cut_batches(big[:10], 4)] == [4, 4, 2]
     first = load.request_id(SHARDS, 0, batches[0])
     assert first == load.request_id(SHARDS, 0, list(batches[0]))  # a function of the rows alone
     assert len({first, load.request_id(SHARDS, 1, batches[0]), load.request_id(3, 0, batches[0]),
                 load.request_id(SHARDS, 0, [(b"a", b"1", False)]), load.request_id(SHARDS, 0, [(b"a", None, True)]),
                 load.request_id(SHARDS, 0, [(b"a", b"", False)])}) == 6
-    assert len(first.encode()) <= limits.MAX_REQUEST_ID_BYTES
+    assert len(f"{first}/{SHARDS - 1}".encode()) <= limits.MAX_REQUEST_ID_BYTES  # as a part's id
 
 
 class _Counter:
@@ -129,11 +130,11 @@ def test_a_task_that_cannot_write_fails_naming_the_batch_and_its_outcome() -> No
         list(load.write_partition(plan, _Counter(), iter([batch])))
     assert time.monotonic() - started < 10  # bounded by the batch deadline
     text = str(caught.value)
-    assert "shard 0: Txn load1-" in text and "(2 rows, keys 'a'..'b'): gave up after 1 s" in text  # 0.6 s, rounded
+    assert "shard 0: batch load2-" in text and "(2 rows, keys 'a'..'b'): gave up after 1 s" in text  # 0.6 s, rounded
     assert "Rerunning the same load is safe" in text
     # The driver lifts the message out of Spark's wrapping.
     wrapped = f"org.apache.spark.SparkException: Job aborted\nTraceback (most recent call last):\n  ...\n{text}\n\tat x"
-    assert load._spark_message(RuntimeError(wrapped)).startswith("shard 0: Txn load1-")
+    assert load._spark_message(RuntimeError(wrapped)).startswith("shard 0: batch load2-")
 
 
 # ---- loads against the cluster ---------------------------------------------------------------
@@ -263,8 +264,8 @@ def test_cli_refuses_bad_input_with_exit_1(cluster: Cluster, spark: SparkSession
     base = ["--endpoints", ",".join(cluster.endpoints), "load", "--kafka", cluster.kafka.bootstrap_servers]
     assert cli.main([*base, str(tmp_path / "x.txt")]) == 1
     assert "give --format parquet, csv or json" in capsys.readouterr().err
-    assert cli.main([*base, str(tmp_path / "x.csv"), "--batch-rows", str(limits.MAX_TXN_OPS + 1)]) == 1
-    assert "--batch-rows must be between 1 and 128" in capsys.readouterr().err
+    assert cli.main([*base, str(tmp_path / "x.csv"), "--batch-rows", str(limits.MAX_BATCH_MUTATIONS + 1)]) == 1
+    assert f"--batch-rows must be between 1 and {limits.MAX_BATCH_MUTATIONS}" in capsys.readouterr().err
 
 
 # Last in the module: it kills a node of the module's cluster.
@@ -280,7 +281,7 @@ def test_leader_sigkill_mid_load_applies_every_row_exactly_once(cluster: Cluster
     outcome: dict[str, Any] = {}
 
     def run() -> None:
-        try:  # small Txns, so that the load outlasts the failover
+        try:  # small batches, so that the load outlasts the failover
             outcome["result"] = load.load(spark, str(path), "parquet", cluster.target, cluster.endpoints,
                                           batch_rows=2, in_flight=4)
         except BaseException as exc:
@@ -307,6 +308,6 @@ def test_leader_sigkill_mid_load_applies_every_row_exactly_once(cluster: Cluster
     assert ends.high_watermark(cluster.target.topic, shard) > killed_at  # a new leader took the rest
     assert cluster.leader(shard).node_id != victim.node_id
     assert_loaded_once(cluster, b"f/", {k.encode(): f"value of {k}".encode() for k in keys})
-    assert sum(1 for k in keys if shard_of(k.encode(), SHARDS) == shard) > 500  # ~300 Txns, ~20 before the kill
+    assert sum(1 for k in keys if shard_of(k.encode(), SHARDS) == shard) > 500  # ~300 batches, ~20 before the kill
     print(f"failover load: {result.keys_per_s:.0f} keys/s, {result.unknown_attempts} unknown outcomes retried, "
           f"{result.applied_on_retry} rows applied by an attempt whose answer was lost")

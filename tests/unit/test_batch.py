@@ -10,8 +10,8 @@ import dataclasses
 import pytest
 
 from kvstore import errors, limits
-from kvstore.core.batch import BatchLimits, Plan, Write, admit, plan_batch, probe_write, replayed
-from kvstore.core.evaluate import Evaluation, evaluate_delete, evaluate_put, evaluate_txn
+from kvstore.core.batch import BatchLimits, Plan, Write, admit, plan_batch, probe_write, replayed, write_of
+from kvstore.core.evaluate import Evaluation, evaluate_delete, evaluate_mutations, evaluate_put, evaluate_txn
 from kvstore.core.state import KeyState, RequestRecord, apply_entries, decode_entry
 from kvstore.v1 import kv_pb2 as kv
 
@@ -184,3 +184,55 @@ def test_the_probe_is_an_empty_entry_without_a_request_id() -> None:
     assert len(p.payloads) == 1 and p.after_commit and not p.now
     entry = decode_entry(p.payloads[0])
     assert entry is not None and not entry.effects and entry.request_id == ""
+
+
+# --------------------------------------------------------------------------------------------
+# WriteBatch parts: one record per part, effects in order, no lookups, replayed like any write
+
+
+def mutations(rid: str, *muts: tuple[bytes, bytes | None]) -> kv.ShardMutations:
+    """A part of shard SHARD: (key, value) puts, (key, None) deletes."""
+    part = kv.ShardMutations(shard=SHARD, request_id=rid, first_attempt_unix_ms=NOW_MS)
+    for key, value in muts:
+        part.mutations.add(key=key, value=value or b"", delete=value is None)
+    return part
+
+
+def test_a_part_is_one_record_whose_effects_apply_in_order() -> None:
+    part = mutations("p1", (b"a", b"1"), (b"b", b"2"), (b"a", b"3"), (b"c", None))
+    state = {b"c": KeyState(b"old", 2, 5, 4)}
+    p = plan([write_of(part, SHARD)], state)
+    assert len(p.payloads) == 1 and p.now == [] and p.carry == []
+    [(index, answer)] = p.after_commit
+    assert index == 0 and isinstance(answer, kv.ShardMutationsResult)
+    assert (answer.shard, answer.result.revision, answer.mutations, answer.result.replayed) == (SHARD, REV, 4, False)
+    entry = decode_entry(p.payloads[0])
+    assert entry is not None and entry.request_id == "p1" and entry.leader_unix_ms == NOW_MS
+    applied = apply_entries(state.get, lambda _rid: False, [(REV, p.payloads[0])])
+    assert applied.writes == {b"a": KeyState(b"3", 2, REV, REV), b"b": KeyState(b"2", 1, REV, REV), b"c": None}
+    assert kv.ShardMutationsResult.FromString(applied.requests[0].response) == answer
+
+
+def test_a_part_never_looks_up_the_state() -> None:
+    def lookup(key: bytes) -> KeyState | None:
+        raise AssertionError(f"looked up {key!r}")
+
+    evaluation = evaluate_mutations(mutations("p", (b"a", b"1"), (b"b", None)), SHARD, REV)
+    assert evaluation.entry is not None and len(evaluation.entry.effects) == 2
+    write_of(mutations("p", (b"a", b"1")), SHARD).build(lookup, REV)
+
+
+def test_a_part_seen_before_is_answered_with_its_recorded_result_marked_replayed() -> None:
+    original = kv.ShardMutationsResult(shard=SHARD, result=kv.WriteResult(shard=SHARD, revision=7), mutations=2)
+    table = Table({"p1": RequestRecord("p1", 7, original.SerializeToString(), NOW_MS - 1000)})
+    p = plan([write_of(mutations("p1", (b"a", b"1"), (b"b", b"2")), SHARD)], table=table)
+    [(_, answer)] = p.now
+    assert isinstance(answer, kv.ShardMutationsResult) and p.payloads == []
+    assert (answer.result.revision, answer.result.replayed, answer.mutations) == (7, True, 2)
+
+
+def test_parts_share_a_batch_with_single_writes_and_see_them() -> None:
+    p = plan([put(b"a", b"1"), write_of(mutations("p", (b"a", b"2")), SHARD), put(b"a", b"3")])
+    assert [i for i, _ in p.after_commit] == [0, 1, 2] and len(p.payloads) == 3
+    last = p.after_commit[2][1]
+    assert isinstance(last, kv.PutResponse) and last.version == 3 and last.result.revision == REV + 2

@@ -18,6 +18,7 @@ from kvstore.core.validation import (
     check_size,
     check_txn,
     check_value,
+    check_write_batch,
     prefix_end,
     scan_bounds,
 )
@@ -274,3 +275,51 @@ def test_prefix_end(prefix: bytes, expected: bytes | None) -> None:
     assert prefix_end(prefix) == expected
     if expected is not None:  # every key with the prefix sorts below it, and the prefix itself is not past it
         assert prefix < expected and prefix + b"\xff" * 8 < expected
+
+
+# --------------------------------------------------------------------------------------------
+# WriteBatch: every part checked; one broken part refuses the whole call
+
+
+def part(shard: int, keys: list[bytes], rid: str = "r", value: bytes = b"v", delete: bool = False) -> kv.ShardMutations:
+    return kv.ShardMutations(shard=shard, request_id=rid,
+                             mutations=[kv.Mutation(key=k, value=b"" if delete else value, delete=delete)
+                                        for k in keys])
+
+
+def batch(*parts: kv.ShardMutations) -> kv.WriteBatchRequest:
+    return kv.WriteBatchRequest(shards=list(parts))
+
+
+def test_write_batch_accepted() -> None:
+    check_write_batch(batch(part(0, keys_in(0)), part(2, keys_in(2), delete=True)), SHARDS)
+    many = list(itertools.islice((k for k in (f"m{i}".encode() for i in itertools.count())
+                                  if shard_of(k, SHARDS) == 1), limits.MAX_BATCH_MUTATIONS))
+    check_write_batch(batch(part(1, many, value=b"")), SHARDS)
+
+
+@pytest.mark.parametrize(("request_", "match"), [
+    (batch(), "at least one part"),
+    (batch(part(4, keys_in(0))), "shard 4 does not exist; the cluster has 4 shards"),
+    (batch(part(0, keys_in(0)), part(0, keys_in(0))), "shard 0 has two parts"),
+    (batch(part(0, [])), "no mutations"),
+    (batch(part(0, keys_in(1))), r"belongs to shard 1, not to shard 0"),
+    (batch(part(0, [b""])), "mutation key must not be empty"),
+    (batch(part(0, keys_in(0), rid="x" * (limits.MAX_REQUEST_ID_BYTES + 1))), "MAX_REQUEST_ID_BYTES"),
+    (batch(part(0, [b"k" * (limits.MAX_KEY_BYTES + 1)])), "MAX_KEY_BYTES"),
+    (batch(part(0, keys_in(0, 1), value=b"x" * (limits.MAX_VALUE_BYTES + 1))), "MAX_VALUE_BYTES"),
+    (batch(part(0, keys_in(0, 1), value=b"x" * 600_000), part(1, keys_in(1, 1), value=b"x" * 600_000)),
+     "MAX_REQUEST_BYTES"),
+    (batch(kv.ShardMutations(shard=0, mutations=[kv.Mutation(key=keys_in(0, 1)[0], value=b"v", delete=True)])),
+     "a delete carries no value"),
+])
+def test_write_batch_refused(request_: kv.WriteBatchRequest, match: str) -> None:
+    with pytest.raises(InvalidRequestError, match=match):
+        check_write_batch(request_, SHARDS)
+
+
+def test_write_batch_part_over_the_mutation_limit_is_refused_naming_it() -> None:
+    keys = list(itertools.islice((k for k in (f"m{i}".encode() for i in itertools.count())
+                                  if shard_of(k, SHARDS) == 3), limits.MAX_BATCH_MUTATIONS + 1))
+    with pytest.raises(InvalidRequestError, match="MAX_BATCH_MUTATIONS"):
+        check_write_batch(batch(part(3, keys, value=b"")), SHARDS)
