@@ -13,8 +13,11 @@ module, so the asyncio replica (`kvstore.server.replica`) and the deterministic 
   answer and adds no record;
 * **evaluation over an overlay**: each write is evaluated against the committed state plus the
   writes planned before it in this batch, at the offset its record will land at (W1). The overlay
-  advances with `kvstore.core.state.apply_effects`, the state machine's own transition, so the
-  plan can never disagree with what apply will do;
+  advances with `kvstore.core.state.next_key_state`, the state machine's own transition (the one
+  `apply_effects` and `apply_entries` chain), so the plan can never disagree with what apply will
+  do. It advances lazily: an entry's effects are kept per key and folded into a key's state only
+  when a later write of the batch reads that key, so a WriteBatch part of thousands of keys costs
+  no state lookups at all unless something after it in the batch touches them;
 * **sizing** by WAL-entry bytes and records (the writer's limits, `BatchLimits`): a write that
   does not fit goes first into the next batch (`Plan.carry`), evaluated again there; one entry
   above the record limit alone is refused with the limit named.
@@ -40,7 +43,7 @@ from kvstore.core.evaluate import (
     evaluate_put,
     evaluate_txn,
 )
-from kvstore.core.state import KeyState, Lookup, RequestRecord, apply_effects
+from kvstore.core.state import KeyState, Lookup, RequestRecord, effect_key, next_key_state
 from kvstore.internal.v1 import wal_entry_pb2
 from kvstore.v1 import kv_pb2
 
@@ -174,9 +177,17 @@ def plan_batch(writes: Sequence[Write], revision: int, lookup: Lookup, table: Re
     Stamps each entry with `now_unix_ms` as its leader time (the clock by which every replica
     forgets request ids at the same entry, `kvstore.server.storage`)."""
     plan = Plan(revision=revision)
-    overlay: dict[bytes, KeyState | None] = {}
+    overlay: dict[bytes, KeyState | None] = {}  # keys written earlier in the batch, folded
+    deferred: dict[bytes, list[tuple[wal_entry_pb2.Effect, int]]] = {}  # not folded yet, in batch order
 
     def current(key: bytes) -> KeyState | None:
+        pending = deferred.pop(key, None)
+        if pending is not None:
+            state = overlay[key] if key in overlay else lookup(key)
+            for effect, at in pending:
+                state = next_key_state(state, effect, at)
+            overlay[key] = state
+            return state
         return overlay[key] if key in overlay else lookup(key)
 
     in_batch: dict[str, Response] = {}  # first answer of each id planned in this batch
@@ -208,8 +219,13 @@ def plan_batch(writes: Sequence[Write], revision: int, lookup: Lookup, table: Re
                                   or len(plan.payloads) >= batch_limits.max_records):
                 plan.carry.extend(range(index, len(writes)))  # in order, first into the next batch
                 break
-            for key, state in apply_effects(evaluation.entry.effects, record_revision, current):
-                overlay[key] = state
+            for effect in evaluation.entry.effects:  # a plain loop: once per key written
+                key = effect_key(effect)
+                later = deferred.get(key)
+                if later is None:
+                    deferred[key] = [(effect, record_revision)]
+                else:
+                    later.append((effect, record_revision))
             plan.payloads.append(payload)
             plan.payload_bytes += len(payload)
         if rid:

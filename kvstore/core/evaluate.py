@@ -61,10 +61,19 @@ def evaluate_mutations(part: kv_pb2.ShardMutations, shard: int, revision: int) -
     """One WriteBatch part: its mutations as effects, in order; the answer names only the
     revision. Nothing is looked up: a part has no conditions and no per-mutation results, which
     is why it is the cheap way to write many keys."""
-    effects = [_delete_effect(m.key) if m.delete else _put_effect(m.key, m.value) for m in part.mutations]
+    entry = wal_entry_pb2.WalEntry(request_id=part.request_id)
+    effects = entry.effects
+    for m in part.mutations:  # filled in place: half the cost of building each Effect and copying the list
+        if m.delete:
+            effects.add().delete.key = m.key
+        else:
+            put = effects.add().put
+            put.key = m.key
+            put.value = m.value
     response = kv_pb2.ShardMutationsResult(shard=shard, result=kv_pb2.WriteResult(shard=shard, revision=revision),
                                            mutations=len(effects))
-    return Evaluation(_entry(part.request_id, effects, response), response)
+    entry.response = response.SerializeToString()
+    return Evaluation(entry, response)
 
 
 def compare_holds(compare: kv_pb2.Compare, state: KeyState | None) -> bool:

@@ -236,3 +236,19 @@ def test_parts_share_a_batch_with_single_writes_and_see_them() -> None:
     assert [i for i, _ in p.after_commit] == [0, 1, 2] and len(p.payloads) == 3
     last = p.after_commit[2][1]
     assert isinstance(last, kv.PutResponse) and last.version == 3 and last.result.revision == REV + 2
+
+
+def test_the_overlay_is_folded_only_for_keys_a_later_write_reads() -> None:
+    looked_up: list[bytes] = []
+
+    def lookup(key: bytes) -> KeyState | None:
+        looked_up.append(key)
+        return KeyState(b"old", 4, 3, 1) if key == b"a" else None
+
+    part = mutations("p", (b"a", b"1"), (b"b", b"2"), (b"a", None), (b"a", b"3"))
+    p = plan_batch([write_of(part, SHARD), put(b"a", b"4"), put(b"c", b"5")], REV, lookup, Table(), NOW_MS, WIDE)
+    assert looked_up == [b"a", b"c"], "b is never read after the part: never looked up"
+    last_a = p.after_commit[1][1]
+    assert isinstance(last_a, kv.PutResponse) and last_a.version == 2, "deleted then put (1) by the part, then 2"
+    applied = apply_entries(lookup, lambda _rid: False, list(enumerate(p.payloads, REV)))
+    assert applied.writes[b"a"] == KeyState(b"4", 2, REV + 1, REV)
