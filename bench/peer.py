@@ -50,6 +50,7 @@ from typing import Any
 
 import grpc
 import grpc.aio
+from confluent_kafka.admin import AdminClient
 from google.protobuf.internal import api_implementation
 
 from kvstore.core.sharding import shard_of
@@ -57,7 +58,8 @@ from kvstore.v1 import kv_pb2
 from wal.broker import KAFKA_VERSION, free_port
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import kv as kvbench  # bench/kv.py: node start, broker, CPU counters, the empty servicer
+import kv as kvbench  # bench/kv.py: node start, broker, CPU counters, the empty servicer, replay
+import wal_append  # bench/wal_append.py: the guard against a raw transactional producer
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS_DIR, ETCD_PROTO = REPO / "bench" / "results", Path(__file__).resolve().parent / "etcd_rpc.proto"
@@ -70,9 +72,22 @@ CHANNELS = kvbench.CHANNELS  # per target, as bench/kv.py: 256 clients = 64 stre
 RPC_TIMEOUT_S = 10.0
 MAX_OPS_PER_SERIES = 400_000
 PROFILES: dict[str, dict[str, Any]] = {
-    "quick": {"clients": (1, 64, 256), "seconds": 2.0, "warmup": 0.5, "global_warmup": 3.0},
-    "full": {"clients": (1, 16, 64, 256), "seconds": 6.0, "warmup": 1.5, "global_warmup": 8.0},
+    "quick": {"clients": (1, 64, 256), "seconds": 2.0, "warmup": 0.5, "global_warmup": 3.0,
+              "replay_records": 200_000, "replay_rounds": 2, "node_rounds": 2,
+              "wal": {**wal_append.PROFILES["quick"], "seconds": 3.0}},
+    "full": {"clients": (1, 16, 64, 256), "seconds": 6.0, "warmup": 1.5, "global_warmup": 8.0,
+             "replay_records": 200_000, "replay_rounds": 3, "node_rounds": 3, "wal": wal_append.PROFILES["quick"]},
 }
+# Issue 12's goals, all measured in one run of this script: (headline key, at least, what).
+GOALS: tuple[tuple[str, float, str], ...] = (
+    ("put64_store_vs_empty", 0.6, "Put at 64 clients vs the empty grpc.aio server"),
+    ("get64_store_vs_empty", 0.6, "linearizable Get at 64 clients vs the empty server"),
+    ("wbatch_best_keys_store_vs_etcd_txn", 1.0, "batch RPC keys/s vs etcd's Txn of 100 puts (best of each)"),
+    ("replay_node_records_per_s", 200_000, "node bootstrap from the WAL, records/s"),
+    ("replay_node_vs_raw_consumer", 0.7, "node bootstrap vs a raw read_committed consumer"),
+    ("guard_vs_raw_txn_b100", 0.9, "the WAL guard vs a raw transactional producer, batches of 100"),
+)
+WAL_BATCH = 100
 ETCD_PACKAGE = "etcd-server"
 APT_TIMEOUT_S, START_TIMEOUT_S = 600, 120
 Row = dict[str, Any]
@@ -474,6 +489,8 @@ def run(tmp: Path, profile: dict[str, Any], etcd_binary: str | None) -> Row:
         log(f"targets up after {time.perf_counter() - started:.1f}s: "
             + ", ".join(f"{t.system} {t.address}" for t in targets))
         results, checks = asyncio.run(load_phase(targets, profile, etcd))
+        kvbench.stop_proc(node)  # the rest measures the WAL paths alone, on the same broker
+        wal = wal_phase(bootstrap, tmp, profile)
     node_problems = kvbench.log_problems(tmp / "node.log")
     node_log = (tmp / "node.log").read_text(errors="replace") if (tmp / "node.log").exists() else ""
     # Leadership changes of the one node (group assignments, takeovers): more than the first
@@ -481,12 +498,26 @@ def run(tmp: Path, profile: dict[str, Any], etcd_binary: str | None) -> Row:
     node_events = [line for line in node_log.splitlines() if any(
         word in line for word in (" assigned [", " revoked [", " leading at offset ", " lost "))]
     etcd_problems = etcd_log_problems(tmp / "etcd.log")
-    return {"results": results, "verify": checks,
+    return {"results": results, "verify": checks, **wal,
             "node": {"log_problems": len(node_problems), "first_log_problems": node_problems[:5],
                      "leadership_events": len(node_events), "first_leadership_events": node_events[:20]},
             "etcd_log": {"warnings": len(etcd_problems),
                          "took_too_long": sum("took too long" in p for p in etcd_problems),
                          "first_warnings": [p[:300] for p in etcd_problems[:5]]}}
+
+
+def wal_phase(bootstrap: str, tmp: Path, profile: dict[str, Any]) -> Row:
+    """The two goals that are not about serving: a node's bootstrap replay against a raw consumer
+    (bench/kv.py's replay phase) and the guard against a raw transactional producer at batches of
+    WAL_BATCH (bench/wal_append.py), on the same broker, after the load."""
+    run_id = uuid.uuid4().hex[:8]
+    log(f"replay: {profile['replay_records']:,} records, node bootstrap vs wal.Replayer vs a raw consumer")
+    replay = kvbench.replay_phase(bootstrap, tmp / "replay", profile, run_id)
+    log(f"replay: node {replay['node_bootstrap_records_per_s']}/s, raw {replay['raw_consumer_records_per_s']}/s")
+    admin = AdminClient({"bootstrap.servers": bootstrap})
+    guard = wal_append.run_size(bootstrap, admin, run_id, WAL_BATCH, profile["wal"])
+    log("guard: " + ", ".join(f"{m} {guard[m]['records_per_s']:,.0f} records/s" for m in wal_append.MODES))
+    return {"replay": replay, "guard": {"batch": WAL_BATCH, **guard}}
 
 
 def ratio(rows: list[Row], op: str, clients: int, a: str, b: str, key: str = "ops_per_s") -> float | None:
@@ -501,7 +532,9 @@ def headline(report: Row) -> Row:
     at64 = {op: {s: next((r["keys_per_s" if op in BATCH_OPS else "ops_per_s"] for r in rows
                           if r["op"] == op and r["clients"] == clients and r["system"] == s), None) for s in SYSTEMS}
             for op in OPS}
-    return {"bench": "peer", "profile": report["profile"], "utc": report["utc"],
+    replay, guard = report.get("replay") or {}, report.get("guard")
+    replay_rate, raw_rate = replay.get("node_bootstrap_records_per_s"), replay.get("raw_consumer_records_per_s")
+    out = {"bench": "peer", "profile": report["profile"], "utc": report["utc"],
             "put64_store_vs_etcd": ratio(rows, "put", clients, "store", "etcd"),
             "put64_store_vs_empty": ratio(rows, "put", clients, "store", "empty"),
             "get64_store_vs_etcd": ratio(rows, "get", clients, "store", "etcd"),
@@ -513,12 +546,19 @@ def headline(report: Row) -> Row:
             "wbatch64_keys_store_vs_etcd": ratio(rows, "wbatch", clients, "store", "etcd", "keys_per_s"),
             "wbatch_best_keys_store_vs_etcd_txn": round(best["wbatch", "store"] / best["batch", "etcd"], 3)
             if best["wbatch", "store"] and best["batch", "etcd"] else None,
+            "replay_node_records_per_s": replay_rate,
+            "replay_node_vs_raw_consumer": round(replay_rate / raw_rate, 3) if replay_rate and raw_rate else None,
+            "guard_vs_raw_txn_b100": round(guard["guard"]["records_per_s"] / guard["raw_txn"]["records_per_s"], 3)
+            if guard and guard["raw_txn"]["records_per_s"] else None,
             "mixed64_store_vs_etcd": ratio(rows, "mixed", clients, "store", "etcd"),
             "mixed64_store_vs_empty": ratio(rows, "mixed", clients, "store", "empty"),
             "at64_per_s": at64,
             "errors": {s: sum(sum(r["errors"].values()) for r in rows if r["system"] == s) for s in SYSTEMS},
             "wrong_answers": {s: sum(r["wrong_answers"] for r in rows if r["system"] == s) for s in SYSTEMS},
             "etcd": report["etcd"]["version"], "wall_seconds": report["wall_seconds"]}
+    out["goals"] = {key: {"value": out.get(key), "at_least": target, "met": out.get(key) is not None
+                          and out[key] >= target, "what": what} for key, target, what in GOALS}
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -624,7 +664,13 @@ def markdown(report: Row) -> str:
         return "/".join("-" if c.get(k) is None else f"{c[k]:.0f}" for k in ("server", "broker", "loadgen")
                         if k in c)
 
-    out = ["| load | clients | store | etcd | empty | store/etcd | store/empty | p99 ms store / etcd / empty "
+    goals = ["| goal (issue 12) | at least | measured | |", "|---|---:|---:|---|"]
+    for key, target, what in GOALS:
+        value = report.get("goals", {}).get(key, {}).get("value")
+        met = "-" if value is None else "met" if value >= target else "**missed**"
+        goals.append(f"| {what} (`{key}`) | {num(target)} | {num(value)} | {met} |")
+    out = [*goals, "",
+           "| load | clients | store | etcd | empty | store/etcd | store/empty | p99 ms store / etcd / empty "
            "| CPU % store (node/broker/loadgen) | CPU % etcd (server/loadgen) | CPU % empty (server/loadgen) |",
            "|---|---:|---:|---:|---:|---:|---:|---|---|---|---|"]
     for op in OPS:
