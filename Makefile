@@ -7,7 +7,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 PROTOS := $(shell find proto -name '*.proto')
 
-.PHONY: up test unit lint proto kafka spark venv bench-quick clean
+.PHONY: up test unit lint proto kafka spark venv bench-quick profile clean
 
 up: venv proto kafka
 	$(PY) -m kvstore.dev.cluster --data-dir .data
@@ -73,6 +73,13 @@ bench-quick: venv proto kafka spark
 	$(PY) bench/failover.py --quick
 	$(PY) bench/pipeline.py --quick
 	$(PY) bench/peer.py --quick
+	$(PY) bench/scaling.py --quick
+
+# py-spy flame graphs of a node under Put, Get and WriteBatch loads (bench/results/profile-*.svg); needs
+# ptrace rights (root, or kernel.yama.ptrace_scope = 0).
+profile: venv proto kafka
+	$(PY) -m pip install -q -e '.[dev,bench]'
+	$(PY) bench/profile.py
 
 clean:
 	rm -rf $(VENV) .data build *.egg-info .coverage .coverage.*
