@@ -825,7 +825,8 @@ class ShardReplica:
         self.require_leader()
         if self._round is None:
             self._round = asyncio.get_running_loop().create_future()
-            self._round_task = asyncio.create_task(self._run_round(self._round))
+            if self._round_task is None or self._round_task.done():
+                self._round_task = asyncio.create_task(self._run_rounds())
         end = await asyncio.shield(self._round)
         verdict = self.machine.barrier(end)
         if verdict.wait_for is None:
@@ -854,16 +855,22 @@ class ShardReplica:
         except asyncio.QueueFull:
             self._probing = False  # writes are flowing anyway: they will hit W2 themselves
 
-    async def _run_round(self, round_: asyncio.Future[int]) -> None:
-        await asyncio.sleep(0)  # let reads that arrived in this same tick join
-        self._round = None  # reads arriving from now on need a later query
-        try:
-            end = await asyncio.to_thread(self.ends.high_watermark, self.config.topic, self.shard)
-        except Exception as exc:
-            round_.set_exception(errors.UnavailableError(f"shard {self.shard}: read barrier failed: {exc}"))
-            return
-        self.end_offset = max(self.end_offset, end)
-        round_.set_result(end)
+    async def _run_rounds(self) -> None:
+        """One watermark query in flight at a time. A read joins the round that has not sent its
+        query yet, so the query it waits for was always sent after it arrived (linearizable);
+        reads arriving while a query is in flight form the next round, sent as soon as that
+        query returns, and all share it: under load, one query per round trip serves every read
+        that came meanwhile, instead of one query per burst of arrivals."""
+        while (round_ := self._round) is not None:
+            await asyncio.sleep(0)  # let reads that arrived in this same tick join
+            self._round = None  # reads arriving from now on wait for the next query
+            try:
+                end = await asyncio.to_thread(self.ends.high_watermark, self.config.topic, self.shard)
+            except Exception as exc:
+                round_.set_exception(errors.UnavailableError(f"shard {self.shard}: read barrier failed: {exc}"))
+                continue
+            self.end_offset = max(self.end_offset, end)
+            round_.set_result(end)
 
     async def wait_applied(self, offset: int, timeout_s: float) -> None:
         """Until everything below `offset` is applied here."""
