@@ -66,10 +66,10 @@ def _handler(method: str) -> Callable[[Callable[..., Awaitable[T]]], Callable[..
                 result = await fn(self, request, context)
             except errors.StoreError as exc:
                 code, details, metadata = errors.to_status(exc)
-                self.node.metrics.requests.labels(method=method, code=code.name).inc()
+                self.node.metrics.count_request(method, code.name)
                 await context.abort(code, details, trailing_metadata=metadata)
                 raise AssertionError("abort returned") from exc
-            self.node.metrics.requests.labels(method=method, code="OK").inc()
+            self.node.metrics.count_request(method, "OK")
             return result
 
         return run
@@ -162,11 +162,11 @@ class KVService(kv_pb2_grpc.KVServicer):
             response = await self._leader(shard).write(write_of(part, shard), part.ByteSize())
         except errors.StoreError as exc:
             code, details, metadata = errors.to_status(exc)
-            self.node.metrics.requests.labels(method="WriteBatch.part", code=code.name).inc()
+            self.node.metrics.count_request("WriteBatch.part", code.name)
             return kv_pb2.ShardMutationsResult(
                 shard=shard, error=kv_pb2.PartError(code=code.value[0], message=details, metadata=dict(metadata)))
         assert isinstance(response, kv_pb2.ShardMutationsResult), type(response)
-        self.node.metrics.requests.labels(method="WriteBatch.part", code="OK").inc()
+        self.node.metrics.count_request("WriteBatch.part", "OK")
         return response
 
     @_handler("Scan")

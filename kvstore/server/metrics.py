@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 _LATENCY_BUCKETS_S = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0)
@@ -49,3 +51,12 @@ class Metrics:
         self.group_rejoins = Counter("kvstore_group_rejoins",
                                      "times this node rejoined the leadership group once every shard could be led",
                                      registry=r)
+        self._request_counters: dict[tuple[str, str], Any] = {}
+
+    def count_request(self, method: str, code: str) -> None:
+        """`requests{method, code}` += 1, with the labelled child cached: `labels()` takes a lock
+        and builds a key on every call, which is measurable on a path run once per request."""
+        child = self._request_counters.get((method, code))
+        if child is None:
+            child = self._request_counters[(method, code)] = self.requests.labels(method=method, code=code)
+        child.inc()
