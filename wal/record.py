@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import enum
 import functools
+from collections.abc import Sequence
 from typing import NamedTuple
 
 from google.protobuf.message import DecodeError
@@ -111,6 +112,105 @@ def judge(
         return Verdict.MISMATCH, None
     writer = WriterIdentity(id=body.writer.id, term=body.writer.term)
     return Verdict.ACCEPTED, AcceptedRecord(offset, body.payload, writer, timestamp_ms)
+
+
+class Judged(NamedTuple):
+    """W3 over a run of records at once (`judge_batch`): exactly what `judge` says of each."""
+
+    accepted: list[int]  # indexes (into the inputs) of the accepted records, in order
+    payloads: list[bytes]  # theirs
+    writers: list[WriterIdentity]  # theirs
+    mismatch: int
+    malformed: int
+
+
+_LOW_FIRST = [bytes((0x08, b)) for b in range(128)]  # field 1 tag + a one-byte varint (offset < 128)
+_LOW_MORE = [bytes((0x08, b | 0x80)) for b in range(128)]  # field 1 tag + the first byte of a longer varint
+
+
+def judge_batch(offsets: Sequence[int], values: Sequence[bytes | None], headers: Sequence[AnyHeaders]) -> Judged:
+    """`judge` for many records (offset, value and headers at the same index), without its
+    per-record objects: replay runs this on every record, where `judge` (a protobuf object, a
+    Verdict, two NamedTuples) cost ~4.2 µs a record and this ~1 µs (measured on 50k records of
+    the bench's WAL).
+
+    Same decision for every record, by construction: the header is read as
+    `header_expected_offset` reads it (its common shape inline, anything else through it), and
+    the body is either exactly `encode(e, writer, payload)` for the header's e and a writer
+    whose own record went through protobuf before (then it holds e, that writer and that
+    payload, and nothing else), or it is parsed by protobuf as `judge` parses it.
+    tests/unit/test_record.py compares the two on well-formed and rogue records.
+    """
+    assert len(offsets) == len(values) == len(headers)
+    accepted: list[int] = []
+    payloads: list[bytes] = []
+    writers: list[WriterIdentity] = []
+    mismatch = malformed = 0
+    writer: WriterIdentity | None = None  # the writer of the last record parsed by protobuf
+    writer_field = b""  # its field, `_writer_field(writer)`
+    prefixes_hi = -1  # the offset >> 7 that `prefixes` were built for (-1: none)
+    prefixes: list[bytes] = []  # [offset & 0x7F]: a record's bytes before its payload's length
+    body_at = 0  # their length
+    for index in range(len(offsets)):  # bounded by the batch; a plain loop: once per record replayed
+        value = values[index]
+        record_headers = headers[index]
+        # header_expected_offset, inline for the shape every writer sends (first header is ours).
+        if type(record_headers) is list and record_headers and record_headers[0][0] == EXPECTED_OFFSET_HEADER \
+                and type(header_value := record_headers[0][1]) is bytes:
+            expected: int | None = int(header_value) if header_value.isdigit() else None
+        else:
+            expected = header_expected_offset(record_headers)
+        if expected is None or value is None:
+            malformed += 1
+            continue
+        if writer is not None and expected > 0:
+            if expected >> 7 != prefixes_hi:
+                # Field 1 (offset) and field 2 (writer) and the payload's tag, for the 128 offsets
+                # that share their varint's bytes after the first.
+                prefixes_hi = expected >> 7
+                tail = (_varint(prefixes_hi) if prefixes_hi else b"") + writer_field + b"\x1a"
+                prefixes = [head + tail for head in (_LOW_MORE if prefixes_hi else _LOW_FIRST)]
+                body_at = len(prefixes[0])
+            if value.startswith(prefixes[expected & 0x7F]):
+                # The payload's length: a varint of up to 3 bytes (records stay below 2 MiB), and
+                # the payload must end the record.
+                size = len(value)
+                first = value[body_at] if size > body_at else 0x80
+                if first < 0x80:
+                    start = body_at + 1 if body_at + 1 + first == size else 0
+                elif size > body_at + 1 and (second := value[body_at + 1]) < 0x80:
+                    start = body_at + 2 if body_at + 2 + ((first & 0x7F) | second << 7) == size else 0
+                elif size > body_at + 2 and (third := value[body_at + 2]) < 0x80:
+                    start = body_at + 3 if body_at + 3 + ((first & 0x7F) | (value[body_at + 1] & 0x7F) << 7
+                                                          | third << 14) == size else 0
+                else:
+                    start = 0
+                if start:
+                    if offsets[index] == expected:
+                        accepted.append(index)
+                        payloads.append(value[start:])
+                        writers.append(writer)
+                    else:
+                        mismatch += 1
+                    continue
+        # Anything else, as `judge` does it.
+        try:
+            body = record_pb2.Record.FromString(value)
+        except DecodeError:
+            malformed += 1
+            continue
+        if body.expected_offset != expected:
+            malformed += 1
+            continue
+        writer = WriterIdentity(id=body.writer.id, term=body.writer.term)
+        writer_field, prefixes_hi = _writer_field(writer), -1
+        if not accepts(offsets[index], expected):
+            mismatch += 1
+            continue
+        accepted.append(index)
+        payloads.append(body.payload)
+        writers.append(writer)
+    return Judged(accepted, payloads, writers, mismatch, malformed)
 
 
 def accepts(actual_offset: int, expected_offset: int) -> bool:

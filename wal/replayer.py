@@ -27,13 +27,26 @@ seek on a stopped partition with _STATE) or `close()`. It never resumes anywhere
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import operator
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
-from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
+from confluent_kafka import Consumer, KafkaError, KafkaException, Message, TopicPartition
 
 from wal import clients, record
 from wal.errors import OffsetOutOfRangeError, UnavailableError, WalTimeoutError
+
+# librdkafka stops fetching a partition while its local queue holds queued.min.messages (100k) or
+# queued.max.messages.kbytes, and then looks again only after fetch.queue.backoff.ms (1 s by
+# default). A replay that applies slower than the broker delivers fills the queue, so with the
+# default it read for ~0.5 s and then waited ~0.5 s for the next fetch (measured: wal.Replayer
+# 113k -> 204k records/s with 200k records, raw consumer ~290k either way). The queue bounds stay
+# as they are; only the look comes sooner.
+REPLAY_FETCH = {"fetch.queue.backoff.ms": 10}
+CONSUME_STEP = 500  # records per consume() within one fetch (`Replayer._fetch` says why)
+_ERROR, _OFFSET = operator.methodcaller("error"), operator.methodcaller("offset")
+_VALUE, _HEADERS = operator.methodcaller("value"), operator.methodcaller("headers")
 
 
 @dataclasses.dataclass
@@ -76,7 +89,7 @@ class Replayer:
         self._max_poll_records = max_poll_records
         self._bootstrap = bootstrap_servers
         self._ends: clients.PartitionEnds | None = None
-        self._consumer = Consumer(clients.consumer_config(bootstrap_servers, "read_committed"))
+        self._consumer = Consumer(clients.consumer_config(bootstrap_servers, "read_committed", REPLAY_FETCH))
         self._consumer.assign([TopicPartition(topic, partition, start_offset)])
         # The consumer's position is only ours once a message was consumed since the last
         # seek: librdkafka seeks asynchronously, so just after seek() it may still report the
@@ -177,8 +190,6 @@ class Replayer:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    # ---- internals ---------------------------------------------------------------------------
-
     def poll_once(self, timeout_s: float) -> list[record.AcceptedRecord]:
         """One fetch: the accepted records it brought (maybe none); `position` moves past
         everything it saw, markers and rejected records included.
@@ -189,48 +200,117 @@ class Replayer:
         next call. Raises `UnavailableError` if the log's ends cannot be read for the error (the
         state stays: the next call tries again).
         """
+        out: list[record.AcceptedRecord] = []
+
+        def take(messages: list[Message], offsets: list[int], judged: record.Judged) -> None:
+            out.extend(record.AcceptedRecord(offsets[index], payload, writer, messages[index].timestamp()[1])
+                       for index, payload, writer in zip(judged.accepted, judged.payloads, judged.writers,
+                                                         strict=True))
+
+        self._fetch(timeout_s, take)
+        return out
+
+    def poll_payloads(self, timeout_s: float) -> list[tuple[int, bytes]]:
+        """`poll_once`, the accepted records as (offset, payload) only: what a replica applies.
+
+        Replay calls this for every batch of a bootstrap, and a record object per record (with
+        its writer and timestamp, which apply never reads) cost more than the pairs themselves.
+        """
+        out: list[tuple[int, bytes]] = []
+
+        def take(messages: list[Message], offsets: list[int], judged: record.Judged) -> None:
+            out.extend(zip([offsets[index] for index in judged.accepted], judged.payloads, strict=True))
+
+        self._fetch(timeout_s, take)
+        return out
+
+    # ---- internals ---------------------------------------------------------------------------
+
+    def _fetch(self, timeout_s: float, take: Callable[[list[Message], list[int], record.Judged], None]) -> None:
+        """One fetch of up to `max_poll_records`, judged by W3 (`record.judge_batch`) in steps of
+        `CONSUME_STEP` records: `take` is given each step's data messages, their offsets (the
+        judgement's indexes point into both) and the judgement. Stats and position updated,
+        errors as `poll_once` says.
+
+        In steps, so that a step's messages (and their header lists) are garbage before the
+        next step is consumed: holding a whole fetch of them alive made Python's collector move
+        them to its oldest generation and then walk it (measured: ~12% of a bootstrap's time,
+        twelve full collections per 200k records)."""
         if self._stopped is not None:
             raise self._out_of_range()
-        accepted: list[record.AcceptedRecord] = []
-        messages = self._consumer.consume(self._max_poll_records, timeout=timeout_s)
-        if messages:
+        accepted = 0
+        failure: UnavailableError | None = None
+        wait_s = timeout_s
+        budget = self._max_poll_records
+        while budget > 0 and failure is None and self._stopped is None:  # bounded: budget shrinks
+            batch = self._consumer.consume(min(budget, CONSUME_STEP), timeout=wait_s)
+            if not batch:
+                break
+            wait_s = 0  # the rest of this fetch: only what librdkafka has already queued
+            budget -= len(batch)
             self._position_current = True  # consumed after the last seek (older ones are dropped)
-        for msg in messages:
+            messages, offsets, values, headers, failure = self._records_of(batch)
+            judged = record.judge_batch(offsets, values, headers)
+            stats = self.stats
+            stats.accepted += len(judged.accepted)
+            stats.rejected_mismatch += judged.mismatch
+            stats.rejected_malformed += judged.malformed
+            accepted += len(judged.accepted)
+            take(messages, offsets, judged)
+        if failure is not None:
+            raise failure
+        if self._stopped is not None:
+            if accepted:
+                return  # the caller's; the error follows with the next call
+            raise self._out_of_range()
+        self._skip_markers()
+
+    def _records_of(self, batch: list[Message]) -> tuple[list[Message], list[int], list[bytes | None],
+                                                         list[record.AnyHeaders], UnavailableError | None]:
+        """The records of one consume() past the position, in order, as columns: messages,
+        offsets, values, headers; the position moves past them and past what librdkafka says it
+        skipped. Error events are handled here (see `poll_once`); a fatal one ends the records
+        and is returned, to be raised once those before it are judged and counted."""
+        position = self.position
+        if not any(map(_ERROR, batch)):
+            offsets: list[int] = list(map(_OFFSET, batch))
+            if offsets[0] >= position and all(map(operator.lt, offsets, itertools.islice(offsets, 1, None))):
+                # Only records, in order, none seen before: what a fetch nearly always is, read a
+                # column at a time (~0.2 µs a record less than the loop below).
+                self.position = offsets[-1] + 1
+                return batch, offsets, list(map(_VALUE, batch)), list(map(_HEADERS, batch)), None
+        messages: list[Message] = []
+        offsets = []
+        values: list[bytes | None] = []
+        headers: list[record.AnyHeaders] = []
+        failure: UnavailableError | None = None
+        for msg in batch:  # bounded by CONSUME_STEP
             err = msg.error()
             if err is not None:
                 if err.code() == KafkaError._PARTITION_EOF:
                     # The offset past everything read_committed can see, markers included.
-                    self.position = max(self.position, msg.offset() or 0)
+                    position = max(position, msg.offset() or 0)
                     continue
                 if err.code() == KafkaError._AUTO_OFFSET_RESET:
                     # auto.offset.reset=error: librdkafka stopped fetching (module docstring).
                     refused = msg.offset()
-                    self._stopped = (err, refused if refused is not None and refused >= 0 else self.position)
+                    self._stopped = (err, refused if refused is not None and refused >= 0 else position)
                     break  # nothing of this partition can follow the refusal
                 if err.retriable() or not err.fatal():
                     continue  # transient fetch errors: librdkafka retries by itself
-                raise UnavailableError(f"{self.topic}[{self.partition}]: {err.str()}")
+                failure = UnavailableError(f"{self.topic}[{self.partition}]: {err.str()}")
+                break  # what came before it is still judged and counted, then this is raised
             offset = msg.offset()
             assert offset is not None, "a fetched record always has an offset"
-            if offset < self.position:
+            if offset < position:
                 continue  # a re-delivery after a seek; already judged
-            timestamp_ms = msg.timestamp()[1]
-            verdict, accepted_record = record.judge(offset, msg.value(), msg.headers(), timestamp_ms)
-            if verdict is record.Verdict.ACCEPTED:
-                assert accepted_record is not None
-                self.stats.accepted += 1
-                accepted.append(accepted_record)
-            elif verdict is record.Verdict.MISMATCH:
-                self.stats.rejected_mismatch += 1
-            else:
-                self.stats.rejected_malformed += 1
-            self.position = offset + 1
-        if self._stopped is not None:
-            if accepted:
-                return accepted  # the caller's; the error follows with the next call
-            raise self._out_of_range()
-        self._skip_markers()
-        return accepted
+            messages.append(msg)
+            offsets.append(offset)
+            values.append(msg.value())
+            headers.append(msg.headers())
+            position = offset + 1
+        self.position = position
+        return messages, offsets, values, headers, failure
 
     def _drop_queued_refusal(self) -> None:
         """Consume what is queued up to librdkafka's _AUTO_OFFSET_RESET error (seek() discards

@@ -322,7 +322,7 @@ class ShardReplica:
                     replayer.seek(0)
             while not self._stopping and not self._want_lead and BROKEN not in self.machine.unable:
                 try:
-                    records = await asyncio.to_thread(replayer.poll_once, FOLLOW_POLL_S)
+                    records = await asyncio.to_thread(replayer.poll_payloads, FOLLOW_POLL_S)
                 except wal.OffsetOutOfRangeError as exc:
                     await self._out_of_range(exc, replayer)
                     continue
@@ -460,14 +460,17 @@ class ShardReplica:
         return wal.Replayer(self.config.bootstrap_servers, self.config.topic, self.shard, self.store.applied_offset,
                             call_timeout_s=self.config.call_timeout_s)
 
-    def _apply_replayed(self, records: list[wal.AcceptedRecord], replayer: wal.Replayer) -> None:
+    def _apply_replayed(self, records: list[tuple[int, bytes]], replayer: wal.Replayer) -> None:
+        """Apply one fetch of accepted records (offset, payload: `Replayer.poll_payloads`) with
+        the replayer's position as the new checkpoint. Changes are built only for watchers: a
+        bootstrap applies millions of effects that nobody watches (`Applied.changes`)."""
         rejected = replayer.stats.rejected
         self.metrics.w3_rejections.labels(shard=str(self.shard)).inc(rejected - self._seen_rejected)
         self._seen_rejected = rejected
         if replayer.position <= self.store.applied_offset and not records:
             return
-        applied = self.store.apply([(r.offset, r.payload) for r in records], replayer.position)
-        self._after_apply(applied.changes)
+        applied = self.store.apply(records, replayer.position)
+        self._after_apply(applied.changes if self.watchers else [])
 
     def _after_apply(self, changes: list[Change]) -> None:
         applied_offset = self.store.applied_offset
@@ -581,7 +584,7 @@ class ShardReplica:
                     raise errors.UnavailableError(
                         f"shard {self.shard}: bootstrap stuck at {replayer.position} of {end}")
                 try:
-                    records = await asyncio.to_thread(replayer.poll_once, CATCH_UP_POLL_S)
+                    records = await asyncio.to_thread(replayer.poll_payloads, CATCH_UP_POLL_S)
                 except wal.OffsetOutOfRangeError as exc:
                     await self._out_of_range(exc, replayer)
                     continue

@@ -57,6 +57,61 @@ class StorageError(Exception):
     """The local state cannot be used; rebuild it from the WAL."""
 
 
+class HeldKeys:
+    """A Bloom filter over every key a replica has held since it was empty: "certainly absent"
+    answers a lookup without LevelDB.
+
+    Applying a put reads the key's state first (version, create revision). While a replica is
+    rebuilt from the WAL nearly every key is new, and LevelDB answers a miss only after
+    searching its memtable and the index of every level (its Bloom filters are per table, the
+    memtable has none): 1.5-2 µs, a third of what applying the record costs otherwise
+    (measured on 200k WAL records: store apply 5.5 µs a record with LevelDB lookups, 4.3 with
+    this filter, 3.8 with no lookup at all).
+
+    Sound only while it has seen every key ever written: `ShardStore` keeps one from a moment
+    its LevelDB held no key (opened empty, wiped) and adds the keys it writes before the write
+    (a key added and then not written only costs a lookup); anything that writes keys another
+    way drops it. It never answers "absent" for a key added: the key's hash (stable within the
+    process, which the filter never leaves) picks one byte and two bits in it, which `add` sets
+    and `may_hold` requires. One byte per key, not two bytes anywhere: the table is 2 MiB and
+    a lookup mostly waits for memory. `MAX_KEYS` fill it (false "maybe": ~3% at 1M keys, ~18%
+    at 4M, measured); past that it is dropped and every lookup reads LevelDB again. The cost:
+    2 MiB per replica that started empty (a new node: one per shard it keeps), until it is
+    full or the store is opened again (then it holds keys: no filter).
+    """
+
+    BYTES = 1 << 21  # 2 MiB
+    MAX_KEYS = 4_000_000
+
+    __slots__ = ("added", "bits")
+
+    def __init__(self) -> None:
+        self.bits = bytearray(self.BYTES)
+        self.added = 0  # keys written (a key written twice counts twice: it only fills sooner)
+
+    def may_hold(self, key: bytes) -> bool:
+        """False: the key was never added. (`ShardStore.get` has this inline.)"""
+        h = hash(key)
+        mask = _HELD_BITS[h >> 21 & 63]
+        return self.bits[h & _HELD_INDEX] & mask == mask
+
+    def add(self, key: bytes) -> None:
+        """(`ShardStore.apply` has this inline.)"""
+        h = hash(key)
+        self.bits[h & _HELD_INDEX] |= _HELD_BITS[h >> 21 & 63]
+        self.added += 1
+
+    @property
+    def full(self) -> bool:
+        return self.added > self.MAX_KEYS
+
+
+# A key's hash h picks the byte h & _HELD_INDEX and in it the bits _HELD_BITS[h >> 21 & 63]: two of
+# eight, by two 3-bit fields of h (one bit when they are equal).
+_HELD_INDEX = HeldKeys.BYTES - 1
+_HELD_BITS = [1 << (fields & 7) | 1 << (fields >> 3) for fields in range(64)]
+
+
 class ShardStore:
     """LevelDB state of one shard. Not thread-safe: the replica serialises apply and reads."""
 
@@ -72,6 +127,7 @@ class ShardStore:
         self.request_id_horizon_ms = request_id_horizon_ms
         self.rebuilt_reason: str | None = None
         self._db = self._open()
+        self._held = self._held_keys()
 
     # ---- opening and rebuilding ----------------------------------------------------------------
 
@@ -136,8 +192,14 @@ class ShardStore:
 
     def wipe(self, why: str) -> None:
         """Forget everything (e.g. the WAL is behind our checkpoint: it was recreated)."""
+        self._held = None
         self._db.close()
         self._db = self._wipe_and_create(why)
+        self._held = self._held_keys()
+
+    def _held_keys(self) -> HeldKeys | None:
+        """A `HeldKeys` filter if the store holds no key now (fresh, wiped, rebuilt), else None."""
+        return HeldKeys() if next(self._db.iterator(prefix=_DATA, include_value=False), None) is None else None
 
     def close(self) -> None:
         if not self._db.closed:
@@ -164,6 +226,12 @@ class ShardStore:
         return int(_U64.unpack(raw)[0])
 
     def get(self, key: bytes) -> KeyState | None:
+        held = self._held
+        if held is not None:  # `HeldKeys.may_hold`, inline: a replay asks this for every put
+            h = hash(key)
+            mask = _HELD_BITS[h >> 21 & 63]
+            if held.bits[h & _HELD_INDEX] & mask != mask:
+                return None  # never written since this store was empty
         raw = self._db.get(_DATA + key)
         return KeyState.decode(raw) if raw is not None else None
 
@@ -232,7 +300,9 @@ class ShardStore:
         assert unverified is None or unverified == new_checkpoint - 1, "only the marker's slot is unverified"
         current = self.applied_offset
         assert new_checkpoint >= current, f"checkpoint would go back from {current} to {new_checkpoint}"
-        assert all(current <= offset < new_checkpoint for offset, _ in records), (
+        # The ends suffice: apply_entries refuses records out of order before anything is written
+        # (a check per record cost ~0.1 µs of a replay's few).
+        assert not records or (current <= records[0][0] and records[-1][0] < new_checkpoint), (
             f"records outside [{current}, {new_checkpoint})"
         )
         window = RequestWindow(contains=lambda rid: self._db.get(_REQUEST + rid.encode()) is not None,
@@ -241,12 +311,21 @@ class ShardStore:
                                horizon_ms=self.request_id_horizon_ms)
         applied = apply_entries(self.get, window.seen, records, on_request=window.add,
                                 on_leader_time=window.forget_older)
+        held = self._held
+        if held is not None and held.full:
+            held = self._held = None
+        held_bits = held.bits if held is not None else None
         with self._db.write_batch(sync=sync) as batch:
-            for key, state in applied.writes.items():
+            for key, state in applied.writes.items():  # bounded by the records
                 if state is None:
                     batch.delete(_DATA + key)
-                else:
-                    batch.put(_DATA + key, state.encode())
+                    continue
+                if held_bits is not None:  # `HeldKeys.add`, inline; before the write
+                    h = hash(key)
+                    held_bits[h & _HELD_INDEX] |= _HELD_BITS[h >> 21 & 63]
+                batch.put(_DATA + key, state.encode())
+            if held is not None:
+                held.added += len(applied.writes)
             for revision, evicted in window.evicted_stored:  # deletes before puts: an id may come back
                 rid = evicted.encode()
                 batch.delete(_REQUEST_ORDER + _U64.pack(revision) + rid)
@@ -284,6 +363,7 @@ class ShardStore:
         `on_progress(keys, requests)` is told the totals after each write batch.
         """
         assert checkpoint >= 0 and evicted_through_ms >= 0
+        self._held = None  # keys arrive here without `apply`: the filter would not know them
         self._db.close()
         shutil.rmtree(self.path, ignore_errors=True)
         self._db = plyvel.DB(str(self.path), **_DB_OPTIONS)

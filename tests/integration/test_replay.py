@@ -6,13 +6,14 @@ from __future__ import annotations
 import time
 
 import pytest
-from confluent_kafka import TopicPartition
+from confluent_kafka import Producer, TopicPartition
 from confluent_kafka.admin import AdminClient
 
 from tests.integration.helpers import payloads, writer
 from tests.waiting import wait_until
 from wal import OffsetMismatchError, OffsetOutOfRangeError, Replayer
 from wal.broker import LocalKafka
+from wal.record import WriterIdentity, encode
 
 pytestmark = pytest.mark.kafka
 
@@ -162,4 +163,40 @@ def test_a_seek_before_any_poll_saw_the_refusal_is_not_refused_again(kafka: Loca
         r.seek(0)
         assert payloads(list(r.read_to_end(10))) == [b"a"]
         assert r.position == end
+    w.close()
+
+
+def test_poll_payloads_accepts_exactly_what_poll_once_accepts(kafka: LocalKafka, topic: str) -> None:
+    """The replay path of replicas (`poll_payloads`: pairs, no record objects) against the full one,
+    on a partition with guarded batches, aborted records and rogue ones (a raw record, forged
+    records at wrong and at right offsets, a record without the header, a tombstone), and more
+    records than one consume() step."""
+    w = writer(kafka.bootstrap_servers, topic)
+    w.append([b"a%d" % i for i in range(700)])  # more than CONSUME_STEP
+    producer = Producer({"bootstrap.servers": kafka.bootstrap_servers, "enable.idempotence": True})
+    upcoming = w.settled_end_offset()  # 701: 700 records and their commit marker
+    forged_wrong, headers_wrong = encode(upcoming + 5, WriterIdentity("intruder"), b"wrong place")
+    forged_right, headers_right = encode(upcoming + 2, WriterIdentity("intruder"), b"right place")
+    producer.produce(topic, b"not a wal record", partition=0)  # upcoming
+    producer.produce(topic, forged_wrong, partition=0, headers=headers_wrong)  # upcoming + 1: mismatch
+    producer.produce(topic, forged_right, partition=0, headers=headers_right)  # upcoming + 2: accepted (W3)
+    producer.produce(topic, forged_right, partition=0)  # no header: malformed
+    producer.produce(topic, None, partition=0, headers=headers_right)  # a tombstone: malformed
+    assert producer.flush(10) == 0
+    with pytest.raises(OffsetMismatchError):
+        w.append([b"aborted"])
+    w.append([b"b%d" % i for i in range(10)], expected_offset=w.settled_end_offset())
+    end = w.settled_end_offset()
+    with Replayer(kafka.bootstrap_servers, topic, 0, 0) as full, \
+            Replayer(kafka.bootstrap_servers, topic, 0, 0) as pairs:
+        expected = [(r.offset, r.payload) for r in full.read_to(end, 10)]
+        got: list[tuple[int, bytes]] = []
+        deadline = time.monotonic() + 10
+        while pairs.position < end and time.monotonic() < deadline:
+            got += pairs.poll_payloads(0.5)
+        assert got == expected
+        assert [p for _, p in got] == [b"a%d" % i for i in range(700)] + [b"right place"] + [
+            b"b%d" % i for i in range(10)]
+        assert (pairs.position, pairs.stats) == (full.position, full.stats)
+        assert (pairs.stats.rejected_mismatch, pairs.stats.rejected_malformed) == (1, 3)
     w.close()

@@ -2,18 +2,23 @@
 
 from __future__ import annotations
 
+import random
+from typing import Any
+
 import pytest
 
 from wal.record import (
     EXPECTED_OFFSET_HEADER,
     AcceptedRecord,
     Headers,
+    Judged,
     Verdict,
     WriterIdentity,
     accepts,
     encode,
     header_expected_offset,
     judge,
+    judge_batch,
 )
 from wal.v1 import record_pb2
 
@@ -172,3 +177,133 @@ def test_hand_written_envelope_is_byte_identical_to_protobuf(offset: int, payloa
     reference = record_pb2.Record(expected_offset=offset, writer=record_pb2.Writer(id=writer.id, term=writer.term),
                                   payload=payload).SerializeToString()
     assert body == reference
+
+
+# ---- judge_batch: the bulk judge says what judge says, record by record -----------------------
+
+
+def _rogue_values(rng: random.Random, offset: int, payload: bytes) -> list[tuple[bytes | None, Any]]:
+    """(value, headers) pairs at `offset` that are not what a writer sends: each must be judged
+    by judge_batch exactly as by judge, whatever the records around it."""
+    good, headers = encode(offset, WRITER, payload)
+    other_writer, _ = encode(offset, WriterIdentity("node-2", 9), payload)
+    pb = record_pb2.Record(expected_offset=offset, writer=record_pb2.Writer(id=WRITER.id, term=WRITER.term),
+                           payload=payload).SerializeToString()
+    head = good[: len(good) - len(payload)]  # everything up to the payload
+    length_at = head.rindex(b"\x1a") + 1 if payload else len(good)  # where the payload's length is
+    return [
+        (good, headers),
+        (other_writer, headers),
+        (good + b"\x20\x01", headers),  # an unknown field after the payload
+        (good + b"\x1a\x01x", headers),  # the payload twice: the last one counts
+        (good[:-1], headers) if payload else (good + b"\x00", headers),  # truncated / a stray byte
+        (good[:length_at] + b"\x80" + good[length_at:], headers),  # a varint that never ends
+        # A non-minimal payload length (same value, one byte longer): still the same record.
+        (head[:length_at] + bytes([(len(payload) & 0x7F) | 0x80, len(payload) >> 7]) + payload, headers)
+        if 0 < len(payload) < 128 else (good, headers),
+        (b"\x08" + good[1:2] + good, headers),  # the offset twice (the later one counts)
+        (pb[::-1], headers),
+        (b"", headers),
+        (None, headers),
+        (good, [(EXPECTED_OFFSET_HEADER, str(offset + 1).encode())]),
+        (good, [(EXPECTED_OFFSET_HEADER, b"0" + str(offset).encode())]),  # leading zero: the same number
+        (good, [("other", b"1"), (EXPECTED_OFFSET_HEADER, str(offset).encode())]),
+        (good, {EXPECTED_OFFSET_HEADER: str(offset).encode()}),
+        (good, [(EXPECTED_OFFSET_HEADER, str(offset))]),  # a str value, as a dict or a test may pass
+        (good, [(EXPECTED_OFFSET_HEADER, None)]),
+        (good, None),
+        (bytes(rng.randrange(256) for _ in range(rng.randrange(12))), headers),
+        (bytearray_flip(rng, good), headers),
+    ]
+
+
+def bytearray_flip(rng: random.Random, value: bytes) -> bytes:
+    flipped = bytearray(value)
+    if flipped:
+        flipped[rng.randrange(len(flipped))] ^= 1 << rng.randrange(8)
+    return bytes(flipped)
+
+
+def _judge_each(offsets: list[int], values: list[bytes | None], headers: list[Any]) -> list[tuple[Verdict, Any]]:
+    return [judge(offset, value, h) for offset, value, h in zip(offsets, values, headers, strict=True)]
+
+
+def _assert_batch_agrees(offsets: list[int], values: list[bytes | None], headers: list[Any]) -> None:
+    expected = _judge_each(offsets, values, headers)
+    got = judge_batch(offsets, values, headers)
+    accepted = [i for i, (verdict, _) in enumerate(expected) if verdict is Verdict.ACCEPTED]
+    assert got.accepted == accepted
+    assert got.payloads == [expected[i][1].payload for i in accepted]
+    assert got.writers == [expected[i][1].writer for i in accepted]
+    assert got.mismatch == sum(verdict is Verdict.MISMATCH for verdict, _ in expected)
+    assert got.malformed == sum(verdict is Verdict.MALFORMED for verdict, _ in expected)
+    # Record by record too: the verdict of record i, with every record before it in the batch
+    # (the fast path depends on the records before: the writer it has seen).
+    for i in range(len(offsets)):
+        before, upto = judge_batch(offsets[:i], values[:i], headers[:i]), judge_batch(
+            offsets[: i + 1], values[: i + 1], headers[: i + 1])
+        verdict = (Verdict.ACCEPTED if len(upto.accepted) > len(before.accepted) else
+                   Verdict.MISMATCH if upto.mismatch > before.mismatch else Verdict.MALFORMED)
+        assert verdict is expected[i][0], (i, offsets[i], values[i], headers[i])
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_judge_batch_agrees_with_judge(seed: int) -> None:
+    rng = random.Random(seed)
+    base = rng.choice([0, 1, 120, 16_370, 2**21 - 5, 2**35, rng.randrange(2**40)])
+    offsets: list[int] = []
+    values: list[bytes | None] = []
+    headers: list[Any] = []
+    offset = base
+    for _ in range(rng.randrange(1, 30)):
+        payload = rng.choice([b"", b"p", rng.randbytes(rng.choice([1, 127, 128, 300, 16_383, 16_384]))])
+        expected = offset if rng.random() < 0.8 else offset + rng.choice([-1, 1, 7])
+        if expected < 0:
+            expected = 0
+        if rng.random() < 0.75:
+            writer = rng.choice([WRITER, WRITER, WriterIdentity("node-2", 9), WriterIdentity("")])
+            value, record_headers = encode(expected, writer, payload)
+            records = [(value, record_headers)]
+        else:
+            records = [rng.choice(_rogue_values(rng, expected, payload))]
+        for value, record_headers in records:
+            offsets.append(offset)
+            values.append(value)
+            headers.append(record_headers)
+            offset += rng.choice([1, 1, 1, 2])  # markers leave gaps
+    _assert_batch_agrees(offsets, values, headers)
+
+
+@pytest.mark.parametrize("payload_size", [0, 1, 127, 128, 16_383, 16_384, 2**21 - 1, 2**21])
+@pytest.mark.parametrize("start", [0, 126, 16_382, 2**21 - 2, 2**56])
+def test_judge_batch_fast_path_boundaries(start: int, payload_size: int) -> None:
+    """Varint boundaries of the offset and of the payload's length, accepted and mismatched."""
+    payload = b"x" * payload_size
+    offsets = [start, start + 1, start + 2, start + 3]
+    encoded = [encode(o, WRITER, payload) for o in (start, start + 1, start + 3, start + 3)]
+    _assert_batch_agrees(offsets, [v for v, _ in encoded], [h for _, h in encoded])
+
+
+def test_judge_batch_of_nothing() -> None:
+    assert judge_batch([], [], []) == Judged([], [], [], 0, 0)
+
+
+def test_judge_batch_parses_one_record_per_writer_with_protobuf(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The point of judge_batch: a writer's records after its first are read without protobuf
+    (and the tests above compare both paths with judge)."""
+    parsed: list[bytes] = []
+    real = record_pb2.Record
+
+    class Counting:
+        @staticmethod
+        def FromString(value: bytes) -> record_pb2.Record:
+            parsed.append(value)
+            return real.FromString(value)
+
+    monkeypatch.setattr("wal.record.record_pb2.Record", Counting)
+    other = WriterIdentity("node-2", 9)
+    writers = [WRITER] * 200 + [other] * 100 + [WRITER] * 100
+    encoded = [encode(offset, writer, b"p%d" % offset) for offset, writer in enumerate(writers, start=100)]
+    got = judge_batch(list(range(100, 500)), [v for v, _ in encoded], [h for _, h in encoded])
+    assert len(got.accepted) == 400 and got.writers == writers
+    assert len(parsed) == 3  # the first record of each run of a writer

@@ -3,11 +3,24 @@
 from __future__ import annotations
 
 import random
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 
 import pytest
 
-from kvstore.core.state import Applied, ChangeType, KeyState, RequestRecord, apply_entries, next_key_state
+from kvstore.core.state import (
+    Applied,
+    ChangeType,
+    KeyState,
+    Lookup,
+    RequestRecord,
+    RequestSeen,
+    _decode_canonical,
+    apply_effects,
+    apply_entries,
+    decode_entry,
+    decode_fields,
+    next_key_state,
+)
 from kvstore.internal.v1 import wal_entry_pb2 as pb
 
 
@@ -259,3 +272,229 @@ def test_batching_does_not_change_the_outcome(seed: int) -> None:
         assert key_state.create_revision <= key_state.mod_revision
         assert {key_state.create_revision, key_state.mod_revision} <= offsets
     assert len({r.revision for r in requests.values()}) == len(requests)
+
+
+# ---- the replay fast path: plain-value decoding and apply_entries against the protobuf reference --
+
+
+def _reference_fields(payload: bytes) -> tuple[str, list[tuple[bytes, bytes | None]], bytes, int] | None:
+    """What protobuf makes of a payload (`decode_entry`), as plain values."""
+    decoded = decode_entry(payload)
+    if decoded is None:
+        return None
+    effects = [(f.put.key, f.put.value) if f.WhichOneof("kind") == "put" else (f.delete.key, None)
+               for f in decoded.effects]
+    return decoded.request_id, effects, decoded.response, decoded.leader_unix_ms
+
+
+def _varint(value: int) -> bytes:
+    value &= (1 << 64) - 1
+    out = bytearray()
+    while value > 0x7F:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def _field(number: int, data: bytes) -> bytes:
+    return _varint(number << 3 | 2) + _varint(len(data)) + data
+
+
+def _random_entry(rng: random.Random) -> pb.WalEntry:
+    sizes = [0, 0, 1, 8, 127, 128, 300, 16_384]
+    effects = []
+    for _ in range(rng.choice([0, 1, 1, 1, 2, 5])):
+        key = rng.randbytes(rng.choice(sizes[:6]))
+        if rng.random() < 0.7:
+            effects.append(put(key, rng.randbytes(rng.choice(sizes))))
+        else:
+            effects.append(delete(key))
+    rid = rng.choice(["", "", "r1", "0f" * 16, "x" * 127, "x" * 128, "é-id", "\u0665"])
+    ms = rng.choice([0, 0, 1, 127, 128, 1_700_000_000_123, 2**62, 2**63 - 1, -1, -(2**63)])
+    return pb.WalEntry(request_id=rid, effects=effects, response=rng.randbytes(rng.choice(sizes[:7])),
+                       leader_unix_ms=ms)
+
+
+def _by_hand(entry: pb.WalEntry, rng: random.Random) -> bytes:
+    """The entry in another valid wire shape than the serializer's: fields out of order, empty
+    fields written out, non-minimal lengths, an effect's fields reversed."""
+    def length(n: int) -> bytes:
+        return _varint(n) if rng.random() < 0.7 else bytes([(n & 0x7F) | 0x80]) + _varint(n >> 7)
+
+    def field(number: int, data: bytes) -> bytes:
+        return _varint(number << 3 | 2) + length(len(data)) + data
+
+    parts = []
+    for effect in entry.effects:
+        kind = effect.WhichOneof("kind")
+        inner = [field(1, (effect.put if kind == "put" else effect.delete).key)]
+        if kind == "put":
+            inner.append(field(2, effect.put.value))
+        if rng.random() < 0.3:
+            inner.reverse()
+        parts.append(field(2, field(1 if kind == "put" else 2, b"".join(inner))))
+    parts += [field(1, entry.request_id.encode()), field(3, entry.response), b"\x20" + _varint(entry.leader_unix_ms)]
+    if rng.random() < 0.5:
+        rng.shuffle(parts)
+    return b"".join(parts)
+
+
+def _mutations(rng: random.Random, payload: bytes, other: bytes) -> list[bytes]:
+    flipped = bytearray(payload or b"\x00")
+    flipped[rng.randrange(len(flipped))] ^= 1 << rng.randrange(8)
+    cut = rng.randrange(len(payload) + 1)
+    return [
+        bytes(flipped),
+        payload[:cut],
+        payload[:cut] + bytes([rng.randrange(256)]) + payload[cut:],
+        payload + other,  # two entries merged: protobuf's last-one-wins and concatenation
+        payload + b"\x28\x01",  # an unknown varint field
+        payload + _field(6, b"unknown"),
+        payload + b"\x12\x00",  # an effect without a kind
+        payload + _field(2, _field(1, _field(1, b"k")) + _field(2, _field(1, b"k"))),  # put and delete at once
+        payload + _field(2, _field(1, _field(1, b"k") + _field(1, b"j"))),  # a put's key twice
+        payload + _field(2, _field(1, _field(3, b"?"))),  # an unknown field inside a put
+        _field(1, b"\xff\xfe") + payload,  # a request id that is not UTF-8
+        _field(1, "é".encode()) + payload,
+        payload + b"\x20" + _varint(-7),  # a negative time, ten bytes long
+        payload + b"\x20\xff",  # a time that never ends
+        payload + b"\x1a\x05ab",  # a response longer than what is left
+        rng.randbytes(rng.randrange(20)),
+    ]
+
+
+@pytest.mark.parametrize("seed", range(200))
+def test_decode_fields_reads_every_payload_as_protobuf_does(seed: int) -> None:
+    rng = random.Random(seed)
+    entry, other = _random_entry(rng), _random_entry(rng)
+    canonical = entry.SerializeToString()
+    payloads = [canonical, _by_hand(entry, rng), *_mutations(rng, canonical, other.SerializeToString())]
+    for payload in payloads:
+        assert decode_fields(payload) == _reference_fields(payload), payload
+
+
+def test_canonical_entries_take_the_fast_path() -> None:
+    """What the leader writes is read without protobuf (the tests above hold both paths equal)."""
+    for seed in range(50):
+        entry = _random_entry(random.Random(seed))
+        if all(ord(c) < 128 for c in entry.request_id) and entry.leader_unix_ms >= 0:
+            assert _decode_canonical(entry.SerializeToString()) == _reference_fields(entry.SerializeToString())
+
+
+def _reference_apply_entries(lookup: Lookup, request_seen: RequestSeen, records: list[tuple[int, bytes]],
+                             on_request: Callable[[RequestRecord], None] | None = None,
+                             on_leader_time: Callable[[int], None] | None = None) -> Applied:
+    """apply_entries as it was before the replay fast path (protobuf objects, `apply_effects`),
+    kept as the reference the fast one must equal."""
+    out = Applied()
+    seen_here: set[str] = set()
+    for offset, payload in records:
+        entry = decode_entry(payload)
+        if entry is None:
+            out.malformed += 1
+            continue
+        request_id = entry.request_id
+        seen = request_id in seen_here if on_request is None else False
+        duplicate = bool(request_id) and (seen or request_seen(request_id))
+        leader_ms = entry.leader_unix_ms if entry.leader_unix_ms > 0 else 0
+        if on_leader_time is not None and leader_ms > 0:
+            on_leader_time(leader_ms)
+        if duplicate:
+            out.duplicates += 1
+            continue
+        for key, new_state in apply_effects(entry.effects, offset,
+                                            lambda k: out.writes[k] if k in out.writes else lookup(k)):
+            out.writes[key] = new_state
+            out.changed[0].append(key)
+            out.changed[1].append(new_state)
+            out.changed[2].append(offset)
+        if request_id:
+            seen_here.add(request_id)
+            request = RequestRecord(request_id, offset, bytes(entry.response), leader_ms)
+            out.requests.append(request)
+            if on_request is not None:
+                on_request(request)
+    return out
+
+
+def _replay_records(rng: random.Random) -> list[tuple[int, bytes]]:
+    """Entries as a leader writes them and otherwise: repeated keys, deletes, multi-effect
+    entries, request ids (repeated: retries), leader times (also lagging, unknown, negative),
+    malformed and unusual-but-valid payloads."""
+    keys = [b"", b"a", b"b", b"\xff", b"a\x00", b"long" * 40]
+    records, offset, clock_ms = [], rng.randrange(3), 1_000
+    for _ in range(rng.randrange(1, 60)):
+        offset += rng.randrange(1, 4)
+        clock_ms += rng.randrange(0, 400)
+        effects = [put(key, rng.randbytes(rng.choice([0, 3, 200]))) if rng.random() < 0.7 else delete(key)
+                   for key in rng.choices(keys, k=rng.choice([0, 1, 1, 1, 2, 4]))]
+        rid = rng.choice(["", "", "r0", "r1", "r2", "r3", "r4", "é5"])
+        ms = rng.choice([clock_ms, clock_ms, clock_ms - rng.randrange(1_000), 0, -3])
+        wal_entry = pb.WalEntry(request_id=rid, effects=effects, response=rid.encode(), leader_unix_ms=ms)
+        roll = rng.random()
+        if roll < 0.06:  # not an entry: garbage, an effect without a kind, a request id that is not UTF-8
+            payload = rng.choice([GARBAGE, b"\x12\x00", b"\x0a\x02\xff\xfe"])
+        elif roll < 0.15:
+            payload = _by_hand(wal_entry, rng)
+        else:
+            payload = wal_entry.SerializeToString()
+        records.append((offset, payload))
+    return records
+
+
+def _observed(apply: Callable[..., Applied], records: list[tuple[int, bytes]], state: dict[bytes, KeyState],
+              seen: set[str], with_table: bool) -> tuple[object, ...]:
+    """Everything an apply produces and every callback it makes, in order."""
+    events: list[object] = []
+    table: dict[str, RequestRecord] = {}
+
+    def request_seen(rid: str) -> bool:
+        events.append(("seen", rid))
+        return rid in seen or rid in table
+
+    def on_request(request: RequestRecord) -> None:
+        events.append(("request", request))
+        table[request.request_id] = request
+
+    out = apply(state.get, request_seen, records, on_request=on_request if with_table else None,
+                on_leader_time=(lambda ms: events.append(("time", ms))) if with_table else None)
+    return (list(out.writes.items()), out.changes, out.requests, out.duplicates, out.malformed, events)
+
+
+@pytest.mark.parametrize("seed", range(300))
+def test_apply_entries_equals_the_protobuf_reference(seed: int) -> None:
+    rng = random.Random(seed)
+    records = _replay_records(rng)
+    state = {b"a": KeyState(b"old", 3, 1, 0), b"\xff": KeyState(b"", 1, 2, 2)}
+    seen = {"r3"}
+    for with_table in (False, True):
+        expected = _observed(_reference_apply_entries, records, state, seen, with_table)
+        assert _observed(apply_entries, records, state, seen, with_table) == expected
+
+
+@pytest.mark.parametrize("seed", range(150))
+def test_request_window_evicts_at_the_same_record_as_the_reference(seed: int,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """The bounded request table (`MemoryShard`, the model of ShardStore) forgets the same ids at
+    the same records with the fast apply as with the reference, however the records are cut."""
+    from kvstore.core import request_window
+
+    rng = random.Random(seed)
+    records = _replay_records(rng)
+    limit, horizon = rng.randrange(1, 5), rng.choice([50, 300, 10_000])
+    n = len(records)
+    cuts = sorted(rng.sample(range(1, n), rng.randrange(n))) if n > 1 else []
+
+    def run() -> tuple[object, ...]:
+        shard = request_window.MemoryShard(max_request_ids=limit, request_id_horizon_ms=horizon)
+        outcomes = []
+        for lo, hi in zip([0, *cuts], [*cuts, n], strict=True):
+            applied = shard.apply(records[lo:hi], records[hi - 1][0] + 1)
+            outcomes.append((list(applied.writes.items()), applied.changes, applied.requests, applied.duplicates,
+                             applied.malformed, list(shard.requests.items()), shard.evicted_through_ms))
+        return tuple(outcomes), dict(shard.keys)
+
+    fast = run()
+    monkeypatch.setattr(request_window, "apply_entries", _reference_apply_entries)
+    assert fast == run()

@@ -14,7 +14,7 @@ from kvstore import limits
 from kvstore.core.request_horizon import expired
 from kvstore.core.state import KeyState, RequestRecord, apply_entries
 from kvstore.internal.v1 import wal_entry_pb2 as pb
-from kvstore.server.storage import FORMAT_VERSION, ShardStore, StorageError
+from kvstore.server.storage import FORMAT_VERSION, HeldKeys, ShardStore, StorageError
 
 TOPIC = "wal-test"
 GARBAGE = b"\xde\xad\xbe\xef" * 64
@@ -501,3 +501,89 @@ def test_the_assumed_marker_slot_is_remembered_until_read(tmp_path: Path) -> Non
     with pytest.raises(AssertionError):
         store.apply([], 20, unverified=5)  # only the slot just below the new checkpoint
     store.close()
+
+
+# ---- HeldKeys: lookups of keys a replica never held skip LevelDB, never wrongly ----------------------
+
+
+def _random_key_workload(rng: random.Random) -> list[tuple[Records, int]]:
+    """Chunks (records, checkpoint after them) of puts, deletes, re-puts and malformed records
+    over a small and a large key space."""
+    chunks, offset = [], 0
+    for _ in range(rng.randrange(1, 12)):
+        chunk: Records = []
+        for _ in range(rng.randrange(0, 40)):
+            key = b"k%d" % rng.randrange(12) if rng.random() < 0.6 else rng.randbytes(rng.randrange(0, 20))
+            roll = rng.random()
+            payload = GARBAGE if roll < 0.03 else delete(key) if roll < 0.3 else put(key, rng.randbytes(3))
+            chunk.append((offset, payload))
+            offset += rng.randrange(1, 3)
+        offset += rng.randrange(0, 2)  # a marker
+        chunks.append((chunk, offset))
+    return chunks
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_held_keys_give_the_same_store_as_lookups_in_leveldb(tmp_path: Path, seed: int) -> None:
+    rng = random.Random(seed)
+    chunks = _random_key_workload(rng)
+    with_filter = ShardStore(tmp_path / "with", topic=TOPIC, shard=0)
+    without = ShardStore(tmp_path / "without", topic=TOPIC, shard=0)
+    assert with_filter._held is not None
+    without._held = None
+    probes: set[bytes] = {rng.randbytes(4) for _ in range(50)}
+    for i, (chunk, checkpoint) in enumerate(chunks):
+        filtered, looked_up = (store.apply(chunk, checkpoint) for store in (with_filter, without))
+        assert (list(filtered.writes.items()), filtered.changes) == (list(looked_up.writes.items()),
+                                                                     looked_up.changes)
+        probes |= set(filtered.writes)
+        if i == len(chunks) // 2:  # a restart in between: the reopened store has keys, so no filter
+            with_filter.close()
+            with_filter = ShardStore(tmp_path / "with", topic=TOPIC, shard=0)
+            assert (with_filter._held is None) == (next(with_filter.keys(), None) is not None)
+    assert with_filter.digest() == without.digest()
+    assert all(with_filter.get(key) == without.get(key) for key in probes)
+    with_filter.close()
+    without.close()
+
+
+def test_held_keys_are_kept_only_from_an_empty_store(open_store: Callable[..., ShardStore], tmp_path: Path) -> None:
+    store = open_store()
+    assert store._held is not None  # fresh
+    store.apply([(0, put(b"a")), (1, put(b"b"))], 2)
+    assert store._held is not None and store._held.may_hold(b"a") and store._held.may_hold(b"b")
+    store.close()
+    store = open_store()
+    assert store._held is None and store.get(b"a") is not None  # opened with keys: none kept
+    store.apply([(2, delete(b"a")), (3, delete(b"b"))], 4)
+    store.close()
+    store = open_store()
+    assert store._held is not None  # every key deleted: empty again
+    store.apply([(4, put(b"c"))], 5)
+    store.wipe("test")
+    assert store._held is not None and store.get(b"c") is None
+    store.apply([(0, put(b"d"))], 1)
+    store.load_snapshot([[(b"e", KeyState(b"v", 1, 1, 1).encode())]], [], checkpoint=2, evicted_through_ms=0)
+    assert store._held is None  # keys that did not come through apply
+    assert store.get(b"e") == KeyState(b"v", 1, 1, 1)
+
+
+def test_held_keys_that_fill_up_are_dropped(store: ShardStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("kvstore.server.storage.HeldKeys.MAX_KEYS", 10)
+    store.apply([(i, put(b"k%d" % i)) for i in range(12)], 12)
+    assert store._held is not None and store._held.full  # dropped at the next apply
+    store.apply([(12, put(b"k0", b"again"))], 13)
+    assert store._held is None
+    assert store.get(b"k0") == KeyState(b"again", 2, 12, 0)
+    assert model([(i, put(b"k%d" % i)) for i in range(1, 12)]).items() <= dict(store.keys()).items()
+
+
+def test_held_keys_never_miss_an_added_key() -> None:
+    held = HeldKeys()
+    rng = random.Random(7)
+    added = [rng.randbytes(rng.randrange(0, 40)) for _ in range(100_000)]
+    for key in added:
+        held.add(key)
+    assert all(held.may_hold(key) for key in added)
+    others = [b"other-%d" % i for i in range(20_000)]
+    assert sum(held.may_hold(key) for key in others) < len(others) * 0.01  # ~0.3% at this fill
