@@ -16,6 +16,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import functools
+import gc
 import json
 import logging
 import signal
@@ -550,6 +551,23 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(entry, default=str)
 
 
+# The young generation's threshold: CPython collects it every 700 net allocations by default; a node
+# allocates a few objects per record it replays and per request it serves, almost none of them in
+# cycles, so most of those passes find nothing (GC took 8-15 % of a replay's samples).
+GC_YOUNG_THRESHOLD = 50_000
+
+
+def tune_gc() -> None:
+    """Fewer, cheaper collector passes: what was loaded at start (modules, config, stubs) is frozen
+    out of every later pass, and the young generation is collected every GC_YOUNG_THRESHOLD
+    allocations instead of 700. Cycles are still collected, only later; memory held by them is
+    bounded by the threshold. Measured on a node bootstrap of 200k records: +12-14 %."""
+    gc.collect()
+    gc.freeze()
+    _, older, oldest = gc.get_threshold()
+    gc.set_threshold(GC_YOUNG_THRESHOLD, older, oldest)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvstore serve", description="Run a kvstore node.")
     parser.add_argument("--node-id", help="this node's name (env KVSTORE_NODE_ID)")
@@ -597,6 +615,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kvstore serve: {exc}", file=sys.stderr)
         return 2
     started = time.monotonic()
+    tune_gc()
     try:
         asyncio.run(serve(config, ready=lambda addr: print(
             json.dumps({"event": "ready", "address": addr, "after_s": round(time.monotonic() - started, 2)}),
