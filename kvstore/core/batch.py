@@ -178,14 +178,15 @@ def plan_batch(writes: Sequence[Write], revision: int, lookup: Lookup, table: Re
     forgets request ids at the same entry, `kvstore.server.storage`)."""
     plan = Plan(revision=revision)
     overlay: dict[bytes, KeyState | None] = {}  # keys written earlier in the batch, folded
-    deferred: dict[bytes, list[tuple[wal_entry_pb2.Effect, int]]] = {}  # not folded yet, in batch order
+    # Per key, the effects not folded yet, in batch order: (the entry's effects, index, revision).
+    deferred: dict[bytes, list[tuple[Any, int, int]]] = {}
 
     def current(key: bytes) -> KeyState | None:
         pending = deferred.pop(key, None)
         if pending is not None:
             state = overlay[key] if key in overlay else lookup(key)
-            for effect, at in pending:
-                state = next_key_state(state, effect, at)
+            for effects, index, at in pending:
+                state = next_key_state(state, effects[index], at)
             overlay[key] = state
             return state
         return overlay[key] if key in overlay else lookup(key)
@@ -219,13 +220,15 @@ def plan_batch(writes: Sequence[Write], revision: int, lookup: Lookup, table: Re
                                   or len(plan.payloads) >= batch_limits.max_records):
                 plan.carry.extend(range(index, len(writes)))  # in order, first into the next batch
                 break
-            for effect in evaluation.entry.effects:  # a plain loop: once per key written
-                key = effect_key(effect)
+            effects = evaluation.entry.effects
+            keys = evaluation.keys if evaluation.keys is not None else [effect_key(e) for e in effects]
+            assert len(keys) == len(effects), "an evaluation's keys must name its effects"
+            for position, key in enumerate(keys):  # a plain loop: once per key written
                 later = deferred.get(key)
                 if later is None:
-                    deferred[key] = [(effect, record_revision)]
+                    deferred[key] = [(effects, position, record_revision)]
                 else:
-                    later.append((effect, record_revision))
+                    later.append((effects, position, record_revision))
             plan.payloads.append(payload)
             plan.payload_bytes += len(payload)
         if rid:

@@ -20,10 +20,13 @@ Response = kv_pb2.PutResponse | kv_pb2.DeleteResponse | kv_pb2.TxnResponse | kv_
 
 @dataclasses.dataclass(frozen=True)
 class Evaluation:
-    """`entry` is None when the request writes nothing (e.g. a Txn branch of only gets)."""
+    """`entry` is None when the request writes nothing (e.g. a Txn branch of only gets).
+    `keys`, when given, are the keys of `entry.effects` in order: the planner then need not
+    read them back out of the protobuf effects (a wrapper object per element)."""
 
     entry: wal_entry_pb2.WalEntry | None
     response: Response
+    keys: list[bytes] | None = None
 
 
 def key_value(key: bytes, state: KeyState) -> kv_pb2.KeyValue:
@@ -73,7 +76,7 @@ def evaluate_mutations(part: kv_pb2.ShardMutations, shard: int, revision: int) -
     response = kv_pb2.ShardMutationsResult(shard=shard, result=kv_pb2.WriteResult(shard=shard, revision=revision),
                                            mutations=len(effects))
     entry.response = response.SerializeToString()
-    return Evaluation(entry, response)
+    return Evaluation(entry, response, [m.key for m in part.mutations])
 
 
 def compare_holds(compare: kv_pb2.Compare, state: KeyState | None) -> bool:

@@ -749,7 +749,7 @@ class ShardReplica:
             # The marker's slot (last record + 1) is assumed, not observed: the store remembers it.
             applied = self.store.apply(list(zip(result.offsets, payloads, strict=True)), result.upcoming_offset,
                                        unverified=result.offsets[-1] + 1)
-            self._after_apply(applied.changes)
+            self._after_apply(applied.changes if self.watchers else [])
         except Exception as exc:
             return exc
         return None
