@@ -151,6 +151,16 @@ def snapshot_bootstrap(root: str, manifest: snapshot.Manifest, topic: str, base:
     return keys, time.monotonic() - started
 
 
+def shard_batches(keys: list[bytes], shards: int, size: int) -> list[list[bytes]]:
+    """Keys cut into batches of one shard each, `size` at most, taken round-robin over the shards so
+    that every leader has batches in flight (as the load's tasks do)."""
+    by_shard: dict[int, list[bytes]] = {}
+    for key in keys:
+        by_shard.setdefault(shard_of(key, shards), []).append(key)
+    per_shard = [[ks[i:i + size] for i in range(0, len(ks), size)] for ks in by_shard.values()]
+    return [b for group in itertools.zip_longest(*per_shard) for b in group if b is not None]
+
+
 def txn_baseline(endpoints: list[str], keys: list[bytes], shards: int, in_flight: int) -> float:
     """The store's own batched write path: Txns of MAX_TXN_OPS puts, `in_flight` at a time, from
     one Python client (what an application writing in bulk without Spark would do); keys/s."""
@@ -159,12 +169,7 @@ def txn_baseline(endpoints: list[str], keys: list[bytes], shards: int, in_flight
     from kvstore.client import Client, Op
     from kvstore.limits import MAX_TXN_OPS
 
-    by_shard: dict[int, list[bytes]] = {}
-    for key in keys:
-        by_shard.setdefault(shard_of(key, shards), []).append(key)
-    per_shard = [[ks[i:i + MAX_TXN_OPS] for i in range(0, len(ks), MAX_TXN_OPS)] for ks in by_shard.values()]
-    # Round-robin over the shards, so every leader has Txns in flight (as the load's tasks do).
-    batches = [b for group in itertools.zip_longest(*per_shard) for b in group if b is not None]
+    batches = shard_batches(keys, shards, MAX_TXN_OPS)
     started = time.monotonic()
     with Client(endpoints, timeout_s=60) as client, \
             concurrent.futures.ThreadPoolExecutor(in_flight) as pool:
@@ -183,11 +188,7 @@ def write_batch_baseline(endpoints: list[str], keys: list[bytes], batch_rows: in
 
     from kvstore.client import Client
 
-    by_shard: dict[int, list[bytes]] = {}
-    for key in keys:
-        by_shard.setdefault(shard_of(key, SHARDS), []).append(key)
-    per_shard = [[ks[i:i + batch_rows] for i in range(0, len(ks), batch_rows)] for ks in by_shard.values()]
-    batches = [b for group in itertools.zip_longest(*per_shard) for b in group if b is not None]
+    batches = shard_batches(keys, SHARDS, batch_rows)
     started = time.monotonic()
     with Client(endpoints, timeout_s=60) as client, \
             concurrent.futures.ThreadPoolExecutor(in_flight) as pool:
