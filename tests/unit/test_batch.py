@@ -6,6 +6,7 @@ the exact plan expected (records, who is answered now / after commit / carried, 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import pytest
 
@@ -252,3 +253,19 @@ def test_the_overlay_is_folded_only_for_keys_a_later_write_reads() -> None:
     assert isinstance(last_a, kv.PutResponse) and last_a.version == 2, "deleted then put (1) by the part, then 2"
     applied = apply_entries(lookup, lambda _rid: False, list(enumerate(p.payloads, REV)))
     assert applied.writes[b"a"] == KeyState(b"4", 2, REV + 1, REV)
+
+
+@pytest.mark.parametrize(("request_", "response_type"), [
+    (kv.PutRequest(key=b"a", value=b"1", request_id="p", first_attempt_unix_ms=NOW_MS), kv.PutResponse),
+    (kv.DeleteRequest(key=b"a", request_id="d", first_attempt_unix_ms=NOW_MS), kv.DeleteResponse),
+    (kv.TxnRequest(success=[kv.TxnOp(put=kv.PutRequest(key=b"a", value=b"1"))], request_id="t",
+                   first_attempt_unix_ms=NOW_MS), kv.TxnResponse),
+    (mutations("m", (b"a", b"1")), kv.ShardMutationsResult),
+])
+def test_write_of_every_request_kind(request_: Any, response_type: type[Any]) -> None:
+    write = write_of(request_, SHARD)
+    assert (write.request_id, write.response_type, write.first_attempt_unix_ms) == (
+        request_.request_id, response_type, NOW_MS)
+    evaluation = write.build(lambda _key: None, REV)
+    assert isinstance(evaluation.response, response_type) and evaluation.entry is not None
+    assert evaluation.entry.request_id == request_.request_id and evaluation.response.result.revision == REV
