@@ -54,6 +54,7 @@ from kvstore.server.storage import ShardStore
 from kvstore.v1 import kv_pb2, kv_pb2_grpc
 from wal import clients
 from wal.broker import KAFKA_VERSION, LocalKafka, free_port
+from wal.replayer import REPLAY_FETCH
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS_DIR, MARKDOWN = REPO / "bench" / "results", REPO / "bench" / "kv_results.md"
@@ -388,7 +389,10 @@ def read_back(bootstrap: str, topic: str, end: int, records: int, replayer: bool
                 count += 1
                 first = first or time.perf_counter()
     else:
-        consumer, position = Consumer(clients.consumer_config(bootstrap, "read_committed")), 0
+        # The replayer's own fetch settings (REPLAY_FETCH: no 1 s queue backoff), so the baseline
+        # is the consumer at its best, not one that stalls in some rounds.
+        consumer = Consumer(clients.consumer_config(bootstrap, "read_committed", REPLAY_FETCH))
+        position = 0
         consumer.assign([TopicPartition(topic, 0, 0)])
         try:
             while position < end and time.monotonic() < deadline:
