@@ -79,7 +79,7 @@ bench-quick: venv proto kafka spark
 # ptrace rights (root, or kernel.yama.ptrace_scope = 0).
 profile: venv proto kafka
 	$(PY) -m pip install -q -e '.[dev,bench]'
-	$(PY) bench/profile.py
+	$(PY) bench/cpu_profile.py
 
 clean:
 	rm -rf $(VENV) .data build *.egg-info .coverage .coverage.*

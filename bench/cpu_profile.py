@@ -1,5 +1,8 @@
 """Where a node's CPU goes under load: py-spy flame graphs of one store node, per load.
 
+(Named cpu_profile, not profile: bench/ is put on sys.path by the benchmarks, and a `profile` module
+there would shadow the standard library's, which cProfile imports.)
+
 One node (4 shards, its own single-node Kafka) is driven by bench/peer.py's load generator (the same
 raw-bytes closed loop, 64 clients by default) with one load at a time; while it runs, py-spy samples the
 node process twice: once into an SVG flame graph (`bench/results/profile-<load>.svg`, open it in a
@@ -8,9 +11,9 @@ named parts of the request path (gRPC and asyncio, protobuf, LevelDB, the WAL wr
 summed into `bench/results/profile-latest.json`. Only the node's Python threads are sampled (librdkafka's
 own threads are native and not shown); idle time (a thread waiting) is left out.
 
-    python bench/profile.py                    # put, get, wbatch at 64 clients, 15 s each (~2 min)
-    python bench/profile.py --loads put --seconds 30
-    python bench/profile.py --loads replay     # a node's bootstrap from 200k WAL records, start to leading
+    python bench/cpu_profile.py                    # put, get, wbatch at 64 clients, 15 s each (~2 min)
+    python bench/cpu_profile.py --loads put --seconds 30
+    python bench/cpu_profile.py --loads replay     # a node's bootstrap from 200k WAL records, start to leading
 
 py-spy comes with the bench extra (`pip install -e '.[bench]'`); it reads the node's memory, which
 needs ptrace rights (root, or kernel.yama.ptrace_scope = 0).
