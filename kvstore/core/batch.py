@@ -134,11 +134,17 @@ def probe_write() -> Write:
                  kv_pb2.PutResponse)
 
 
-def replayed(response_type: type[Any], raw: bytes) -> Response:
-    """The original answer to a request id seen before, marked as a replay."""
+def replayed(response_type: type[Any], raw: bytes) -> Response | errors.StoreError:
+    """The original answer to a request id seen before, marked as a replay; a refusal when the
+    recorded answer is not of this request's kind (every recorded answer carries a `result`, and
+    another kind's bytes do not parse into one here): the id was used before by another kind of
+    request, which did commit, and this one is not applied."""
     response = response_type.FromString(raw)
-    if response.HasField("result"):
-        response.result.replayed = True
+    if not response.HasField("result"):
+        return errors.InvalidRequestError(
+            "this request id was already used by another kind of request, which committed (its recorded "
+            f"answer is not a {response_type.__name__}); give every request its own id")
+    response.result.replayed = True
     assert isinstance(response, (kv_pb2.PutResponse, kv_pb2.DeleteResponse, kv_pb2.TxnResponse,
                                  kv_pb2.ShardMutationsResult)), response_type
     return response

@@ -269,3 +269,17 @@ def test_write_of_every_request_kind(request_: Any, response_type: type[Any]) ->
     evaluation = write.build(lambda _key: None, REV)
     assert isinstance(evaluation.response, response_type) and evaluation.entry is not None
     assert evaluation.entry.request_id == request_.request_id and evaluation.response.result.revision == REV
+
+
+@pytest.mark.parametrize(("recorded", "again"), [
+    (kv.PutResponse(result=kv.WriteResult(shard=SHARD, revision=7), version=1),
+     write_of(mutations("x", (b"a", b"1")), SHARD)),
+    (kv.ShardMutationsResult(shard=2, result=kv.WriteResult(shard=2, revision=7), mutations=3),
+     write_of(kv.PutRequest(key=b"a", value=b"1", request_id="x", first_attempt_unix_ms=NOW_MS), SHARD)),
+])
+def test_an_id_reused_by_another_kind_of_request_is_refused_not_replayed_as_garbage(recorded: Any,
+                                                                                   again: Write) -> None:
+    table = Table({"x": RequestRecord("x", 7, recorded.SerializeToString(), NOW_MS - 1000)})
+    answer = admit(again, table, (), NOW_MS)
+    assert isinstance(answer, errors.InvalidRequestError) and answer.definite
+    assert "already used by another kind of request" in str(answer)
