@@ -20,7 +20,7 @@ up: venv proto kafka
 # With PYTEST_ARGS (a subset: `make test PYTEST_ARGS='-k fencing -x'`) it is one pytest run and the
 # report is printed without the floors.
 COV_FLOOR_WAL  ?= 85
-COV_FLOOR_CORE ?= 98
+COV_FLOOR_CORE ?= 99
 NOCOV_TESTS    ?= tests/sim
 COV_REPORT      = $(PY) -m coverage report
 
