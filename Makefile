@@ -7,10 +7,59 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 PROTOS := $(shell find proto -name '*.proto')
 
-.PHONY: up test unit lint proto kafka spark venv bench-quick profile clean
+# buf, for the proto checks of `make lint` (buf.yaml): pinned, installed into .tools/ (ignored by
+# git) by the venv's pip from PyPI's `buf-bin`, Buf's own release binary (byte for byte the one
+# of its npm package @bufbuild/buf and its GitHub release), so a clone needs no Go or Node for it.
+BUF_VERSION := 1.75.0
+BUF_DIR     := .tools/buf-$(BUF_VERSION)
+BUF         := $(BUF_DIR)/bin/buf
+
+# grpcurl, for the tests that call the nodes as a user without our client would
+# (tests/integration/test_forwarding.py): pinned, built from source by `go install` through the Go
+# module proxy into .tools/ (no prebuilt binary is on a package registry this machine reaches).
+GRPCURL_VERSION := 1.9.3
+GRPCURL_DIR     := .tools/grpcurl-$(GRPCURL_VERSION)
+GRPCURL         := $(GRPCURL_DIR)/grpcurl
+
+# What `buf breaking` compares proto/ with: the previous commit, read with this tree's buf.yaml
+# (--against-config) so that its files have the same names whether or not it had one. Another
+# git input works too: `make lint BUF_AGAINST='.git#branch=main'`, or '/path/to/clone/.git#ref=v1'
+# (not a plain directory: buf would take the --path filters below relative to this one). The
+# default is skipped, saying so, where there is no previous commit (no .git, as in a tarball; a
+# repository's first commit; a shallow clone).
+BUF_AGAINST_DEFAULT := .git\#ref=HEAD~1
+BUF_AGAINST ?= $(BUF_AGAINST_DEFAULT)
+
+# One `buf breaking` run per compatibility class, each on its own files only (--exclude-imports:
+# an imported file is checked in its own class, not in its importer's).
+#  - FILE (buf.yaml, the strictest) for every file not named below: the WAL record formats
+#    proto/wal/v1 and proto/kvstore/internal/v1/wal_entry.proto above all. Their records are kept
+#    in Kafka for good and the Spark pipeline's JVM decoders find messages and fields by name, so
+#    not even a name may change. A new file starts in this class too.
+#  - PACKAGE for the public API, proto/kvstore/v1. WIRE_JSON would guard only the binary and JSON
+#    encodings, but deployed clients also bind to names: a call's path is /package.Service/Rpc,
+#    so a renamed or deleted service or RPC breaks every client, and only FILE and PACKAGE check
+#    that (RPC_NO_DELETE, PACKAGE_SERVICE_NO_DELETE); messages and fields keep their names for
+#    JSON (grpcurl) and for generated code. FILE would also forbid moving a type between the
+#    package's files, which changes nothing a running client sees.
+#  - WIRE for the internal peer service, proto/kvstore/internal/v1/peer.proto: no compatibility
+#    promise and no clients, but in a rolling restart nodes of two releases call each other, so
+#    what they exchange must still decode (field numbers and types, an RPC's message types).
+BUF_API  := proto/kvstore/v1
+BUF_PEER := proto/kvstore/internal/v1/peer.proto
+BUF_BREAKING = $(BUF) breaking --against '$(BUF_AGAINST)' --against-config buf.yaml --exclude-imports
+buf_class = --config '{"version":"v2","modules":[{"path":"proto"}],"breaking":{"use":["$(1)"]}}'
+
+.PHONY: up up-secure test unit fuzz lint proto kafka spark venv bench-quick profile clean
 
 up: venv proto kafka
 	$(PY) -m kvstore.dev.cluster --data-dir .data
+
+# The same cluster secured (README "Security"): gRPC over TLS with bearer tokens per role, Kafka with
+# SASL/SCRAM logins and ACLs; certificates and tokens from a development CA in .data-secure/tls/.
+# Its own data dir: a broker keeps the mode its data dir was formatted with.
+up-secure: venv proto kafka
+	$(PY) -m kvstore.dev.cluster --data-dir .data-secure --secure
 
 # Coverage (settings in pyproject.toml [tool.coverage.*]): wal/ and kvstore/core/ are measured in
 # the pytest process while the suite runs, and each must stay at or above its own floor (set just
@@ -24,7 +73,7 @@ COV_FLOOR_CORE ?= 99
 NOCOV_TESTS    ?= tests/sim
 COV_REPORT      = $(PY) -m coverage report
 
-test: venv proto kafka spark lint
+test: venv proto kafka spark lint $(GRPCURL)
 ifeq ($(strip $(PYTEST_ARGS)),)
 	$(PY) -m pytest -q --cov --cov-report= $(addprefix --ignore=,$(NOCOV_TESTS))
 ifneq ($(strip $(NOCOV_TESTS)),)
@@ -40,12 +89,45 @@ else
 	$(COV_REPORT) --include='kvstore/core/*'
 endif
 
+# Every RPC of a real node with random messages and bytes that are not protobuf (tests/fuzz): at least
+# 10^4 cases, none may crash the node, get an unclean status or change the state by a refused
+# request. `make test` runs a sample of the same tests (FUZZ_CASES=15 per RPC and mode).
+FUZZ_CASES ?= 400
+fuzz: venv proto kafka
+	mkdir -p .data
+	FUZZ_CASES=$(FUZZ_CASES) FUZZ_MIN_CASES=10000 FUZZ_REPORT=.data/fuzz-report.json $(PY) -m pytest -q tests/fuzz
+
 unit: venv proto
 	$(PY) -m pytest -q tests/unit
 
-lint: venv proto
+lint: venv proto $(BUF)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
+	$(BUF) lint
+	@if [ '$(BUF_AGAINST)' = '$(BUF_AGAINST_DEFAULT)' ] \
+	    && ! { [ -e .git ] && git rev-parse -q --verify 'HEAD~1^{commit}' >/dev/null 2>&1; }; then \
+	  echo "buf breaking: SKIPPED, no previous commit to compare proto/ with (no .git, a first commit or a"; \
+	  echo "  shallow clone); make lint BUF_AGAINST='<clone>/.git#ref=<commit>' compares with another"; \
+	else \
+	  echo "buf breaking against $(BUF_AGAINST): FILE for the WAL record formats and every other file,"; \
+	  echo "  PACKAGE for $(BUF_API), WIRE for $(BUF_PEER)"; \
+	  status=0; \
+	  $(BUF_BREAKING) --exclude-path $(BUF_API) --exclude-path $(BUF_PEER) || status=1; \
+	  $(BUF_BREAKING) --path $(BUF_API) $(call buf_class,PACKAGE) || status=1; \
+	  $(BUF_BREAKING) --path $(BUF_PEER) $(call buf_class,WIRE) || status=1; \
+	  exit $$status; \
+	fi
+
+$(GRPCURL):
+	@command -v go >/dev/null || { echo "grpcurl is built with Go (go install): install Go 1.21+"; exit 1; }
+	GOBIN=$(abspath $(GRPCURL_DIR)) GOFLAGS=-mod=mod go install github.com/fullstorydev/grpcurl/cmd/grpcurl@v$(GRPCURL_VERSION)
+	$@ -version
+
+# The target is the binary itself: installed once per BUF_VERSION, nothing to do afterwards.
+$(BUF): | $(VENV)/.installed
+	rm -rf $(BUF_DIR)
+	$(PY) -m pip install -q --disable-pip-version-check --no-deps --target $(BUF_DIR) buf-bin==$(BUF_VERSION)
+	$@ --version
 
 venv: $(VENV)/.installed
 
@@ -80,6 +162,13 @@ bench-quick: venv proto kafka spark
 profile: venv proto kafka
 	$(PY) -m pip install -q -e '.[dev,bench]'
 	$(PY) bench/cpu_profile.py
+
+# The Grafana dashboard's panels from a real local run (broker + 3 nodes, ~2 min): bench/results/dashboard.png
+# and the scraped series in bench/results/dashboard.json (README "Metrics and dashboards").
+.PHONY: dashboard
+dashboard: venv proto kafka
+	$(PY) -m pip install -q -e '.[dev,bench]'
+	$(PY) bench/dashboard.py
 
 clean:
 	rm -rf $(VENV) .data build *.egg-info .coverage .coverage.*

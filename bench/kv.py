@@ -107,7 +107,7 @@ def counters(pids: dict[str, int | None], metrics_port: int | None) -> dict[str,
     return out
 
 
-class EmptyKV(kv_pb2_grpc.KVServicer):
+class EmptyKV(kv_pb2_grpc.KVServiceServicer):
     """The serving limit: gRPC + protobuf + asyncio and nothing else."""
 
     async def Put(self, request: kv_pb2.PutRequest, context: Any) -> kv_pb2.PutResponse:
@@ -117,10 +117,10 @@ class EmptyKV(kv_pb2_grpc.KVServicer):
         return kv_pb2.GetResponse()
 
 
-async def serve_empty(address: str, servicer: kv_pb2_grpc.KVServicer | None = None) -> None:
+async def serve_empty(address: str, servicer: kv_pb2_grpc.KVServiceServicer | None = None) -> None:
     """Runs in its own process like the store, so it does not share the load generator's GIL."""
     server = grpc.aio.server()
-    kv_pb2_grpc.add_KVServicer_to_server(servicer or EmptyKV(), server)  # type: ignore[no-untyped-call]
+    kv_pb2_grpc.add_KVServiceServicer_to_server(servicer or EmptyKV(), server)  # type: ignore[no-untyped-call]
     server.add_insecure_port(address)
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -152,7 +152,7 @@ def wait_serving(proc: Proc, address: str, timeout_s: float) -> None:
         health = health_pb2_grpc.HealthStub(channel)
         while proc.poll() is None and time.monotonic() < deadline:
             with contextlib.suppress(grpc.RpcError):
-                reply = health.Check(health_pb2.HealthCheckRequest(service="kvstore.v1.KV"), timeout=1)
+                reply = health.Check(health_pb2.HealthCheckRequest(service="kvstore.v1.KVService"), timeout=1)
                 if reply.status == health_pb2.HealthCheckResponse.SERVING:
                     return
             time.sleep(0.02)
@@ -271,7 +271,7 @@ async def load_phase(addresses: dict[str, str], pids: dict[str, dict[str, int | 
     try:
         for chans in channels.values():
             await asyncio.wait_for(asyncio.gather(*(c.channel_ready() for c in chans)), 30)
-        stubs = {t: [kv_pb2_grpc.KVStub(c) for c in chans] for t, chans in channels.items()}  # type: ignore[no-untyped-call]
+        stubs = {t: [kv_pb2_grpc.KVServiceStub(c) for c in chans] for t, chans in channels.items()}  # type: ignore[no-untyped-call]
         seeds = [(size, j) for size in VALUE_SIZES for j in range(SEED_KEYS)]
         assert {shard_of(seed_key(*s), SHARDS) for s in seeds} == set(range(SHARDS)), "seeds miss a shard"
         await asyncio.gather(*(stubs["store"][j % CHANNELS].Put(kv_pb2.PutRequest(

@@ -2,7 +2,7 @@
 
 Three targets on this machine, in one run: the store (one node, 4 shards, its own single-node Kafka), a
 single etcd node (Debian's `etcd-server`, data dir in a temporary directory) and an empty grpc.aio server
-(a kvstore.v1.KV servicer whose Put, Get and Txn answer an empty message at once: Python's serving ceiling).
+(a kvstore.v1.KVService servicer whose Put, Get and Txn answer an empty message at once: Python's serving ceiling).
 Every target is driven by the same code: one asyncio process, one coroutine per client in a closed loop,
 generic unary calls on grpc.aio channels with *pre-serialized* protobuf bytes in and raw bytes out (no
 serializer, no parsing in the loop), so the load generator spends the same per request on every target.
@@ -226,7 +226,7 @@ class Codec:
         if self.etcd is not None:
             return Request("/etcdserverpb.KV/Put", self.etcd.PutRequest(key=key, value=value).SerializeToString(),
                            int(self.checked))
-        return Request("/kvstore.v1.KV/Put", kv_pb2.PutRequest(key=key, value=value).SerializeToString(),
+        return Request("/kvstore.v1.KVService/Put", kv_pb2.PutRequest(key=key, value=value).SerializeToString(),
                        int(self.checked))
 
     def get(self, key: bytes) -> Request:
@@ -234,7 +234,7 @@ class Codec:
             return Request("/etcdserverpb.KV/Range", self.etcd.RangeRequest(key=key).SerializeToString(),
                            VALUE_BYTES * self.checked)
         read = kv_pb2.ReadOptions(consistency=kv_pb2.CONSISTENCY_LINEARIZABLE)
-        return Request("/kvstore.v1.KV/Get", kv_pb2.GetRequest(key=key, read=read).SerializeToString(),
+        return Request("/kvstore.v1.KVService/Get", kv_pb2.GetRequest(key=key, read=read).SerializeToString(),
                        VALUE_BYTES * self.checked)
 
     def batch(self, keys: Sequence[bytes], value: bytes) -> Request:
@@ -243,7 +243,7 @@ class Codec:
             return Request("/etcdserverpb.KV/Txn", self.etcd.TxnRequest(success=ops).SerializeToString(),
                            len(keys) * self.checked)
         ops = [kv_pb2.TxnOp(put=kv_pb2.PutRequest(key=k, value=value)) for k in keys]
-        return Request("/kvstore.v1.KV/Txn", kv_pb2.TxnRequest(success=ops).SerializeToString(),
+        return Request("/kvstore.v1.KVService/Txn", kv_pb2.TxnRequest(success=ops).SerializeToString(),
                        len(keys) * self.checked)
 
     def write_batch(self, keys: Sequence[bytes], value: bytes) -> Request:
@@ -253,7 +253,7 @@ class Codec:
         shard = shard_of(keys[0], SHARDS)
         part = kv_pb2.ShardMutations(shard=shard, mutations=[kv_pb2.Mutation(key=k, value=value) for k in keys])
         # A committed part answers ~12 bytes (shard, revision, count); an error carries a message.
-        return Request("/kvstore.v1.KV/WriteBatch", kv_pb2.WriteBatchRequest(shards=[part]).SerializeToString(),
+        return Request("/kvstore.v1.KVService/WriteBatch", kv_pb2.WriteBatchRequest(shards=[part]).SerializeToString(),
                        8 * self.checked, WRITE_BATCH_MAX_ANSWER if self.checked else 0)
 
 
@@ -305,8 +305,8 @@ class Target:
         self.channels = [grpc.aio.insecure_channel(self.address, options=options) for _ in range(CHANNELS)]
         await asyncio.wait_for(asyncio.gather(*(c.channel_ready() for c in self.channels)), 30)
         # No serializer: bytes in, bytes out. The same generic call for every target.
-        self.calls = [{m: c.unary_unary(m) for m in ("/kvstore.v1.KV/Put", "/kvstore.v1.KV/Get", "/kvstore.v1.KV/Txn",
-                                                    "/kvstore.v1.KV/WriteBatch",
+        self.calls = [{m: c.unary_unary(m) for m in ("/kvstore.v1.KVService/Put", "/kvstore.v1.KVService/Get",
+                                                    "/kvstore.v1.KVService/Txn", "/kvstore.v1.KVService/WriteBatch",
                                                     "/etcdserverpb.KV/Put", "/etcdserverpb.KV/Range",
                                                     "/etcdserverpb.KV/Txn")} for c in self.channels]
 

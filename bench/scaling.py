@@ -3,7 +3,7 @@
 Each configuration gets its own single-node Kafka and fresh store nodes (`python -m kvstore.server`, as
 an operator starts them). The load generator is bench/peer.py's (raw bytes, closed loop, 64 clients by
 default), but every client writes keys of one shard and sends them to that shard's leader (from
-`Cluster.ShardMap`), so with 3 nodes each node serves the shards it leads and nothing is redirected.
+`ClusterService.ShardMap`), so with 3 nodes each node serves the shards it leads and nothing is redirected.
 Two loads: `put` (one key per request) and `wbatch` (WriteBatch of 100 puts of one shard). CPU seconds of
 every node and of the broker are sampled per series, with the WAL transactions the nodes committed, so
 the per-shard costs (node CPU per write and per WAL transaction, broker CPU per WAL transaction) that
@@ -69,7 +69,7 @@ def leaders(addresses: list[str], shards: int, timeout_s: float) -> dict[int, st
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         with grpc.insecure_channel(addresses[0]) as channel, contextlib.suppress(grpc.RpcError):
-            stub: Any = cluster_pb2_grpc.ClusterStub(channel)  # type: ignore[no-untyped-call]
+            stub: Any = cluster_pb2_grpc.ClusterServiceStub(channel)  # type: ignore[no-untyped-call]
             smap = stub.ShardMap(cluster_pb2.ShardMapRequest(), timeout=5)
             found = {s.shard: s.leader for s in smap.shards if s.leader}
             if len(found) == shards and set(found.values()) <= set(addresses):
@@ -83,7 +83,7 @@ async def run_series(load: str, leader_of: dict[int, str], shards: int, clients:
     """Closed loop: client i writes keys of shard i % shards to that shard's leader."""
     tag, value = uuid.uuid4().hex[:8], os.urandom(VALUE_BYTES)
     channels = {address: grpc.aio.insecure_channel(address) for address in set(leader_of.values())}
-    method = "/kvstore.v1.KV/Put" if load == "put" else "/kvstore.v1.KV/WriteBatch"
+    method = "/kvstore.v1.KVService/Put" if load == "put" else "/kvstore.v1.KVService/WriteBatch"
     calls = {address: channel.unary_unary(method) for address, channel in channels.items()}
     start = time.perf_counter()
     window_start, window_end = start + warmup, start + warmup + seconds

@@ -1,7 +1,12 @@
 """The store's error hierarchy and its one mapping to gRPC status codes.
 
-Servers raise these; `to_status` is the only place that decides a gRPC code, and the client
-(`kvstore.client`) reads the same metadata keys back. A client that sees:
+Servers raise these; `to_status` is the only place that decides a gRPC code and the rich status
+every error carries: a `google.rpc.Status` in `grpc-status-details-bin` (what grpcurl prints and
+every gRPC language reads) with an `ErrorInfo` (domain "kvstore", a `Reason`, and metadata: the
+outcome, the leader, the shard, the request id, the limit), a `RetryInfo` when retrying soon can
+help, and `BadRequest` field violations for a malformed request. The same facts also go out as
+`kvstore-*` trailers, which older clients read. The client (`kvstore.client`) reads both back.
+A client that sees:
 
 * INVALID_ARGUMENT: fix the request (the message names the limit);
 * FAILED_PRECONDITION with `kvstore-leader-hint`: ask that node instead (not the leader);
@@ -21,15 +26,58 @@ nothing happened, and only this module says it.
 
 from __future__ import annotations
 
-import grpc
+import enum
 
+import grpc
+from google.protobuf import any_pb2, duration_pb2
+from google.rpc import error_details_pb2, status_pb2
+
+DOMAIN = "kvstore"  # ErrorInfo.domain of every error the store reports
+STATUS_DETAILS_KEY = "grpc-status-details-bin"  # where gRPC carries a google.rpc.Status
 LEADER_HINT_KEY = "kvstore-leader-hint"
 SHARD_KEY = "kvstore-shard"
 OUTCOME_KEY = "kvstore-outcome"
 REASON_KEY = "kvstore-reason"
 OUTCOME_NONE = "none"  # definite: nothing of the request was or will be committed
 OUTCOME_UNKNOWN = "unknown"  # W7: it may or may not have committed
-REASON_REQUEST_ID_EXPIRED = "request-id-expired"
+REASON_REQUEST_ID_EXPIRED = "request-id-expired"  # the kvstore-reason trailer's one value
+# Request metadata of forwarding (kvstore.server.forward): a node that does not lead a shard
+# forwards a write or a leader read to the leader, one hop; the forwarded call carries
+# FORWARDED_BY_KEY (never forwarded again). A client that routes itself (kvstore.client) sends
+# FORWARD_KEY: FORWARD_NEVER and gets NOT_LEADER with the leader instead (fewer hops).
+FORWARDED_BY_KEY = "kvstore-forwarded-by"
+FORWARD_KEY = "kvstore-forward"
+FORWARD_NEVER = "never"
+# ErrorInfo.metadata keys
+INFO_OUTCOME = "outcome"  # OUTCOME_NONE or OUTCOME_UNKNOWN, as the kvstore-outcome trailer
+INFO_LEADER = "leader"
+INFO_SHARD = "shard"
+INFO_REQUEST_ID = "request_id"
+INFO_LIMIT = "limit"
+
+
+class Reason(enum.StrEnum):
+    """ErrorInfo.reason: why a request failed, one word a program can switch on (and a metric
+    label: `kvstore_requests_total{reason}`)."""
+
+    INVALID_ARGUMENT = "INVALID_ARGUMENT"  # malformed (BadRequest says which field)
+    LIMIT_EXCEEDED = "LIMIT_EXCEEDED"  # a documented limit (ErrorInfo.metadata["limit"] names it)
+    NOT_LEADER = "NOT_LEADER"  # ask metadata["leader"] instead (if known)
+    QUEUE_FULL = "QUEUE_FULL"  # a bounded queue is full: back off (RetryInfo)
+    UNAVAILABLE = "UNAVAILABLE"  # bootstrapping, leader changing, batch aborted: retry (RetryInfo)
+    OUTCOME_UNKNOWN = "OUTCOME_UNKNOWN"  # W7: retry with metadata["request_id"]
+    REQUEST_ID_EXPIRED = "REQUEST_ID_EXPIRED"  # the retry came too late: outcome unknown for good
+    DEADLINE_EXCEEDED = "DEADLINE_EXCEEDED"
+    UNAUTHENTICATED = "UNAUTHENTICATED"  # no or bad credentials
+    PERMISSION_DENIED = "PERMISSION_DENIED"  # the caller's role does not allow the call
+    INTERNAL = "INTERNAL"  # a bug: the outcome of a write is unknown
+
+
+# RetryInfo.retry_delay: how long a client should wait before the same request can succeed. Short:
+# a takeover or a drained queue takes milliseconds to a second; clients back off further themselves.
+RETRY_UNAVAILABLE_MS = 100
+RETRY_QUEUE_FULL_MS = 50
+RETRY_NO_LEADER_MS = 200
 
 
 class StoreError(Exception):
@@ -39,48 +87,93 @@ class StoreError(Exception):
     can still commit. The one exception is `UnknownOutcomeError`."""
 
     code: grpc.StatusCode = grpc.StatusCode.INTERNAL
+    reason: Reason = Reason.INTERNAL
     definite = True
+    retry_after_ms: int | None = None  # RetryInfo, when waiting this long and retrying can help
 
     def metadata(self) -> tuple[tuple[str, str], ...]:
+        """The kvstore-* trailers (besides kvstore-outcome) that older clients read."""
+        return ()
+
+    def info(self) -> dict[str, str]:
+        """ErrorInfo.metadata (besides the outcome and the request id, which `to_status` adds)."""
+        return {}
+
+    def violations(self) -> tuple[tuple[str, str], ...]:
+        """BadRequest field violations: (field path, what is wrong with it)."""
         return ()
 
 
+class InternalError(StoreError):
+    """A bug reached the client: the request's outcome is unknown (a write may have committed)."""
+
+    definite = False
+
+
 class InvalidRequestError(StoreError):
-    """Malformed request or a broken limit; the message names the limit."""
+    """Malformed request or a broken limit; the message names the limit.
+
+    `field`: the request field at fault (BadRequest), e.g. "key" or "shards[2].mutations[7].value";
+    `limit`: the name of the documented limit it breaks (kvstore.limits), which makes the reason
+    LIMIT_EXCEEDED instead of INVALID_ARGUMENT."""
 
     code = grpc.StatusCode.INVALID_ARGUMENT
+
+    def __init__(self, message: str, *, field: str = "", limit: str = "") -> None:
+        super().__init__(message)
+        self.field = field
+        self.limit = limit
+        self.reason = Reason.LIMIT_EXCEEDED if limit else Reason.INVALID_ARGUMENT
+
+    def info(self) -> dict[str, str]:
+        return {INFO_LIMIT: self.limit} if self.limit else {}
+
+    def violations(self) -> tuple[tuple[str, str], ...]:
+        return ((self.field, str(self)),) if self.field else ()
 
 
 class NotLeaderError(StoreError):
     code = grpc.StatusCode.FAILED_PRECONDITION
+    reason = Reason.NOT_LEADER
 
     def __init__(self, shard: int, leader_hint: str | None) -> None:
         where = f"; try {leader_hint}" if leader_hint else "; no leader known right now"
         super().__init__(f"this node does not lead shard {shard}{where}")
         self.shard = shard
         self.leader_hint = leader_hint
+        # No leader known: one is being chosen, ask again shortly. Known: go there at once.
+        self.retry_after_ms = None if leader_hint else RETRY_NO_LEADER_MS
 
     def metadata(self) -> tuple[tuple[str, str], ...]:
         hint = ((LEADER_HINT_KEY, self.leader_hint),) if self.leader_hint else ()
         return ((SHARD_KEY, str(self.shard)), *hint)
+
+    def info(self) -> dict[str, str]:
+        hint = {INFO_LEADER: self.leader_hint} if self.leader_hint else {}
+        return {INFO_SHARD: str(self.shard), **hint}
 
 
 class OverloadedError(StoreError):
     """A bounded queue is full; nothing was done."""
 
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
+    reason = Reason.QUEUE_FULL
+    retry_after_ms = RETRY_QUEUE_FULL_MS
 
 
 class UnavailableError(StoreError):
     """Retriable: the shard is bootstrapping, changing leader, or its batch was aborted."""
 
     code = grpc.StatusCode.UNAVAILABLE
+    reason = Reason.UNAVAILABLE
+    retry_after_ms = RETRY_UNAVAILABLE_MS
 
 
 class UnknownOutcomeError(StoreError):
     """W7: the write may or may not have committed. Retry with the same request id."""
 
     code = grpc.StatusCode.UNKNOWN
+    reason = Reason.OUTCOME_UNKNOWN
     definite = False
 
 
@@ -90,6 +183,7 @@ class RequestExpiredError(StoreError):
     Definite for this attempt (nothing is queued); the original outcome stays unknown."""
 
     code = grpc.StatusCode.FAILED_PRECONDITION
+    reason = Reason.REQUEST_ID_EXPIRED
 
     def metadata(self) -> tuple[tuple[str, str], ...]:
         return ((REASON_KEY, REASON_REQUEST_ID_EXPIRED),)
@@ -97,10 +191,50 @@ class RequestExpiredError(StoreError):
 
 class DeadlineError(StoreError):
     code = grpc.StatusCode.DEADLINE_EXCEEDED
+    reason = Reason.DEADLINE_EXCEEDED
 
 
-def to_status(error: StoreError) -> tuple[grpc.StatusCode, str, tuple[tuple[str, str], ...]]:
+class UnauthenticatedError(StoreError):
+    """No credentials, or credentials the node does not accept; nothing was done."""
+
+    code = grpc.StatusCode.UNAUTHENTICATED
+    reason = Reason.UNAUTHENTICATED
+
+
+class PermissionDeniedError(StoreError):
+    """The caller is known but its role does not allow this call; nothing was done."""
+
+    code = grpc.StatusCode.PERMISSION_DENIED
+    reason = Reason.PERMISSION_DENIED
+
+
+Trailers = tuple[tuple[str, str | bytes], ...]
+
+
+def to_status(error: StoreError, *, request_id: str = "") -> tuple[grpc.StatusCode, str, Trailers]:
     """The gRPC code, details and trailing metadata for a store error: the one mapping, and the
-    one place that tags an error definite (`kvstore-outcome: none`) or unknown."""
+    one place that tags an error definite (outcome "none") or unknown. `request_id`: the
+    request's, so that an unknown outcome names the id to retry with. Pure."""
     outcome = OUTCOME_NONE if error.definite else OUTCOME_UNKNOWN
-    return error.code, str(error), ((OUTCOME_KEY, outcome), *error.metadata())
+    message = str(error)
+    info = {INFO_OUTCOME: outcome, **error.info()}
+    if request_id:
+        info[INFO_REQUEST_ID] = request_id
+    details = [_packed(error_details_pb2.ErrorInfo(reason=error.reason.value, domain=DOMAIN, metadata=info))]
+    if error.retry_after_ms is not None:
+        delay = duration_pb2.Duration()
+        delay.FromMilliseconds(error.retry_after_ms)
+        details.append(_packed(error_details_pb2.RetryInfo(retry_delay=delay)))
+    violations = error.violations()
+    if violations:
+        details.append(_packed(error_details_pb2.BadRequest(field_violations=[
+            error_details_pb2.BadRequest.FieldViolation(field=field, description=why) for field, why in violations])))
+    status = status_pb2.Status(code=error.code.value[0], message=message, details=details)
+    return error.code, message, ((OUTCOME_KEY, outcome), *error.metadata(),
+                                 (STATUS_DETAILS_KEY, status.SerializeToString()))
+
+
+def _packed(message: object) -> any_pb2.Any:
+    packed = any_pb2.Any()
+    packed.Pack(message)  # type: ignore[arg-type]
+    return packed

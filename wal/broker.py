@@ -7,13 +7,27 @@ min.insync.replicas=2) for fault tests. Every broker setting the project relies 
 
 Never replace this with librdkafka's mock cluster: it lets a fenced producer commit, so it
 cannot test the single-writer guard (W4).
+
+Secure mode (`secure=True`, fixed when the data directory is formatted): clients must log in
+with SASL/SCRAM-SHA-512 on the broker listener (SASL_PLAINTEXT), and the standard authorizer
+refuses everything no ACL allows (`allow.everyone.if.no.acl.found=false`; the ACLs themselves
+are `wal.acl`'s). The admin principal is the only super user: the brokers use it among
+themselves and the controllers use it on their own listener (SASL/PLAIN, the only user the
+controllers know: a client cannot get in there either). Its SCRAM credentials and those of the
+`users` asked for are written into the metadata at format time (`kafka-storage format
+--add-scram`, KIP-900), so nothing runs unauthenticated even once; the passwords are generated
+and kept in `credentials.json` in the data directory (mode 0600), where `credentials()` reads
+them for whoever hands them out (the dev cluster, the tests).
 """
 
 from __future__ import annotations
 
 import argparse
 import base64
+import json
 import os
+import re
+import secrets
 import shutil
 import signal
 import socket
@@ -21,11 +35,21 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from confluent_kafka import KafkaException
-from confluent_kafka.admin import AdminClient, NewTopic
+from confluent_kafka.admin import (
+    AdminClient,
+    NewTopic,
+    ScramCredentialInfo,
+    ScramMechanism,
+    UserScramCredentialAlteration,
+    UserScramCredentialUpsertion,
+)
+
+from wal.clients import SASL_PLAINTEXT, SCRAM_SHA_512, ClientSecurity, client_config
 
 KAFKA_VERSION = "4.1.1"  # pinned; the pom's default is kept equal (see wal/kafka/pom.xml)
 POM = Path(__file__).resolve().parent / "kafka" / "pom.xml"
@@ -57,6 +81,15 @@ BROKER_SETTINGS: Mapping[str, str] = {
 }
 
 
+# Secure mode (module docstring).
+ADMIN_USER = "admin"
+CREDENTIALS_FILE = "credentials.json"
+AUTHORIZER = "org.apache.kafka.metadata.authorizer.StandardAuthorizer"
+_SCRAM_LOGIN = "org.apache.kafka.common.security.scram.ScramLoginModule"
+_PLAIN_LOGIN = "org.apache.kafka.common.security.plain.PlainLoginModule"
+_USER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")  # nothing SCRAM or --add-scram must escape
+
+
 def _replication_settings(nodes: int) -> dict[str, str]:
     rf = "3" if nodes >= 3 else "1"
     min_isr = "2" if nodes >= 3 else "1"
@@ -69,6 +102,7 @@ def _replication_settings(nodes: int) -> dict[str, str]:
     }
 
 
+# The authorizer logs every denied request at INFO (secure mode): "why was my client refused".
 _LOG4J2 = """\
 rootLogger.level=WARN
 rootLogger.appenderRef.out.ref=OUT
@@ -80,11 +114,57 @@ logger.kafka.name=kafka
 logger.kafka.level=WARN
 logger.started.name=kafka.server.KafkaRaftServer
 logger.started.level=INFO
+logger.authorizer.name=kafka.authorizer.logger
+logger.authorizer.level=INFO
 """
 
 
 class BrokerError(RuntimeError):
     """The local broker could not be fetched, started or stopped."""
+
+
+def listener_settings(broker_port: int, controller_port: int, credentials: Mapping[str, str] | None) -> dict[str, str]:
+    """The listeners of one node: plaintext without `credentials`; with them (user -> password,
+    the admin among them) SCRAM on the broker listener, PLAIN (the admin only) on the
+    controller's, the standard authorizer and the admin as the only super user."""
+    broker = f"127.0.0.1:{broker_port}"
+    controller = f"CONTROLLER://127.0.0.1:{controller_port}"
+    if credentials is None:
+        return {
+            "listeners": f"PLAINTEXT://{broker},{controller}",
+            "advertised.listeners": f"PLAINTEXT://{broker}",
+            "controller.listener.names": "CONTROLLER",
+            "inter.broker.listener.name": "PLAINTEXT",
+            "listener.security.protocol.map": "PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT",
+        }
+    admin = credentials[ADMIN_USER]
+    return {
+        "listeners": f"{SASL_PLAINTEXT}://{broker},{controller}",
+        "advertised.listeners": f"{SASL_PLAINTEXT}://{broker}",
+        "controller.listener.names": "CONTROLLER",
+        "inter.broker.listener.name": SASL_PLAINTEXT,
+        "listener.security.protocol.map": f"{SASL_PLAINTEXT}:{SASL_PLAINTEXT},CONTROLLER:{SASL_PLAINTEXT}",
+        "sasl.enabled.mechanisms": SCRAM_SHA_512,
+        "sasl.mechanism.inter.broker.protocol": SCRAM_SHA_512,
+        "listener.name.sasl_plaintext.scram-sha-512.sasl.jaas.config":
+            f'{_SCRAM_LOGIN} required username="{ADMIN_USER}" password="{admin}";',
+        # SCRAM credentials live in the metadata log, which the controllers serve: they cannot
+        # authenticate each other with them, so their listener uses PLAIN with one static user.
+        "sasl.mechanism.controller.protocol": "PLAIN",
+        "listener.name.controller.sasl.enabled.mechanisms": "PLAIN",
+        "listener.name.controller.plain.sasl.jaas.config":
+            f'{_PLAIN_LOGIN} required username="{ADMIN_USER}" password="{admin}" user_{ADMIN_USER}="{admin}";',
+        "authorizer.class.name": AUTHORIZER,
+        "super.users": f"User:{ADMIN_USER}",
+        "allow.everyone.if.no.acl.found": "false",
+    }
+
+
+def add_scram_arguments(credentials: Mapping[str, str]) -> list[str]:
+    """`kafka-storage format` arguments that put each user's SCRAM-SHA-512 credential into the
+    bootstrap metadata (KIP-900)."""
+    return [arg for user, password in sorted(credentials.items())
+            for arg in ("--add-scram", f"{SCRAM_SHA_512}=[name={user},password={password}]")]
 
 
 def cache_dir() -> Path:
@@ -134,15 +214,24 @@ class LocalKafka:
     """
 
     def __init__(self, data_dir: Path, nodes: int = 1, *, heap_mb: int = 512,
-                 ports: list[tuple[int, int]] | None = None) -> None:
+                 ports: list[tuple[int, int]] | None = None, secure: bool = False,
+                 users: Sequence[str] = ()) -> None:
+        """`secure`: SASL/SCRAM and ACLs (module docstring), with SCRAM users `users` besides
+        the admin; a data directory keeps the mode it was formatted with."""
         assert nodes in (1, 3), "the local cluster has one node or three"
+        assert secure or not users, "SCRAM users need secure=True"
+        for user in users:
+            assert _USER_NAME.match(user), f"user names are [A-Za-z0-9._-], at most 64: {user!r}"
         self.data_dir = Path(data_dir)
         self.nodes = nodes
         self.heap_mb = heap_mb
+        self.secure = secure
+        self.users = tuple(dict.fromkeys((ADMIN_USER, *users))) if secure else ()
         saved = self._load_ports()
         self.ports = ports or saved or [(free_port(), free_port()) for _ in range(nodes)]
         assert len(self.ports) == nodes
         self._procs: dict[int, subprocess.Popen[bytes]] = {}
+        self._credentials: dict[str, str] = {}  # user -> password (secure mode), from start() on
 
     # ---- addresses ---------------------------------------------------------------------------
 
@@ -153,6 +242,33 @@ class LocalKafka:
     def node_bootstrap(self, node: int) -> str:
         return f"127.0.0.1:{self.ports[node][0]}"
 
+    @property
+    def credentials_file(self) -> Path:
+        return self.data_dir / CREDENTIALS_FILE
+
+    def credentials(self, user: str = ADMIN_USER) -> ClientSecurity:
+        """How `user` logs in (secure mode; after start()). Without secure mode: the plaintext
+        default, whoever asks."""
+        if not self.secure:
+            return ClientSecurity()
+        if not self._credentials:
+            raise BrokerError("the passwords are read (or made) by start(): start the broker first")
+        if user not in self._credentials:
+            raise BrokerError(f"no SCRAM user {user!r} on this broker (users: {', '.join(sorted(self._credentials))})")
+        return ClientSecurity(SASL_PLAINTEXT, SCRAM_SHA_512, user, self._credentials[user])
+
+    def password_file(self, user: str) -> Path:
+        """`user`'s password in a file of its own (mode 0600), for `--kafka-password-file` and
+        KVSTORE_KAFKA_PASSWORD_FILE: a password handed over by path never shows in a command
+        line or a process environment."""
+        path = self.data_dir / f"{user}.password"
+        _write_private(path, self.credentials(user).password + "\n")
+        return path
+
+    def client_config(self, user: str = ADMIN_USER, **settings: Any) -> dict[str, Any]:
+        """A librdkafka config for this broker as `user` (the admin by default)."""
+        return client_config(self.bootstrap_servers, self.credentials(user), **settings)
+
     # ---- lifecycle ---------------------------------------------------------------------------
 
     def start(self, timeout_s: float = 90.0) -> LocalKafka:
@@ -162,13 +278,21 @@ class LocalKafka:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self._save_ports()
         cluster_id = self._cluster_id()
+        formatted = [(self._node_dir(n) / "data" / "meta.properties").exists() for n in range(self.nodes)]
+        if any(formatted) and self.secure != self.credentials_file.exists():
+            raise BrokerError(f"{self.data_dir} was formatted {'with' if not self.secure else 'without'} SASL and "
+                              f"ACLs; it keeps that mode (start it with secure={not self.secure}, or use a new "
+                              "data directory)")
+        added = self._load_credentials(new_cluster=not any(formatted)) if self.secure else []
         for node in range(self.nodes):
             self._write_config(node)
-            if not (self._node_dir(node) / "data" / "meta.properties").exists():
+            if not formatted[node]:
                 self._format(node, cluster_id)
         for node in range(self.nodes):
             self.start_node(node, wait=False)
         self.wait_ready(timeout_s)
+        if added:
+            self._add_users(added, timeout_s)
         return self
 
     def start_node(self, node: int, wait: bool = True, timeout_s: float = 60.0) -> None:
@@ -191,7 +315,7 @@ class LocalKafka:
         deadline = time.monotonic() + timeout_s
         expected = {n + 1 for n, p in self._procs.items() if p.poll() is None}
         # Quiet: "connection refused" is the expected answer until the JVM is up.
-        admin = AdminClient({"bootstrap.servers": self.bootstrap_servers, "log_level": 0})
+        admin = AdminClient(self.client_config(log_level=0))
         last_error = "no answer"
         while time.monotonic() < deadline:
             for node, proc in self._procs.items():
@@ -243,7 +367,7 @@ class LocalKafka:
 
     def create_topic(self, name: str, partitions: int, timeout_s: float = 30.0) -> None:
         """Create a topic replicated on every node (min.insync.replicas from the broker)."""
-        admin = AdminClient({"bootstrap.servers": self.bootstrap_servers})
+        admin = AdminClient(self.client_config())
         futures = admin.create_topics([NewTopic(name, partitions, replication_factor=min(self.nodes, 3))],
                                       request_timeout=timeout_s)
         for future in futures.values():
@@ -297,6 +421,31 @@ class LocalKafka:
             path.write_text(cluster_id + "\n")
         return path.read_text().strip()
 
+    def _load_credentials(self, new_cluster: bool) -> list[str]:
+        """Read the users' passwords, generating those not there yet; returns the users that
+        are new to an existing cluster (created through the admin API once it is up)."""
+        path = self.credentials_file
+        saved: dict[str, str] = json.loads(path.read_text())["users"] if path.exists() else {}
+        if not new_cluster and ADMIN_USER not in saved:
+            raise BrokerError(f"{path} lacks the admin's password: the cluster cannot be administered")
+        missing = [user for user in self.users if user not in saved]
+        credentials = {**saved, **{user: secrets.token_hex(24) for user in missing}}
+        if missing or not path.exists():
+            _write_private(path, json.dumps({"mechanism": SCRAM_SHA_512, "admin": ADMIN_USER,
+                                             "bootstrap_servers": self.bootstrap_servers,
+                                             "users": credentials}, indent=2) + "\n")
+        self._credentials = credentials
+        return [] if new_cluster else missing
+
+    def _add_users(self, users: Sequence[str], timeout_s: float) -> None:
+        """Create SCRAM credentials on a running cluster (users asked for after it was formatted)."""
+        admin = AdminClient(self.client_config())
+        info = ScramCredentialInfo(ScramMechanism.SCRAM_SHA_512, 4096)
+        upserts: list[UserScramCredentialAlteration] = [
+            UserScramCredentialUpsertion(user, info, self._credentials[user].encode()) for user in users]
+        for future in admin.alter_user_scram_credentials(upserts, request_timeout=timeout_s).values():
+            future.result(timeout_s)
+
     def _ports_file(self) -> Path:
         return self.data_dir / "ports"
 
@@ -320,17 +469,13 @@ class LocalKafka:
             "process.roles": "broker,controller",
             "node.id": str(node + 1),
             "controller.quorum.voters": voters,
-            "listeners": f"PLAINTEXT://127.0.0.1:{broker_port},CONTROLLER://127.0.0.1:{controller_port}",
-            "advertised.listeners": f"PLAINTEXT://127.0.0.1:{broker_port}",
-            "controller.listener.names": "CONTROLLER",
-            "inter.broker.listener.name": "PLAINTEXT",
-            "listener.security.protocol.map": "PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT",
+            **listener_settings(broker_port, controller_port, self._credentials if self.secure else None),
             "log.dirs": str(directory / "data"),
             **_replication_settings(self.nodes),
             **BROKER_SETTINGS,
         }
         text = "".join(f"{k}={v}\n" for k, v in settings.items())
-        (directory / "server.properties").write_text(text)
+        _write_private(directory / "server.properties", text)  # holds the admin's password in secure mode
         (directory / "log4j2.properties").write_text(_LOG4J2)
 
     def _format(self, node: int, cluster_id: str) -> None:
@@ -339,10 +484,21 @@ class LocalKafka:
                f"-Dlog4j2.configurationFile={directory / 'log4j2.properties'}",
                "kafka.tools.StorageTool", "format", f"--cluster-id={cluster_id}",
                "-c", str(directory / "server.properties"),
-               "--feature", f"transaction.version={TRANSACTION_VERSION}"]
+               "--feature", f"transaction.version={TRANSACTION_VERSION}",
+               *(add_scram_arguments(self._credentials) if self.secure else [])]
         result = subprocess.run(cmd, capture_output=True, text=True, check=False)
         if result.returncode != 0:
             raise BrokerError(f"formatting node {node + 1} failed: {result.stdout}{result.stderr}")
+
+
+def _write_private(path: Path, text: str) -> None:
+    """Write a file only its owner can read (it may hold passwords), atomically."""
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as out:
+        out.write(text)
+    os.chmod(tmp, 0o600)  # an older file of that name kept its mode
+    os.replace(tmp, path)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -352,11 +508,14 @@ def main(argv: list[str] | None = None) -> int:
     up = sub.add_parser("up", help="run a local broker in the foreground until Ctrl-C")
     up.add_argument("--data-dir", default=".data/kafka", type=Path)
     up.add_argument("--nodes", type=int, default=1, choices=(1, 3))
+    up.add_argument("--secure", action="store_true",
+                    help="SASL/SCRAM logins and ACLs (fixed when the data directory is formatted)")
+    up.add_argument("--user", action="append", default=[], help="with --secure: a SCRAM user to create (repeatable)")
     args = parser.parse_args(argv)
     if args.command == "fetch":
         print(fetch(quiet=False))
         return 0
-    kafka = LocalKafka(args.data_dir, args.nodes)
+    kafka = LocalKafka(args.data_dir, args.nodes, secure=args.secure, users=args.user)
     stop = False
 
     def on_signal(signum: int, frame: object) -> None:
@@ -371,6 +530,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  bootstrap servers: {kafka.bootstrap_servers}", flush=True)
         print(f"  data directory:    {args.data_dir.resolve()}", flush=True)
         print(f"  export KVSTORE_KAFKA={kafka.bootstrap_servers}", flush=True)
+        if kafka.secure:
+            print(f"  SASL/SCRAM-SHA-512 logins and ACLs; passwords in {kafka.credentials_file}", flush=True)
         print("Ctrl-C stops it.", flush=True)
         while not stop:
             time.sleep(0.5)

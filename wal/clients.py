@@ -1,11 +1,14 @@
 """librdkafka client settings and the few raw queries the WAL needs, in one place.
 
-Everything that talks to librdkafka lives in `wal/`; `kvstore/` only sees the WAL's API.
+Everything that talks to librdkafka lives in `wal/`; `kvstore/` only sees the WAL's API. Every
+client of the WAL is configured from `client_config`, so its security settings (`ClientSecurity`:
+SASL credentials of the principal the broker's ACLs know) come from this one place.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import time
 import uuid
 from collections.abc import Mapping
@@ -13,6 +16,137 @@ from typing import Any
 
 from confluent_kafka import Consumer, IsolationLevel, KafkaError, KafkaException, TopicPartition
 from confluent_kafka.admin import AdminClient, OffsetSpec
+
+# ---- who a client is to the brokers --------------------------------------------------------------
+
+PLAINTEXT = "PLAINTEXT"
+SASL_PLAINTEXT = "SASL_PLAINTEXT"
+SECURITY_PROTOCOLS = (PLAINTEXT, SASL_PLAINTEXT, "SASL_SSL", "SSL")
+SCRAM_SHA_512 = "SCRAM-SHA-512"
+SASL_MECHANISMS = (SCRAM_SHA_512, "SCRAM-SHA-256", "PLAIN")
+
+
+@dataclasses.dataclass(frozen=True)
+class ClientSecurity:
+    """How a client connects and, under SASL, who it says it is; the broker's ACLs decide what
+    that principal may do (`wal.acl`). The default is what the local broker offers by default:
+    the plaintext listener, no authentication, every client anonymous.
+
+    One value per process role (a node, a pipeline command), handed to every client that role
+    creates, so that no client of the WAL can be built without it (`client_config`)."""
+
+    protocol: str = PLAINTEXT
+    mechanism: str = ""
+    username: str = ""
+    password: str = dataclasses.field(default="", repr=False)  # never in a log line or a repr
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Raises ValueError for a combination that cannot work (`security_problem`)."""
+        problem = security_problem(self)
+        if problem:
+            raise ValueError(problem)
+
+    @property
+    def sasl(self) -> bool:
+        return self.protocol.startswith("SASL_")
+
+    @property
+    def principal(self) -> str:
+        """The principal the broker's authorizer sees (what ACLs name)."""
+        return f"User:{self.username}" if self.sasl else "User:ANONYMOUS"
+
+
+def security_problem(security: ClientSecurity) -> str:
+    """Why a combination cannot work ("" if it can). Credentials on a listener that does not
+    authenticate are refused too: they would be silently ignored, and the client would connect
+    as ANONYMOUS, which is not what whoever configured them meant."""
+    if security.protocol not in SECURITY_PROTOCOLS:
+        return f"Kafka security protocol must be one of {', '.join(SECURITY_PROTOCOLS)}, got {security.protocol!r}"
+    if not security.sasl:
+        if security.mechanism or security.username or security.password:
+            return f"SASL credentials given, but the Kafka security protocol is {security.protocol}"
+        return ""
+    if security.mechanism not in SASL_MECHANISMS:
+        return f"SASL mechanism must be one of {', '.join(SASL_MECHANISMS)}, got {security.mechanism!r}"
+    if not security.username or not security.password:
+        return f"{security.protocol} needs a Kafka username and password"
+    return ""
+
+
+def security_from(protocol: str = "", mechanism: str = "", username: str = "", password: str = "") -> ClientSecurity:
+    """The security a node or a command was configured with: a username alone implies SASL
+    (SASL_PLAINTEXT, SCRAM-SHA-512) unless the protocol and mechanism say otherwise. Raises
+    ValueError for a combination that cannot work (`security_problem`)."""
+    protocol = protocol.strip().upper() or (SASL_PLAINTEXT if username else PLAINTEXT)
+    sasl = protocol.startswith("SASL_")
+    mechanism = mechanism.strip().upper() or (SCRAM_SHA_512 if sasl else "")
+    return ClientSecurity(protocol, mechanism, username, password)
+
+
+def read_password(path: str) -> str:
+    """A password file's content without its line end. ValueError if unreadable or empty: a
+    missing secret must stop the program, not make it log in with an empty password."""
+    try:
+        with open(path, encoding="utf-8") as file:
+            password = file.read().rstrip("\r\n")
+    except OSError as exc:
+        raise ValueError(f"Kafka password file {path}: {exc.strerror or exc}") from exc
+    if not password:
+        raise ValueError(f"Kafka password file {path} is empty")
+    return password
+
+
+def security_settings(security: ClientSecurity) -> dict[str, str]:
+    """librdkafka's settings for `security` (nothing for the plaintext default)."""
+    if security.protocol == PLAINTEXT:
+        return {}
+    settings = {"security.protocol": security.protocol.lower()}
+    if security.sasl:
+        settings.update({"sasl.mechanism": security.mechanism, "sasl.username": security.username,
+                         "sasl.password": security.password})
+    return settings
+
+
+def java_security_settings(security: ClientSecurity) -> dict[str, str]:
+    """The Java client's settings for `security` (Spark's Kafka source takes them prefixed with
+    `kafka.`). The password goes into a JAAS line, quoted: backslash and quote are escaped."""
+    if security.protocol == PLAINTEXT:
+        return {}
+    settings = {"security.protocol": security.protocol}
+    if security.sasl:
+        module = ("org.apache.kafka.common.security.plain.PlainLoginModule" if security.mechanism == "PLAIN"
+                  else "org.apache.kafka.common.security.scram.ScramLoginModule")
+        settings.update({"sasl.mechanism": security.mechanism,
+                         "sasl.jaas.config": f"{module} required username={_jaas_quote(security.username)} "
+                                             f"password={_jaas_quote(security.password)};"})
+    return settings
+
+
+def _jaas_quote(value: str) -> str:
+    return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def client_config(bootstrap_servers: str, security: ClientSecurity | None = None,
+                  **settings: Any) -> dict[str, Any]:
+    """The base of every librdkafka client of the WAL (producer, consumer, admin): the brokers
+    and the security settings, plus `settings` (dotted names as keyword arguments cannot be
+    written: pass them with `**{"client.id": ...}`)."""
+    config: dict[str, Any] = {"bootstrap.servers": bootstrap_servers}
+    config.update(security_settings(security or ClientSecurity()))
+    config.update(settings)
+    return config
+
+
+# ---- the clients ---------------------------------------------------------------------------------
+
+
+def shard_transactional_id_prefix(topic: str) -> str:
+    """What every shard's transactional id of `topic` starts with (the ACLs grant this prefix)."""
+    assert topic and topic.strip() == topic, f"topic must be non-empty and unpadded: {topic!r}"
+    return f"{topic}.shard-"
 
 
 def shard_transactional_id(topic: str, shard: int) -> str:
@@ -22,9 +156,8 @@ def shard_transactional_id(topic: str, shard: int) -> str:
     nothing else: two deployments that share a topic (under other cluster names, an explicit
     `--topic`) write the same partitions, so they must share the ids and fence each other, and
     one cluster's writers of two topics must not fence each other."""
-    assert topic and topic.strip() == topic, f"topic must be non-empty and unpadded: {topic!r}"
     assert shard >= 0, f"shard must be >= 0: {shard}"
-    return f"{topic}.shard-{shard}"
+    return f"{shard_transactional_id_prefix(topic)}{shard}"
 
 
 def producer_config(
@@ -32,10 +165,11 @@ def producer_config(
     transactional_id: str,
     transaction_timeout_ms: int,
     overrides: Mapping[str, Any] | None = None,
+    security: ClientSecurity | None = None,
 ) -> dict[str, Any]:
     """A transactional (hence idempotent, acks=all) producer for one shard."""
-    config: dict[str, Any] = {
-        "bootstrap.servers": bootstrap_servers,
+    config = client_config(bootstrap_servers, security)
+    config.update({
         "transactional.id": transactional_id,
         # The broker aborts a transaction left open longer than this (a stalled leader), which
         # also fences the stalled producer. Keep it above the worst batch time + a broker bounce.
@@ -45,13 +179,18 @@ def producer_config(
         # flush() sends at once; a short linger only helps produce() calls coalesce.
         "linger.ms": 2,
         "client.id": f"wal-writer-{transactional_id}",
-    }
+    })
     config.update(overrides or {})
     return config
 
 
+# The group id of every group-less reader: a random name under this prefix (`consumer_config`).
+READER_GROUP_PREFIX = "wal-reader-"
+
+
 def consumer_config(
-    bootstrap_servers: str, isolation_level: str, overrides: Mapping[str, Any] | None = None
+    bootstrap_servers: str, isolation_level: str, overrides: Mapping[str, Any] | None = None,
+    security: ClientSecurity | None = None,
 ) -> dict[str, Any]:
     """A group-less reader: partitions are assigned by hand, offsets are never committed.
 
@@ -61,10 +200,10 @@ def consumer_config(
     keeps librdkafka's default.
     """
     assert isolation_level in ("read_committed", "read_uncommitted"), isolation_level
-    config: dict[str, Any] = {
-        "bootstrap.servers": bootstrap_servers,
+    config = client_config(bootstrap_servers, security)
+    config.update({
         # librdkafka wants a group id even for assign(); it never joins or commits.
-        "group.id": f"wal-reader-{uuid.uuid4().hex[:12]}",
+        "group.id": f"{READER_GROUP_PREFIX}{uuid.uuid4().hex[:12]}",
         "enable.auto.commit": False,
         "enable.auto.offset.store": False,
         "isolation.level": isolation_level,
@@ -77,7 +216,7 @@ def consumer_config(
         # deliver a consumer error _AUTO_OFFSET_RESET, which the replayer raises as
         # wal.errors.OffsetOutOfRangeError for its caller to decide (rebuild, wait, re-seek).
         "auto.offset.reset": "error",
-    }
+    })
     config.update(overrides or {})
     return config
 
@@ -112,13 +251,15 @@ class PartitionEnds:
     assigned can stay stale for a long time after the leader dies).
     """
 
-    def __init__(self, bootstrap_servers: str, timeout_s: float) -> None:
+    def __init__(self, bootstrap_servers: str, timeout_s: float, security: ClientSecurity | None = None) -> None:
         self._timeout_s = timeout_s
         self._bootstrap_servers = bootstrap_servers
+        self._security = security
         self._admin = self._new_admin()
 
     def _new_admin(self) -> AdminClient:
-        return AdminClient({"bootstrap.servers": self._bootstrap_servers, "client.id": "wal-partition-ends"})
+        return AdminClient(client_config(self._bootstrap_servers, self._security,
+                                         **{"client.id": "wal-partition-ends"}))
 
     def high_watermark(self, topic: str, partition: int) -> int:
         return self._list_offset(topic, partition, OffsetSpec.latest(),  # type: ignore[no-untyped-call]

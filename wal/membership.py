@@ -36,6 +36,8 @@ from collections.abc import Callable, Iterable
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 from confluent_kafka.admin import AdminClient
 
+from wal.clients import ClientSecurity, client_config
+
 log = logging.getLogger(__name__)
 
 ADDRESS_SEPARATOR = "@"
@@ -81,14 +83,14 @@ def owners(members: Iterable[Member]) -> dict[int, Member]:
 
 
 def group_config(bootstrap_servers: str, group: str, member_id: str, address: str,
-                 session_timeout_ms: int) -> dict[str, object]:
+                 session_timeout_ms: int, security: ClientSecurity | None = None) -> dict[str, object]:
     # The remaining members learn of a rebalance (a node left or died) at their next heartbeat,
     # so this bounds part of every takeover. librdkafka sends heartbeats only when its main
     # thread wakes up (idle: about every 0.5 s, measured p50 0.48 s with 100 ms asked); the
     # member thread wakes it every POLL_INTERVAL_S, so 100 ms is what it gets.
     heartbeat_ms = max(50, min(100, session_timeout_ms // 5))
     return {
-        "bootstrap.servers": bootstrap_servers,
+        **client_config(bootstrap_servers, security),
         "group.id": group,
         "group.instance.id": member_id,
         "client.id": client_id(member_id, address),
@@ -118,11 +120,12 @@ class GroupMember:
     def __init__(self, *, bootstrap_servers: str, group: str, topic: str, member_id: str, address: str,
                  session_timeout_ms: int, on_assigned: Callable[[list[int]], None],
                  on_revoked: Callable[[list[int], bool], None],
-                 on_rebalanced: Callable[[], None] | None = None) -> None:
+                 on_rebalanced: Callable[[], None] | None = None, security: ClientSecurity | None = None) -> None:
         self.group = group
         self.topic = topic
         self.member_id = member_id
-        self._config = group_config(bootstrap_servers, group, member_id, address, session_timeout_ms)
+        self._config = group_config(bootstrap_servers, group, member_id, address, session_timeout_ms, security)
+        self._security = security
         self._config["error_cb"] = self._on_error
         self._fatal: KafkaError | None = None
         self._rejoin = threading.Event()
@@ -181,8 +184,8 @@ class GroupMember:
     def describe(self, timeout_s: float) -> list[Member]:
         """The group as its coordinator sees it now. Raises KafkaException."""
         if self._admin is None:
-            self._admin = AdminClient({"bootstrap.servers": self._bootstrap_servers,
-                                       "client.id": f"{self.member_id}-describe"})
+            self._admin = AdminClient(client_config(self._bootstrap_servers, self._security,
+                                                    **{"client.id": f"{self.member_id}-describe"}))
         try:
             futures = self._admin.describe_consumer_groups([self.group], request_timeout=timeout_s)
             description = futures[self.group].result(timeout=timeout_s + 1)

@@ -77,6 +77,7 @@ class Replayer:
         poll_timeout_s: float = 0.5,
         call_timeout_s: float = 10.0,
         max_poll_records: int = 5_000,
+        security: clients.ClientSecurity | None = None,
     ) -> None:
         assert start_offset >= 0, f"start offset must be >= 0: {start_offset}"
         assert max_poll_records > 0
@@ -88,8 +89,9 @@ class Replayer:
         self._call_timeout_s = call_timeout_s
         self._max_poll_records = max_poll_records
         self._bootstrap = bootstrap_servers
+        self._security = security
         self._ends: clients.PartitionEnds | None = None
-        self._consumer = Consumer(clients.consumer_config(bootstrap_servers, "read_committed", REPLAY_FETCH))
+        self._consumer = Consumer(clients.consumer_config(bootstrap_servers, "read_committed", REPLAY_FETCH, security))
         self._consumer.assign([TopicPartition(topic, partition, start_offset)])
         # The consumer's position is only ours once a message was consumed since the last
         # seek: librdkafka seeks asynchronously, so just after seek() it may still report the
@@ -343,7 +345,7 @@ class Replayer:
 
     def _partition_ends(self) -> clients.PartitionEnds:
         if self._ends is None:
-            self._ends = clients.PartitionEnds(self._bootstrap, self._call_timeout_s)
+            self._ends = clients.PartitionEnds(self._bootstrap, self._call_timeout_s, self._security)
         return self._ends
 
     def _watermark(self, *, stable: bool) -> int:

@@ -20,6 +20,7 @@ import time
 from confluent_kafka import KafkaError, KafkaException, TopicPartition
 from confluent_kafka.admin import AdminClient, AlterConfigOpType, ConfigEntry, ConfigResource, NewTopic, ResourceType
 
+from wal.clients import ClientSecurity, client_config
 from wal.errors import UnavailableError, WalError
 
 log = logging.getLogger(__name__)
@@ -54,7 +55,7 @@ def wal_topic_config(replication_factor: int) -> dict[str, str]:
 
 
 def ensure_wal_topic(bootstrap_servers: str, topic: str, partitions: int, replication_factor: int | None = None,
-                     timeout_s: float = 30.0, *, _raced: int = 0) -> bool:
+                     timeout_s: float = 30.0, *, security: ClientSecurity | None = None, _raced: int = 0) -> bool:
     """Create the WAL topic with one partition per shard, or check the existing one.
 
     Returns True if it was created here. `replication_factor` defaults to the number of
@@ -62,7 +63,7 @@ def ensure_wal_topic(bootstrap_servers: str, topic: str, partitions: int, replic
     UnavailableError when the brokers cannot be asked or refuse.
     """
     assert partitions >= 1, f"a WAL needs at least one partition, got {partitions}"
-    admin = AdminClient({"bootstrap.servers": bootstrap_servers, "client.id": "wal-topic"})
+    admin = AdminClient(client_config(bootstrap_servers, security, **{"client.id": "wal-topic"}))
     try:
         meta = admin.list_topics(timeout=timeout_s)
         existing = meta.topics.get(topic)
@@ -91,7 +92,7 @@ def ensure_wal_topic(bootstrap_servers: str, topic: str, partitions: int, replic
                     raise
                 time.sleep(RACE_BACKOFF_S)
                 return ensure_wal_topic(bootstrap_servers, topic, partitions, replication_factor, timeout_s,
-                                        _raced=_raced + 1)
+                                        security=security, _raced=_raced + 1)
         log.info("created WAL topic %s (%d partitions, replication factor %d, min.insync.replicas %d, "
                  "retention unlimited)", topic, partitions, rf, min_insync_replicas(rf))
         return True
@@ -115,10 +116,11 @@ def _keep_everything(admin: AdminClient, topic: str, timeout_s: float) -> None:
         future.result(timeout_s)
 
 
-def partition_count(bootstrap_servers: str, topic: str, timeout_s: float = 30.0) -> int:
+def partition_count(bootstrap_servers: str, topic: str, timeout_s: float = 30.0, *,
+                    security: ClientSecurity | None = None) -> int:
     """How many partitions (shards) the WAL topic has. Raises UnavailableError if it does not
     exist or the brokers cannot be asked."""
-    admin = AdminClient({"bootstrap.servers": bootstrap_servers, "client.id": "wal-topic"})
+    admin = AdminClient(client_config(bootstrap_servers, security, **{"client.id": "wal-topic"}))
     try:
         meta = admin.list_topics(topic=topic, timeout=timeout_s)
     except KafkaException as exc:
@@ -131,7 +133,7 @@ def partition_count(bootstrap_servers: str, topic: str, timeout_s: float = 30.0)
 
 
 def delete_below(bootstrap_servers: str, topic: str, offsets: dict[int, int],
-                 timeout_s: float = 30.0) -> dict[int, int]:
+                 timeout_s: float = 30.0, *, security: ClientSecurity | None = None) -> dict[int, int]:
     """Delete every record below `offsets[partition]` (Kafka DeleteRecords; KIP-107) and return
     each partition's new log start. The only way records leave the WAL (retention is off): the
     caller decides what is safe to drop (`kvstore wal truncate`: below a snapshot's cut).
@@ -141,7 +143,7 @@ def delete_below(bootstrap_servers: str, topic: str, offsets: dict[int, int],
     others may have been truncated by then (each is independent and idempotent: run it again).
     """
     assert offsets and all(o >= 0 for o in offsets.values()), f"bad truncation offsets {offsets}"
-    admin = AdminClient({"bootstrap.servers": bootstrap_servers, "client.id": "wal-truncate"})
+    admin = AdminClient(client_config(bootstrap_servers, security, **{"client.id": "wal-truncate"}))
     futures = admin.delete_records([TopicPartition(topic, p, o) for p, o in sorted(offsets.items())],
                                    request_timeout=timeout_s, operation_timeout=timeout_s)
     out: dict[int, int] = {}

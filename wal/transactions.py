@@ -16,7 +16,7 @@ import time
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 
-from wal.clients import PartitionEnds, consumer_config
+from wal.clients import ClientSecurity, PartitionEnds, consumer_config
 from wal.record import WriterIdentity
 from wal.writer import ShardWriter, WriterConfig
 
@@ -35,19 +35,20 @@ class OpenTransaction:
 
 
 def open_transaction(ends: PartitionEnds, bootstrap_servers: str, topic: str, partition: int,
-                     timeout_s: float) -> OpenTransaction | None:
+                     timeout_s: float, security: ClientSecurity | None = None) -> OpenTransaction | None:
     """The partition's oldest open transaction, or None if LSO == HW. Raises KafkaException."""
     stable = ends.stable_offset(topic, partition)
     high = ends.high_watermark(topic, partition)
     if stable >= high:
         return None
     return OpenTransaction(partition, stable, high, _timestamp_at(bootstrap_servers, topic, partition, stable,
-                                                                  timeout_s))
+                                                                  timeout_s, security))
 
 
-def _timestamp_at(bootstrap_servers: str, topic: str, partition: int, offset: int, timeout_s: float) -> int:
+def _timestamp_at(bootstrap_servers: str, topic: str, partition: int, offset: int, timeout_s: float,
+                  security: ClientSecurity | None) -> int:
     """Broker timestamp of the record at `offset`, read uncommitted; 0 if it cannot be read."""
-    consumer = Consumer(consumer_config(bootstrap_servers, "read_uncommitted"))
+    consumer = Consumer(consumer_config(bootstrap_servers, "read_uncommitted", security=security))
     try:
         consumer.assign([TopicPartition(topic, partition, offset)])
         deadline = time.monotonic() + timeout_s

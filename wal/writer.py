@@ -83,6 +83,9 @@ class WriterConfig:
     # 20 ms; with 1-2 ms of pause, 2-7%. A group-committing caller loses nothing: its next batch
     # keeps filling meanwhile.
     commit_gap_ms: float = 2.0
+    # Who the producer is to the brokers (SASL credentials of the store's principal, whose ACLs
+    # allow this shard's transactional id); the plaintext default needs none.
+    security: clients.ClientSecurity = dataclasses.field(default_factory=clients.ClientSecurity)
 
 
 class ShardWriter:
@@ -309,7 +312,8 @@ class ShardWriter:
 
     def _new_producer(self) -> Producer:
         return Producer(clients.producer_config(self.config.bootstrap_servers, self.config.transactional_id,
-                                                self.config.transaction_timeout_ms, self.config.producer_overrides))
+                                                self.config.transaction_timeout_ms, self.config.producer_overrides,
+                                                self.config.security))
 
     def _live_producer(self) -> Producer:
         assert self._producer is not None, "no producer: the guard must init first"
@@ -317,7 +321,8 @@ class ShardWriter:
 
     def _partition_ends(self) -> clients.PartitionEnds:
         if self._ends is None:
-            self._ends = clients.PartitionEnds(self.config.bootstrap_servers, self.config.call_timeout_s)
+            self._ends = clients.PartitionEnds(self.config.bootstrap_servers, self.config.call_timeout_s,
+                                               self.config.security)
         return self._ends
 
     def _close_producer(self) -> None:

@@ -3,7 +3,8 @@
     kvstore [--endpoints A,B] [--timeout S] [--output table|json] COMMAND ...
 
     get KEY [--consistency linearizable|leader-local|stale] [--min-revision REV]
-    put KEY VALUE [--request-id ID [--first-attempt-unix-ms MS]]
+    put KEY [VALUE | - | --value-file PATH] [--request-id ID [--first-attempt-unix-ms MS]]
+                             (no VALUE or `-`: the value is read from standard input)
     del KEY [--request-id ID [--first-attempt-unix-ms MS]]
     txn [--if COND]... [--then OP]... [--else OP]... [--request-id ID [--first-attempt-unix-ms MS]]
     scan [--prefix P | --start S [--end E]] [--limit N] [--keys-only] [--consistency C]
@@ -13,7 +14,10 @@
     serve ARGS...            (runs kvstore.server.app.main(ARGS))
 
 The common options are accepted before or after the command. `--endpoints` defaults to
-$KVSTORE_ENDPOINTS, else 127.0.0.1:50051.
+$KVSTORE_ENDPOINTS, else 127.0.0.1:50051. A secure cluster (README "Security"): `--ca FILE`
+(the CA of the nodes' certificates), `--token-file FILE` or `--token T` (a bearer token), `--cert
+FILE --key FILE` (a client certificate: mutual TLS), each defaulting to $KVSTORE_CA,
+$KVSTORE_TOKEN_FILE, $KVSTORE_TOKEN, $KVSTORE_CERT, $KVSTORE_KEY; any of them turns TLS on.
 
 Txn syntax: see `TXN_SYNTAX` below (also `kvstore txn --help`).
 
@@ -45,11 +49,13 @@ import shlex
 import sys
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, BinaryIO, TextIO
 
+from kvstore import limits
 from kvstore.client import (
     CONSISTENCIES,
     Client,
+    ClientSecurity,
     Compare,
     CompareOp,
     Consistency,
@@ -73,7 +79,7 @@ DEFAULT_ENDPOINT = "127.0.0.1:50051"
 ENDPOINTS_ENV = "KVSTORE_ENDPOINTS"
 DEV_DATA_DIR_ENV = "KVSTORE_DEV_DATA_DIR"
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
-_GLOBAL_VALUE_OPTIONS = ("--endpoints", "--timeout", "--output")
+_GLOBAL_VALUE_OPTIONS = ("--endpoints", "--timeout", "--output", "--ca", "--cert", "--key", "--token", "--token-file")
 
 TXN_SYNTAX = """\
 Txn syntax (one `--if` per compare, one `--then`/`--else` per operation; all must hold):
@@ -497,17 +503,39 @@ def _add_common(parser: argparse.ArgumentParser, defaults: bool) -> None:
                         help="deadline of each request, retries included (default: 5)")
     parser.add_argument("--output", "-o", choices=("table", "json"), default=default("table"),
                         help="table for people, json for scripts: one object per line (default: table)")
+    # Security (README "Security"): None = the KVSTORE_* variable; any of them turns TLS on.
+    parser.add_argument("--ca", dest="tls_ca", default=default(None), metavar="FILE",
+                        help="CA certificate (PEM) of the nodes: TLS (default: $KVSTORE_CA)")
+    parser.add_argument("--cert", dest="tls_cert", default=default(None), metavar="FILE",
+                        help="client certificate (PEM) for mutual TLS; its role is in it (default: $KVSTORE_CERT)")
+    parser.add_argument("--key", dest="tls_key", default=default(None), metavar="FILE",
+                        help="the client certificate's key (default: $KVSTORE_KEY)")
+    parser.add_argument("--token", default=default(None),
+                        help="bearer token, sent over TLS only (default: $KVSTORE_TOKEN; visible to `ps`: prefer "
+                             "--token-file)")
+    parser.add_argument("--token-file", default=default(None), metavar="FILE",
+                        help="file holding the bearer token (default: $KVSTORE_TOKEN_FILE)")
+
+
+class _Parser(argparse.ArgumentParser):
+    """No abbreviated options, in this parser and every subcommand's (they are built with its
+    class): a prefix can become ambiguous, or worse mean another option, as soon as an option is
+    added (`changes --to` read as `--token` once the TLS options came)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="kvstore", description="Client for the kvstore sharded key-value store.",
         epilog="Txn syntax: `kvstore txn --help`. With --output json every result is one JSON object per line; "
         "bytes that are not UTF-8 are base64 with a <field>_base64 flag. Exit status: 0 ok, 2 invalid arguments, "
         "1 other errors.",
     )
     _add_common(parser, defaults=True)
-    common = argparse.ArgumentParser(add_help=False)
+    common = _Parser(add_help=False)
     _add_common(common, defaults=False)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
@@ -528,9 +556,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--min-revision", type=_non_negative_int, default=None, metavar="REV",
                    help="with --consistency stale: wait until the node applied this revision")
 
-    p = sub.add_parser("put", parents=[common], help="write one key")
+    p = sub.add_parser("put", parents=[common], help="write one key",
+                       description="Write one key. The value is the argument; `-` or no argument reads it "
+                                   "from standard input, --value-file from a file (any bytes, up to "
+                                   f"MAX_VALUE_BYTES = {limits.MAX_VALUE_BYTES}).")
     p.add_argument("key")
-    p.add_argument("value")
+    p.add_argument("value", nargs="?", help="the value; `-` or omitted: read it from standard input")
+    p.add_argument("--value-file", metavar="PATH", help="read the value from this file (bytes, as they are)")
     idempotency(p)
 
     p = sub.add_parser("del", aliases=["delete"], parents=[common], help="delete one key")
@@ -621,6 +653,33 @@ def serve_argv(argv: Sequence[str]) -> list[str] | None:
     return None
 
 
+def put_value(value: str | None, value_file: str | None, stdin: BinaryIO) -> str | bytes:
+    """The value of `kvstore put`: the argument, else standard input (no argument or `-`), else
+    --value-file. Reads at most one byte past MAX_VALUE_BYTES, so a huge input is refused at once
+    with the limit's name instead of being loaded (or sent) whole."""
+    if value_file is not None and value not in (None, "-"):
+        raise InvalidArgument("give the value either as an argument or with --value-file, not both")
+    if value_file is None and value not in (None, "-"):
+        assert value is not None
+        return value
+    limit = limits.MAX_VALUE_BYTES
+    if value_file is not None:
+        try:
+            with open(value_file, "rb") as source:
+                data = source.read(limit + 1)
+        except OSError as exc:
+            raise InvalidArgument(f"--value-file {value_file}: {exc.strerror or exc}") from exc
+        where = value_file
+    else:
+        if stdin.isatty():
+            print("kvstore: reading the value from standard input (end it with Ctrl-D)", file=sys.stderr)
+        data = stdin.read(limit + 1)
+        where = "standard input"
+    if len(data) > limit:
+        raise InvalidArgument(f"the value from {where} has more than {limit} bytes; limit MAX_VALUE_BYTES is {limit}")
+    return data
+
+
 def parse_endpoints(text: str) -> list[str]:
     endpoints = [e.strip() for e in text.split(",") if e.strip()]
     if not endpoints:
@@ -632,9 +691,22 @@ def parse_endpoints(text: str) -> list[str]:
 # Commands
 
 
-def make_client(endpoints: Sequence[str], timeout_s: float) -> Client:
+def make_client(endpoints: Sequence[str], timeout_s: float, security: ClientSecurity | None = None) -> Client:
     """The client factory (a seam: tests swap it for a fake)."""
-    return Client(endpoints, timeout_s=timeout_s)
+    return Client(endpoints, timeout_s=timeout_s, security=security)
+
+
+def security_of(args: argparse.Namespace) -> ClientSecurity:
+    """TLS and credentials: the flags over the KVSTORE_* environment."""
+    return ClientSecurity.from_env(ca=getattr(args, "tls_ca", None), cert=getattr(args, "tls_cert", None),
+                                   key=getattr(args, "tls_key", None), token=getattr(args, "token", None),
+                                   token_file=getattr(args, "token_file", None))
+
+
+def _export_security(args: argparse.Namespace) -> None:
+    """The flags as KVSTORE_* variables, for commands whose code opens its own connections from
+    the environment (the demo's clients, the pipeline's Spark executors)."""
+    os.environ.update(security_of(args).environ())
 
 
 def _run(args: argparse.Namespace, printer: Printer) -> int:
@@ -655,12 +727,14 @@ def _run(args: argparse.Namespace, printer: Printer) -> int:
         raise InvalidArgument("scan takes either --prefix or --start/--end, not both")
     if command == "watch" and bool(args.key) == bool(args.prefix):
         raise InvalidArgument("watch takes exactly one of KEY or --prefix")
+    if command == "put":  # read before connecting: a value that is too large needs no cluster
+        value = put_value(args.value, args.value_file, sys.stdin.buffer)
     endpoints = parse_endpoints(args.endpoints)
-    with make_client(endpoints, args.timeout) as client:
+    with make_client(endpoints, args.timeout, security=security_of(args)) as client:
         if command == "get":
             printer.get(client.get(args.key, _consistency(args.consistency), args.min_revision))
         elif command == "put":
-            printer.put(client.put(args.key, args.value, args.request_id,
+            printer.put(client.put(args.key, value, args.request_id,
                                    first_attempt_unix_ms=args.first_attempt_unix_ms))
         elif command in ("del", "delete"):
             printer.delete(client.delete(args.key, args.request_id, first_attempt_unix_ms=args.first_attempt_unix_ms))
@@ -683,6 +757,7 @@ def _run(args: argparse.Namespace, printer: Printer) -> int:
 
 
 def _demo(args: argparse.Namespace, printer: Printer) -> int:
+    _export_security(args)
     try:
         from kvstore.dev import demo  # the demo's threads and checks are not needed by other commands
         from kvstore.dev.children import dev_cluster_kill
@@ -711,6 +786,7 @@ def _pipeline(args: argparse.Namespace, printer: Printer) -> int:
     from kvstore.pipeline import commands
     from kvstore.pipeline.errors import PipelineError
 
+    _export_security(args)
     try:
         return commands.run(args, printer)
     except PipelineError as exc:
@@ -863,7 +939,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 _ERROR_NAMES: dict[str, str] = {
     "NotLeader": "not leader", "Unavailable": "unavailable", "UnknownOutcome": "outcome unknown",
     "Overloaded": "overloaded", "DeadlineExceeded": "deadline exceeded", "Cancelled": "cancelled",
-    "RequestExpired": "request id expired, outcome unknown",
+    "RequestExpired": "request id expired, outcome unknown", "Unauthenticated": "unauthenticated",
+    "PermissionDenied": "permission denied",
 }
 
 

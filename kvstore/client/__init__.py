@@ -3,7 +3,7 @@
 What it adds on top of the generated stubs, and why:
 
 * **Routing.** Writes and linearizable reads must reach the leader of the key's shard
-  (DESIGN.md §5). The client caches the shard map (`Cluster.ShardMap`) and sends each
+  (DESIGN.md §5). The client caches the shard map (`ClusterService.ShardMap`) and sends each
   single-key request to `shard_of(key, shard_count)`'s leader; a node that is not the leader
   answers FAILED_PRECONDITION with `kvstore-leader-hint` and the client goes there and refreshes
   the map. Stale reads, scans and prefix watches may be served by any node.
@@ -27,7 +27,8 @@ What it adds on top of the generated stubs, and why:
   - `RequestExpired`: the store refused a retry whose id is older than its horizon; this retry
     did nothing, the original attempt's outcome is unknown and cannot be learnt from the store;
   - any other `KvError` is definite, nothing of the write committed: every attempt was refused
-    with the `none` tag (or gRPC refused to send it: "Sent message larger than max"), or none was
+    with outcome `none` (ErrorInfo, or the `kvstore-outcome` trailer of an older server), the
+    client refused the request itself before sending it (above MAX_REQUEST_BYTES), or none was
     sent before the deadline (`DeadlineExceeded`).
 
   After a definite refusal the client goes to the hinted leader (not-leader), to another node
@@ -45,10 +46,15 @@ What it adds on top of the generated stubs, and why:
   reads one shard and takes one `min_revision`; a scan spans shards and takes `min_revisions`
   (shard -> revision, e.g. `revisions_of(...)` of the caller's writes).
 * **Watches that are registered when they return** (the server's `created` event; `watch`).
+* **TLS and credentials** (`ClientSecurity`: the CA, a client certificate, a bearer token; by
+  default from KVSTORE_CA, KVSTORE_CERT, KVSTORE_KEY, KVSTORE_TOKEN, KVSTORE_TOKEN_FILE). A node
+  that refuses them answers UNAUTHENTICATED or PERMISSION_DENIED (`Unauthenticated`,
+  `PermissionDenied`: definite, never retried).
 
 The package, by concept: `errors` (the hierarchy and the status mapping), `requests` (building
 and checking what is sent: bytes, compares, ops, request ids), `results` (what comes back),
-`retry` (the pure retry policy), `transport` (channels, routing, one attempt), `client`
+`retry` (the pure retry policy), `transport` (channels, routing, one attempt), `security` (TLS
+and credentials), `client`
 (`Client`: the calls and the retry loops, `write_batch` included), `batching` (`BatchingWriter`:
 single writes from many threads sent as batches), `watch` (`Watch`). Everything public is re-exported
 here: `from kvstore.client import Client, KvError, ...`. Only gRPC and protobuf are needed (the
@@ -68,7 +74,9 @@ from kvstore.client.errors import (
     KvError,
     NotLeader,
     Overloaded,
+    PermissionDenied,
     RequestExpired,
+    Unauthenticated,
     Unavailable,
     UnknownOutcome,
     error_from_rpc,
@@ -113,6 +121,7 @@ from kvstore.client.retry import (
     backoff_delay,
     retry_action,
 )
+from kvstore.client.security import ClientSecurity
 from kvstore.client.transport import DEFAULT_MAX_CHANNELS, MAX_ENDPOINTS
 from kvstore.client.watch import Watch
 
@@ -130,6 +139,7 @@ __all__ = [
     "BytesLike",
     "Cancelled",
     "Client",
+    "ClientSecurity",
     "Compare",
     "CompareOp",
     "Consistency",
@@ -145,6 +155,7 @@ __all__ = [
     "NotLeader",
     "Op",
     "Overloaded",
+    "PermissionDenied",
     "PutResult",
     "ReadHeader",
     "RequestExpired",
@@ -156,6 +167,7 @@ __all__ = [
     "TransactionInfo",
     "TxnOpResult",
     "TxnResult",
+    "Unauthenticated",
     "Unavailable",
     "UnknownOutcome",
     "Watch",

@@ -61,8 +61,10 @@ from kvstore.client.retry import (
     keep_unknown,
     retry_action,
 )
-from kvstore.client.transport import DEFAULT_MAX_CHANNELS, Channels, Conn, Router, invoke
+from kvstore.client.security import ClientSecurity
+from kvstore.client.transport import DEFAULT_MAX_CHANNELS, ROUTED, Channels, Conn, Router, invoke
 from kvstore.client.watch import Watch
+from kvstore.limits import MAX_REQUEST_BYTES
 from kvstore.v1 import cluster_pb2, kv_pb2
 
 # One endpoint may be black-holed; fetching the map from it must not eat the whole deadline
@@ -87,6 +89,10 @@ class Client:
     attempt may have committed (retry later with its `request_id` and `first_attempt_unix_ms`),
     `RequestExpired` when the store refused such a retry as too old (outcome unknown for good),
     and any other `KvError` only when nothing of the write committed (see `kvstore.client`).
+
+    `security`: TLS, a client certificate and/or a bearer token (`ClientSecurity`); None reads
+    them from KVSTORE_CA, KVSTORE_CERT, KVSTORE_KEY, KVSTORE_TOKEN, KVSTORE_TOKEN_FILE (none set:
+    plaintext); `ClientSecurity()` is plaintext whatever the environment says.
     """
 
     def __init__(
@@ -99,6 +105,7 @@ class Client:
         max_backoff_s: float = DEFAULT_MAX_BACKOFF_S,
         max_channels: int = DEFAULT_MAX_CHANNELS,
         attempt_timeout_s: float = DEFAULT_ATTEMPT_TIMEOUT_S,
+        security: ClientSecurity | None = None,
     ) -> None:
         if isinstance(endpoints, str):  # a str is a Sequence[str] of characters: accept "a:1,b:2"
             endpoints = endpoints.split(",")
@@ -115,7 +122,8 @@ class Client:
             raise InvalidArgument(f"attempt_timeout_s must be > 0: {attempt_timeout_s}")
         self._attempt_timeout_s = attempt_timeout_s
         self._router = Router(seeds)
-        self._channels = Channels(max_channels)
+        self._security = security if security is not None else ClientSecurity.from_env()
+        self._channels = Channels(max_channels, self._security.credentials())
         # Seams for tests: no real sleeping, deterministic jitter.
         self._sleep: Callable[[float], None] = time.sleep
         self._rng = random.Random()
@@ -503,7 +511,8 @@ class Client:
                 return [self._invoke(target, method, request, timeout)]
             except grpc.RpcError as exc:
                 return [exc]
-        futures = [getattr(self._conn(target).kv, method).future(request, timeout=timeout) for target, request in calls]
+        futures = [getattr(self._conn(target).kv, method).future(request, timeout=timeout, metadata=ROUTED)
+                   for target, request in calls]
         out: list[Message | grpc.RpcError] = []
         for future in futures:
             try:
@@ -618,8 +627,10 @@ class Client:
                                                target=target, request_id=pending[shard].request_id)
         return errors
 
-    def _sleep_backoff(self, attempt: int, deadline: float) -> None:
+    def _sleep_backoff(self, attempt: int, deadline: float, error: KvError | None = None) -> None:
         delay = backoff_delay(attempt, self._backoff_s, self._max_backoff_s, self._rng)
+        if error is not None and error.retry_delay_s is not None:  # the server's RetryInfo, within our cap
+            delay = max(delay, min(error.retry_delay_s, self._max_backoff_s))
         delay = min(delay, max(0.0, deadline - time.monotonic()))
         if delay > 0:
             self._sleep(delay)
@@ -649,6 +660,9 @@ class Client:
         `write`: a Put, Delete or Txn, whose errors are classified for W7 (module docstring);
         an error it raises carries `request_id` and `first_attempt_unix_ms` to retry with."""
         try:
+            size = request.ByteSize()
+            if size > MAX_REQUEST_BYTES:  # refused here, never sent: definite
+                raise InvalidArgument(f"request has {size} bytes; limit MAX_REQUEST_BYTES is {MAX_REQUEST_BYTES}")
             return self._attempts(method, request, response_type, key=key, timeout_s=timeout_s, deadline=deadline,
                                   request_id=request_id, write=write)
         except KvError as error:
@@ -724,7 +738,7 @@ class Client:
                 self._rotate(target)
                 hint = None
             # BACKOFF: keep the target (and any hint).
-            self._sleep_backoff(attempt, deadline)
+            self._sleep_backoff(attempt, deadline, error)
         if last is not None and deadline - time.monotonic() <= 0:
             if write and unknown is not None:
                 # W7: the deadline ends the retries, not the uncertainty of the unknown attempt.

@@ -1,20 +1,29 @@
 """The client's errors: one hierarchy (`KvError`) and its one mapping from a gRPC status.
 
 Callers never see `grpc.RpcError`: every failure is a `KvError` subclass that says what the
-caller may do next. The mapping reads the `kvstore-*` trailing metadata the server attaches
-(`kvstore.errors`, the server's single definition of the contract); for a write, only an error
-the server marked as definite ("nothing was queued") is a failure, anything else is an unknown
-outcome (DESIGN.md §3, W7). Pure: no I/O, table-tested.
+caller may do next. The mapping reads the rich status the server attaches (a google.rpc.Status in
+`grpc-status-details-bin`: ErrorInfo's reason and metadata, RetryInfo, BadRequest; see
+`kvstore.errors`, the server's single definition of the contract), and falls back to the
+`kvstore-*` trailers of older servers. For a write, only an error the server marked as definite
+(outcome "none": nothing was queued) is a failure, anything else is an unknown outcome
+(DESIGN.md §3, W7). Nothing here matches gRPC's English texts. Pure: no I/O, table-tested.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 import grpc
+from google.protobuf.message import DecodeError
+from google.rpc import error_details_pb2, status_pb2
 
 from kvstore.errors import (
+    DOMAIN,
+    INFO_LEADER,
+    INFO_OUTCOME,
+    INFO_SHARD,
     LEADER_HINT_KEY,
     OUTCOME_KEY,
     OUTCOME_NONE,
@@ -22,7 +31,52 @@ from kvstore.errors import (
     REASON_KEY,
     REASON_REQUEST_ID_EXPIRED,
     SHARD_KEY,
+    STATUS_DETAILS_KEY,
+    Reason,
 )
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ErrorDetails:
+    """What a google.rpc.Status in the trailers says, as far as the client uses it: the store's
+    ErrorInfo (domain "kvstore"), RetryInfo and BadRequest. Empty when the server sent none (an
+    older server, a proxy, gRPC's own errors)."""
+
+    reason: str = ""
+    info: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    retry_delay_s: float | None = None
+    violations: tuple[tuple[str, str], ...] = ()
+
+    @staticmethod
+    def parse(raw: bytes | None) -> ErrorDetails:
+        """The details of a serialized google.rpc.Status; empty if it is absent or malformed
+        (a client must not fail on a status it cannot read)."""
+        if not raw:
+            return NO_DETAILS
+        try:
+            status = status_pb2.Status.FromString(raw)
+        except DecodeError:
+            return NO_DETAILS
+        reason, info, delay = "", {}, None
+        violations: list[tuple[str, str]] = []
+        for item in status.details:
+            if item.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
+                error_info = error_details_pb2.ErrorInfo()
+                item.Unpack(error_info)
+                if error_info.domain == DOMAIN:
+                    reason, info = error_info.reason, dict(error_info.metadata)
+            elif item.Is(error_details_pb2.RetryInfo.DESCRIPTOR):
+                retry = error_details_pb2.RetryInfo()
+                item.Unpack(retry)
+                delay = max(0.0, retry.retry_delay.ToMilliseconds() / 1000)
+            elif item.Is(error_details_pb2.BadRequest.DESCRIPTOR):
+                bad = error_details_pb2.BadRequest()
+                item.Unpack(bad)
+                violations.extend((v.field, v.description) for v in bad.field_violations)
+        return ErrorDetails(reason, info, delay, tuple(violations))
+
+
+NO_DETAILS = ErrorDetails()
 
 
 class KvError(Exception):
@@ -44,11 +98,13 @@ class KvError(Exception):
         request_id: str | None = None,
         attempts: int = 1,
         first_attempt_unix_ms: int | None = None,
+        details: ErrorDetails = NO_DETAILS,
     ) -> None:
         super().__init__(message)
         self.message = message
         self.code = code
         self.metadata: Mapping[str, str] = dict(metadata or {})
+        self.details = details
         self.target = target
         self.request_id = request_id
         self.attempts = attempts
@@ -57,6 +113,22 @@ class KvError(Exception):
     def __str__(self) -> str:
         suffix = f" (after {self.attempts} attempts)" if self.attempts > 1 else ""
         return f"{self.message}{suffix}"
+
+    @property
+    def reason(self) -> str:
+        """The server's ErrorInfo reason (`kvstore.errors.Reason`: NOT_LEADER, QUEUE_FULL,
+        LIMIT_EXCEEDED, ...); "" when the server gave none."""
+        return self.details.reason
+
+    @property
+    def retry_delay_s(self) -> float | None:
+        """How long the server asked to wait before retrying (RetryInfo); None if it did not say."""
+        return self.details.retry_delay_s
+
+    @property
+    def field_violations(self) -> tuple[tuple[str, str], ...]:
+        """(field, what is wrong) for a malformed request (BadRequest)."""
+        return self.details.violations
 
 
 class BatchIncomplete(KvError):
@@ -90,11 +162,11 @@ class NotLeader(KvError):
 
     @property
     def leader_hint(self) -> str | None:
-        return self.metadata.get(LEADER_HINT_KEY) or None
+        return self.details.info.get(INFO_LEADER) or self.metadata.get(LEADER_HINT_KEY) or None
 
     @property
     def shard(self) -> int | None:
-        raw = self.metadata.get(SHARD_KEY)
+        raw = self.details.info.get(INFO_SHARD) or self.metadata.get(SHARD_KEY)
         return int(raw) if raw and raw.isdigit() else None
 
 
@@ -129,32 +201,49 @@ class Cancelled(KvError):
     """The call was cancelled (e.g. the client was closed under it)."""
 
 
+class Unauthenticated(KvError):
+    """The node did not accept the caller's credentials (none, or a token or certificate it does
+    not know); nothing was done. Never retried: the same credentials fail again."""
+
+
+class PermissionDenied(KvError):
+    """The caller is known but its role does not allow the call (e.g. a `read` token writing);
+    nothing was done. Never retried."""
+
+
 def metadata_dict(raw: Iterable[Any] | None) -> dict[str, str]:
-    """gRPC metadata (pairs, values str or bytes) as one dict with lower-case keys, so that the
-    mapping below reads `kvstore-*` keys the same whatever the runtime handed over."""
+    """gRPC text metadata (pairs, values str or bytes) as one dict with lower-case keys, so that
+    the mapping below reads `kvstore-*` keys the same whatever the runtime handed over. Binary
+    entries (`-bin`) are left out: `details_of` reads the one the client uses."""
     out: dict[str, str] = {}
     for item in raw or ():
-        key, value = item[0], item[1]
-        out[str(key).lower()] = value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
+        key, value = str(item[0]).lower(), item[1]
+        if key.endswith("-bin"):
+            continue
+        out[key] = value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
     return out
 
 
-def write_attempt_is_definite(code: grpc.StatusCode, details: str, metadata: Mapping[str, str]) -> bool:
+def details_of(raw: Iterable[Any] | None) -> ErrorDetails:
+    """The rich status (`grpc-status-details-bin`) among trailing metadata, parsed."""
+    for item in raw or ():
+        if str(item[0]).lower() == STATUS_DETAILS_KEY and isinstance(item[1], bytes):
+            return ErrorDetails.parse(item[1])
+    return NO_DETAILS
+
+
+def write_attempt_is_definite(metadata: Mapping[str, str], details: ErrorDetails = NO_DETAILS) -> bool:
     """Whether a failed attempt of a write certainly committed nothing (DESIGN.md §3, W7).
 
-    Only the server knows, and it says so with `kvstore-outcome: none`. Anything else (a dropped
-    connection, a cancellation, a deadline, a proxy's or the runtime's error) may have happened
-    after the server queued the write. The one exception is gRPC refusing a message for its
-    size before any handler ran: the client's "Sent message larger than max" (it never left)
-    and the server runtime's "SERVER: Received message larger than max". A response too large
-    for the client ("CLIENT: Received ...", or an unprefixed "Received ..." from an older
-    runtime that does not say which side) came after the handler ran: not definite.
+    Only the server knows, and it says so: ErrorInfo's outcome "none" (or the `kvstore-outcome:
+    none` trailer of an older server). Anything else (a dropped connection, a cancellation, a
+    deadline, a proxy's or the runtime's error, a message gRPC refused for its size) may have
+    happened after the server queued the write. The client refuses a request above
+    MAX_REQUEST_BYTES itself, before sending anything (`Client`), so no size error of gRPC's
+    needs reading here.
     """
-    if metadata.get(OUTCOME_KEY) == OUTCOME_NONE:
-        return True
-    return code == grpc.StatusCode.RESOURCE_EXHAUSTED and (
-        "Sent message larger than max" in details or "SERVER: Received message larger than max" in details
-    )
+    outcome = details.info.get(INFO_OUTCOME) or metadata.get(OUTCOME_KEY)
+    return outcome == OUTCOME_NONE
 
 
 _STATUS_CODES = {code.value[0]: code for code in grpc.StatusCode}
@@ -173,34 +262,46 @@ def error_from_status(
     target: str | None = None,
     request_id: str | None = None,
     write: bool = False,
+    rich: ErrorDetails = NO_DETAILS,
 ) -> KvError:
-    """The client's one mapping from a gRPC status (plus `kvstore-*` metadata) to an exception.
+    """The client's one mapping from a gRPC status (its rich details `rich`, else the
+    `kvstore-*` trailers of an older server) to an exception.
 
     `write`: the attempt was a Put, Delete or Txn, for which an error that is not definite
     (`write_attempt_is_definite`) is an `UnknownOutcome` whatever its code. A read changes
     nothing, so it is mapped by its code alone."""
-    kwargs: dict[str, Any] = {"code": code, "metadata": metadata, "target": target, "request_id": request_id}
+    kwargs: dict[str, Any] = {"code": code, "metadata": metadata, "target": target, "request_id": request_id,
+                              "details": rich}
     message = details or code.name
-    if code == grpc.StatusCode.FAILED_PRECONDITION and metadata.get(REASON_KEY) == REASON_REQUEST_ID_EXPIRED:
+    reason = rich.reason
+    if reason == Reason.REQUEST_ID_EXPIRED or (
+            code == grpc.StatusCode.FAILED_PRECONDITION and metadata.get(REASON_KEY) == REASON_REQUEST_ID_EXPIRED):
         return RequestExpired(_expired_message(details, request_id), **kwargs)
-    if write and not write_attempt_is_definite(code, details, metadata):
+    if write and not write_attempt_is_definite(metadata, rich):
         return UnknownOutcome(message, **kwargs)
     if code == grpc.StatusCode.INVALID_ARGUMENT:
         return InvalidArgument(message, **kwargs)
-    if code == grpc.StatusCode.FAILED_PRECONDITION and (LEADER_HINT_KEY in metadata or SHARD_KEY in metadata):
+    if reason == Reason.NOT_LEADER or (
+            code == grpc.StatusCode.FAILED_PRECONDITION and (LEADER_HINT_KEY in metadata or SHARD_KEY in metadata)):
         return NotLeader(message, **kwargs)
     if code == grpc.StatusCode.UNAVAILABLE:
         return Unavailable(message, **kwargs)
-    if code == grpc.StatusCode.UNKNOWN and metadata.get(OUTCOME_KEY) == OUTCOME_UNKNOWN:
+    if reason == Reason.OUTCOME_UNKNOWN or (
+            code == grpc.StatusCode.UNKNOWN and metadata.get(OUTCOME_KEY) == OUTCOME_UNKNOWN):
         return UnknownOutcome(message, **kwargs)
-    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-        if _is_grpc_size_limit(details):
-            return InvalidArgument(message, **kwargs)
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED and (
+            reason == Reason.QUEUE_FULL or metadata.get(OUTCOME_KEY) == OUTCOME_NONE):
+        # The server's own full queue. gRPC's RESOURCE_EXHAUSTED (a message above its size cap)
+        # carries neither and falls through: retrying the same bytes cannot help.
         return Overloaded(message, **kwargs)
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         return DeadlineExceeded(message, **kwargs)
     if code == grpc.StatusCode.CANCELLED:
         return Cancelled(message, **kwargs)
+    if code == grpc.StatusCode.UNAUTHENTICATED:
+        return Unauthenticated(message, **kwargs)
+    if code == grpc.StatusCode.PERMISSION_DENIED:
+        return PermissionDenied(message, **kwargs)
     return KvError(message, **kwargs)
 
 
@@ -212,13 +313,6 @@ def _expired_message(details: str, request_id: str | None) -> str:
     return (f"{which} expired: it is older than the store's request-id horizon, so this retry was refused and "
             f"not applied; whether the original attempt committed is unknown and the store can no longer "
             f"tell{reason}")
-
-
-def _is_grpc_size_limit(details: str) -> bool:
-    # gRPC itself reports an oversized message as RESOURCE_EXHAUSTED; that is a broken limit,
-    # not a full queue, and retrying it would only send the same bytes again. (For a write only
-    # the sizes gRPC refused before a handler ran are definite: `write_attempt_is_definite`.)
-    return "larger than max" in details
 
 
 def error_from_rpc(
@@ -235,4 +329,5 @@ def error_from_rpc(
         target=target,
         request_id=request_id,
         write=write,
+        rich=details_of(trailing),
     )

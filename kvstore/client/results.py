@@ -131,10 +131,10 @@ class WatchEvent:
     shard: int
 
     @classmethod
-    def from_pb(cls, ev: kv_pb2.WatchEvent) -> WatchEvent:
+    def from_pb(cls, ev: kv_pb2.WatchResponse) -> WatchEvent:
         kind: Literal["put", "delete", "unknown"] = (
-            "put" if ev.type == kv_pb2.WatchEvent.TYPE_PUT
-            else "delete" if ev.type == kv_pb2.WatchEvent.TYPE_DELETE
+            "put" if ev.type == kv_pb2.WatchResponse.TYPE_PUT
+            else "delete" if ev.type == kv_pb2.WatchResponse.TYPE_DELETE
             else "unknown"
         )
         return cls(kind, KeyValue.from_pb(ev.kv), ev.shard)

@@ -20,6 +20,7 @@ from google.protobuf.message import Message
 from kvstore.client.errors import KvError
 from kvstore.client.results import ShardMap
 from kvstore.core.sharding import shard_of
+from kvstore.errors import FORWARD_KEY, FORWARD_NEVER
 from kvstore.limits import GRPC_MAX_MESSAGE_BYTES
 from kvstore.v1 import cluster_pb2_grpc, kv_pb2_grpc
 
@@ -29,6 +30,10 @@ from kvstore.v1 import cluster_pb2_grpc, kv_pb2_grpc
 DEFAULT_MAX_CHANNELS = 64
 MAX_ENDPOINTS = 64  # seeds plus the nodes learned from shard maps
 CLUSTER_METHODS = frozenset({"ShardMap", "ListTransactions", "FenceShard"})
+# This client routes every request to its shard's leader itself: a node that does not lead the
+# shard answers NOT_LEADER with the leader's address (one round trip, then the map is right)
+# instead of forwarding the request there (a second hop on every call while the map is stale).
+ROUTED = ((FORWARD_KEY, FORWARD_NEVER),)
 
 
 @dataclasses.dataclass(slots=True)
@@ -42,10 +47,13 @@ class Conn:
 
 class Channels:
     """One channel per node address, opened on first use; at most `max_channels`, the least
-    recently used closed first. Thread-safe. After `close()` every use raises `KvError`."""
+    recently used closed first. Thread-safe. After `close()` every use raises `KvError`.
+    `credentials`: TLS (and a token, a client certificate) for every channel; None: plaintext."""
 
-    def __init__(self, max_channels: int = DEFAULT_MAX_CHANNELS) -> None:
+    def __init__(self, max_channels: int = DEFAULT_MAX_CHANNELS,
+                 credentials: grpc.ChannelCredentials | None = None) -> None:
         self._max = max_channels
+        self._credentials = credentials
         self._lock = threading.Lock()
         self._conns: collections.OrderedDict[str, Conn] = collections.OrderedDict()
         self._closed = False
@@ -62,15 +70,14 @@ class Channels:
             if conn is not None:
                 self._conns.move_to_end(target)
                 return conn
-            channel = grpc.insecure_channel(
-                target,
-                options=[
-                    ("grpc.max_send_message_length", GRPC_MAX_MESSAGE_BYTES),
-                    ("grpc.max_receive_message_length", GRPC_MAX_MESSAGE_BYTES),
-                ],
-            )
-            kv_stub: Any = kv_pb2_grpc.KVStub
-            cluster_stub: Any = cluster_pb2_grpc.ClusterStub
+            options = [
+                ("grpc.max_send_message_length", GRPC_MAX_MESSAGE_BYTES),
+                ("grpc.max_receive_message_length", GRPC_MAX_MESSAGE_BYTES),
+            ]
+            channel = (grpc.secure_channel(target, self._credentials, options=options)
+                       if self._credentials is not None else grpc.insecure_channel(target, options=options))
+            kv_stub: Any = kv_pb2_grpc.KVServiceStub
+            cluster_stub: Any = cluster_pb2_grpc.ClusterServiceStub
             conn = Conn(channel, kv_stub(channel), cluster_stub(channel))
             self._conns[target] = conn
             evicted = self._conns.popitem(last=False)[1] if len(self._conns) > self._max else None
@@ -91,7 +98,7 @@ class Channels:
 def invoke(conn: Conn, method: str, request: Message, timeout: float) -> Message:
     """One attempt: one unary RPC on one node. Raises `grpc.RpcError`."""
     stub = conn.cluster if method in CLUSTER_METHODS else conn.kv
-    response: Message = getattr(stub, method)(request, timeout=timeout)
+    response: Message = getattr(stub, method)(request, timeout=timeout, metadata=ROUTED)
     return response
 
 

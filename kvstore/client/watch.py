@@ -113,7 +113,7 @@ class Watch(Iterator[WatchEvent]):
             raise error_from_rpc(exc, target=target) from None
         finally:
             timer.cancel()
-        if not isinstance(first, kv_pb2.WatchEvent) or first.type != kv_pb2.WatchEvent.TYPE_CREATED:
+        if not isinstance(first, kv_pb2.WatchResponse) or first.type != kv_pb2.WatchResponse.TYPE_CREATED:
             stream.cancel()
             raise KvError(f"{target} did not start the watch with a `created` event (a server older than this "
                           f"client?)", target=target)
@@ -156,9 +156,9 @@ class Watch(Iterator[WatchEvent]):
                 self._prepare_retry(error, time.monotonic() + self._client._max_backoff_s)
                 self._open()
                 continue
-            if not isinstance(event, kv_pb2.WatchEvent):
+            if not isinstance(event, kv_pb2.WatchResponse):
                 raise KvError(f"unexpected watch message: {type(event).__name__}", target=self._target)
-            if event.type == kv_pb2.WatchEvent.TYPE_CREATED:
+            if event.type == kv_pb2.WatchResponse.TYPE_CREATED:
                 continue  # only ever first, and consumed by `_open`; never a change
             self._delivered = True
             return WatchEvent.from_pb(event)

@@ -12,28 +12,34 @@ from kvstore.errors import InvalidRequestError
 from kvstore.v1 import kv_pb2
 
 
-def check_key(key: bytes, what: str = "key") -> None:
+def check_key(key: bytes, what: str = "key", field: str = "") -> None:
+    """`what` names the key in the message; `field` is its path in the request (BadRequest),
+    `what` when not given."""
     if not key:
-        raise InvalidRequestError(f"{what} must not be empty")
+        raise InvalidRequestError(f"{what} must not be empty", field=field or what)
     if len(key) > limits.MAX_KEY_BYTES:
-        raise InvalidRequestError(f"{what} has {len(key)} bytes; limit MAX_KEY_BYTES is {limits.MAX_KEY_BYTES}")
+        raise InvalidRequestError(f"{what} has {len(key)} bytes; limit MAX_KEY_BYTES is {limits.MAX_KEY_BYTES}",
+                                  field=field or what, limit="MAX_KEY_BYTES")
 
 
-def check_value(value: bytes) -> None:
+def check_value(value: bytes, field: str = "value") -> None:
     if len(value) > limits.MAX_VALUE_BYTES:
         raise InvalidRequestError(
-            f"value has {len(value)} bytes; limit MAX_VALUE_BYTES is {limits.MAX_VALUE_BYTES}")
+            f"value has {len(value)} bytes; limit MAX_VALUE_BYTES is {limits.MAX_VALUE_BYTES}",
+            field=field, limit="MAX_VALUE_BYTES")
 
 
-def check_request_id(request_id: str) -> None:
+def check_request_id(request_id: str, field: str = "request_id") -> None:
     if len(request_id.encode()) > limits.MAX_REQUEST_ID_BYTES:
         raise InvalidRequestError(f"request_id has {len(request_id.encode())} bytes; "
-                                  f"limit MAX_REQUEST_ID_BYTES is {limits.MAX_REQUEST_ID_BYTES}")
+                                  f"limit MAX_REQUEST_ID_BYTES is {limits.MAX_REQUEST_ID_BYTES}",
+                                  field=field, limit="MAX_REQUEST_ID_BYTES")
 
 
 def check_size(size: int) -> None:
     if size > limits.MAX_REQUEST_BYTES:
-        raise InvalidRequestError(f"request has {size} bytes; limit MAX_REQUEST_BYTES is {limits.MAX_REQUEST_BYTES}")
+        raise InvalidRequestError(f"request has {size} bytes; limit MAX_REQUEST_BYTES is {limits.MAX_REQUEST_BYTES}",
+                                  limit="MAX_REQUEST_BYTES")
 
 
 def check_put(req: kv_pb2.PutRequest) -> None:
@@ -64,9 +70,10 @@ def check_txn(req: kv_pb2.TxnRequest, shard_count: int) -> int:
     if ops == 0:
         raise InvalidRequestError("a Txn needs at least one compare or operation")
     if ops > limits.MAX_TXN_OPS:
-        raise InvalidRequestError(f"Txn has {ops} compares+operations; limit MAX_TXN_OPS is {limits.MAX_TXN_OPS}")
+        raise InvalidRequestError(f"Txn has {ops} compares+operations; limit MAX_TXN_OPS is {limits.MAX_TXN_OPS}",
+                                  limit="MAX_TXN_OPS")
     for compare in req.compares:
-        check_key(compare.key, "compare key")
+        check_key(compare.key, "compare key", "compares.key")
         if compare.target == kv_pb2.Compare.TARGET_UNSPECIFIED or compare.op == kv_pb2.Compare.OP_UNSPECIFIED:
             raise InvalidRequestError("every compare needs a target and an op")
         if compare.target in (kv_pb2.Compare.TARGET_EXISTS, kv_pb2.Compare.TARGET_VALUE) and compare.op in (
@@ -74,10 +81,10 @@ def check_txn(req: kv_pb2.TxnRequest, shard_count: int) -> int:
             raise InvalidRequestError("exists and value compares support only == and !=")
     for op in [*req.success, *req.failure]:
         if op.WhichOneof("op") == "put":
-            check_value(op.put.value)
+            check_value(op.put.value, "put.value")
     keys = txn_keys(req)
     for key in keys:
-        check_key(key, "Txn key")
+        check_key(key, "Txn key", "key")
     shards = {shard_of(key, shard_count) for key in keys}
     if len(shards) > 1:
         raise InvalidRequestError(
@@ -95,26 +102,28 @@ def check_write_batch(req: kv_pb2.WriteBatchRequest, shard_count: int) -> None:
     for part in req.shards:
         shard = part.shard
         if shard >= shard_count:
-            raise InvalidRequestError(f"shard {shard} does not exist; the cluster has {shard_count} shards")
+            raise InvalidRequestError(f"shard {shard} does not exist; the cluster has {shard_count} shards",
+                                      field="shards.shard")
         if shard in seen:
             raise InvalidRequestError(f"shard {shard} has two parts; a WriteBatch takes at most one part per shard")
         seen.add(shard)
-        check_request_id(part.request_id)
+        check_request_id(part.request_id, "shards.request_id")
         count = len(part.mutations)
         if count == 0:
             raise InvalidRequestError(f"the part for shard {shard} has no mutations")
         if count > limits.MAX_BATCH_MUTATIONS:
             raise InvalidRequestError(f"the part for shard {shard} has {count} mutations; "
-                                      f"limit MAX_BATCH_MUTATIONS is {limits.MAX_BATCH_MUTATIONS}")
+                                      f"limit MAX_BATCH_MUTATIONS is {limits.MAX_BATCH_MUTATIONS}",
+                                      field="shards.mutations", limit="MAX_BATCH_MUTATIONS")
         for mutation in part.mutations:  # a plain loop: this runs once per mutation
             key = mutation.key
             if not key or len(key) > limits.MAX_KEY_BYTES:
-                check_key(key, "mutation key")
+                check_key(key, "mutation key", "shards.mutations.key")
             if mutation.delete:
                 if mutation.value:
                     raise InvalidRequestError(f"a delete carries no value (key {key!r})")
             elif len(mutation.value) > limits.MAX_VALUE_BYTES:
-                check_value(mutation.value)
+                check_value(mutation.value, "shards.mutations.value")
             if shard_of(key, shard_count) != shard:
                 raise InvalidRequestError(f"key {key[:64]!r} belongs to shard {shard_of(key, shard_count)}, "
                                           f"not to shard {shard} (crc32(key) mod {shard_count})")
@@ -126,7 +135,8 @@ def scan_bounds(req: kv_pb2.ScanRequest) -> tuple[bytes, bytes | None, int]:
     if req.prefix and (req.start or req.end):
         raise InvalidRequestError("give either prefix or start/end, not both")
     if req.limit > limits.MAX_SCAN_LIMIT:
-        raise InvalidRequestError(f"scan limit {req.limit} exceeds MAX_SCAN_LIMIT {limits.MAX_SCAN_LIMIT}")
+        raise InvalidRequestError(f"scan limit {req.limit} exceeds MAX_SCAN_LIMIT {limits.MAX_SCAN_LIMIT}",
+                                  field="limit", limit="MAX_SCAN_LIMIT")
     limit = req.limit or limits.DEFAULT_SCAN_LIMIT
     if req.prefix:
         return req.prefix, prefix_end(req.prefix), limit

@@ -9,6 +9,19 @@ gracefully (batches in flight finish and are answered), then the broker.
 The nodes it started (id, address, pid, and the process's start time and command line) are
 recorded in `children.json` in the data dir, rewritten on every (re)start and removed on exit:
 `kvstore demo failover` kills only a process recorded there (`kvstore.dev.children`).
+
+`--secure-kafka` runs the broker with SASL/SCRAM logins and ACLs (`wal.broker`, `wal.acl`;
+README "Kafka security"): the nodes log in as the store's principal `<cluster>-store`, the
+pipeline commands as `<cluster>-pipeline`; their passwords are in files (mode 0600) under the
+broker's data dir. A data dir keeps the mode it was first started with.
+
+gRPC security (README "Security"): without flags the nodes speak plaintext and authenticate
+nobody, and the cluster says so loudly. `--tls` runs every node with TLS and bearer tokens (the
+nodes authenticate to each other with a token of role node); `--mtls` with mutual TLS instead
+(every caller presents a certificate; its role is in it); `--secure` is `--tls` plus
+`--secure-kafka` (`make up-secure`). The certificates and tokens come from a development CA
+(`kvstore.dev.ca`) under `<data dir>/tls/`, reused across runs; the cluster prints the
+KVSTORE_CA/KVSTORE_TOKEN_FILE (or KVSTORE_CERT/KVSTORE_KEY) exports a shell needs.
 """
 
 from __future__ import annotations
@@ -27,15 +40,19 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from kvstore.client.security import ClientSecurity
 from kvstore.dev import children
-from wal.broker import KAFKA_VERSION, LocalKafka, free_port
+from kvstore.dev.ca import DevCA, DevPki
+from wal.acl import create_acls, wal_grants
+from wal.broker import ADMIN_USER, KAFKA_VERSION, LocalKafka, free_port
 
 RESTART_DELAY_S = 2.0
 FIRST_PORT = 50051
 
 
-def _wait_serving(address: str, proc: subprocess.Popen[bytes], timeout_s: float) -> None:
-    channel = grpc.insecure_channel(address)
+def _wait_serving(address: str, proc: subprocess.Popen[bytes], timeout_s: float,
+                  security: ClientSecurity | None = None) -> None:
+    channel = security.channel(address) if security is not None else grpc.insecure_channel(address)
     stub = health_pb2_grpc.HealthStub(channel)
     deadline = time.monotonic() + timeout_s
     try:
@@ -43,7 +60,7 @@ def _wait_serving(address: str, proc: subprocess.Popen[bytes], timeout_s: float)
             if proc.poll() is not None:
                 raise SystemExit(f"the store node exited with {proc.returncode}; see its log")
             try:
-                reply = stub.Check(health_pb2.HealthCheckRequest(service="kvstore.v1.KV"), timeout=1)
+                reply = stub.Check(health_pb2.HealthCheckRequest(service="kvstore.v1.KVService"), timeout=1)
                 if reply.status == health_pb2.HealthCheckResponse.SERVING:
                     return
             except grpc.RpcError:
@@ -76,14 +93,15 @@ def _ports(data_dir: Path, nodes: int) -> list[int]:
 
 
 class _Node:
-    def __init__(self, node_id: str, address: str, data_dir: Path, kafka: str, args: argparse.Namespace) -> None:
+    def __init__(self, node_id: str, address: str, data_dir: Path, kafka: str, args: argparse.Namespace,
+                 login: tuple[str, ...] = ()) -> None:
         self.node_id = node_id
         self.address = address
         self.log_path = data_dir / f"{node_id}.log"
         self.cmd = [sys.executable, "-m", "kvstore.server", "--node-id", node_id, "--listen", address,
                     "--data-dir", str(data_dir / node_id), "--kafka", kafka, "--cluster", args.cluster,
                     "--shards", str(args.shards), "--session-timeout-ms", str(args.session_timeout_ms),
-                    "--snapshot-dir", str(data_dir / "snapshots")]
+                    "--snapshot-dir", str(data_dir / "snapshots"), *login]
         self.proc: subprocess.Popen[bytes] | None = None
         self.child: children.Child | None = None
         self.died_at: float | None = None
@@ -117,7 +135,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cluster", default="dev")
     parser.add_argument("--session-timeout-ms", type=int, default=1500,
                         help="leadership group session timeout: SIGKILL failover takes about this + ~1 s")
+    parser.add_argument("--secure-kafka", action="store_true",
+                        help="Kafka with SASL/SCRAM logins and ACLs: only the store may write the WAL, the pipeline "
+                             "read it (kept by the data dir once started so)")
+    parser.add_argument("--tls", action="store_true",
+                        help="gRPC over TLS with bearer tokens per role (a development CA under <data dir>/tls)")
+    parser.add_argument("--mtls", action="store_true",
+                        help="gRPC over mutual TLS: every caller presents a certificate carrying its role")
+    parser.add_argument("--secure", action="store_true", help="--tls and --secure-kafka (make up-secure)")
     args = parser.parse_args(argv)
+    if args.secure:
+        args.tls = args.secure_kafka = True
     data_dir: Path = args.data_dir.resolve()
     data_dir.mkdir(parents=True, exist_ok=True)
 
@@ -130,40 +158,55 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
 
-    kafka = LocalKafka(data_dir / "kafka", nodes=1)
+    store_user, pipeline_user = f"{args.cluster}-store", f"{args.cluster}-pipeline"
+    kafka = LocalKafka(data_dir / "kafka", nodes=1, secure=args.secure_kafka,
+                       users=(store_user, pipeline_user) if args.secure_kafka else ())
     ports = _ports(data_dir, args.nodes)
+    pki = DevCA(data_dir / "tls").ensure([f"node-{i}" for i in range(1, args.nodes + 1)]) \
+        if args.tls or args.mtls else None
+    probe = _probe_security(pki, args.mtls)
     nodes: list[_Node] = []
     try:
         print(f"starting Kafka {KAFKA_VERSION} (KRaft) in {data_dir / 'kafka'} ...", flush=True)
         kafka.start()
+        login: tuple[str, ...] = ()
+        if kafka.secure:
+            create_acls(kafka.bootstrap_servers, kafka.credentials(),
+                        wal_grants(f"{args.cluster}.wal", f"{args.cluster}.leaders", f"User:{store_user}",
+                                   f"User:{pipeline_user}"))
+            login = ("--kafka-username", store_user, "--kafka-password-file", str(kafka.password_file(store_user)))
         for i, port in enumerate(ports, start=1):
-            node = _Node(f"node-{i}", f"127.0.0.1:{port}", data_dir, kafka.bootstrap_servers, args)
+            node = _Node(f"node-{i}", f"127.0.0.1:{port}", data_dir, kafka.bootstrap_servers, args,
+                         (*login, *_tls_args(pki, f"node-{i}", args.mtls)))
             node.start()
             nodes.append(node)
             _record(data_dir, nodes)
             print(f"starting {node.node_id} on {node.address} (log: {node.log_path}) ...", flush=True)
         for node in nodes:
             assert node.proc is not None
-            _wait_serving(node.address, node.proc, timeout_s=120)
+            _wait_serving(node.address, node.proc, timeout_s=120, security=probe)
         endpoints = ",".join(n.address for n in nodes)
         snapshots = data_dir / "snapshots"
+        secure = ({"kafka_username": pipeline_user, "kafka_password_file": str(kafka.password_file(pipeline_user))}
+                  if kafka.secure else {})
         print(json.dumps({"kafka": kafka.bootstrap_servers, "endpoints": [n.address for n in nodes],
-                          "data_dir": str(data_dir), "snapshot_dir": str(snapshots)}))
+                          "data_dir": str(data_dir), "snapshot_dir": str(snapshots), **secure,
+                          **_tls_info(pki, args.mtls)}))
         print(f"""
 The store is up: {len(nodes)} nodes, {args.shards} shards, WAL topic {args.cluster}.wal on {kafka.bootstrap_servers}.
 
-  export KVSTORE_ENDPOINTS={endpoints}
+  export KVSTORE_ENDPOINTS={endpoints}{_client_login(pki, args.mtls)}
   .venv/bin/kvstore put greeting hello
   .venv/bin/kvstore get greeting
   .venv/bin/kvstore scan --prefix gr
   .venv/bin/kvstore shards                        # who leads what, terms, lag, nodes
   .venv/bin/kvstore demo failover --data-dir {data_dir} --output json   # SIGKILL a leader under load, verify
   .venv/bin/kvstore txn list --older-than 5s
-  grpcurl -plaintext {nodes[0].address} list
+  {_grpcurl(pki, args.mtls, nodes[0].address)}
 
 The Spark pipeline (README "The Spark pipeline"); the nodes load snapshots from {snapshots}:
 
-  export KVSTORE_KAFKA={kafka.bootstrap_servers}
+  export KVSTORE_KAFKA={kafka.bootstrap_servers}{_pipeline_login(kafka, pipeline_user)}
   .venv/bin/kvstore snapshot create --dir {snapshots}
   .venv/bin/kvstore audit --dir {snapshots}
   .venv/bin/kvstore wal truncate --dir {snapshots} --dry-run
@@ -171,6 +214,10 @@ The Spark pipeline (README "The Spark pipeline"); the nodes load snapshots from 
 
 A node that dies is restarted after {RESTART_DELAY_S:.0f}s. Ctrl-C stops everything; `make up` again resumes
 from {data_dir}.""", flush=True)
+        if pki is None:
+            print(f"\nWARNING: plaintext, no authentication: anyone who can reach {endpoints} can read and write "
+                  "(and fence shards). For local development only; `make up-secure` (--secure) runs TLS with "
+                  "tokens.", flush=True)
         while not stop:
             for node in nodes:
                 assert node.proc is not None
@@ -194,6 +241,67 @@ from {data_dir}.""", flush=True)
         children.forget(data_dir)
         kafka.stop()
         print("stopped.", flush=True)
+
+
+def _pipeline_login(kafka: LocalKafka, user: str) -> str:
+    """The pipeline's login for the shell (secure Kafka only): its principal and password file."""
+    if not kafka.secure:
+        return ""
+    return (f"\n  export KVSTORE_KAFKA_USERNAME={user} KVSTORE_KAFKA_PASSWORD_FILE={kafka.password_file(user)}"
+            "\n  # Kafka: SASL/SCRAM-SHA-512 and ACLs; this principal reads the WAL, nothing more. `wal truncate`"
+            f"\n  # deletes records: run it with KVSTORE_KAFKA_USERNAME={ADMIN_USER} "
+            f"KVSTORE_KAFKA_PASSWORD_FILE={kafka.password_file(ADMIN_USER)}")
+
+
+def _tls_args(pki: DevPki | None, node_id: str, mtls: bool) -> tuple[str, ...]:
+    """A node's security flags: its certificate, and tokens (--tls) or mutual TLS (--mtls)."""
+    if pki is None:
+        return ()
+    own = ("--tls-cert", str(pki.nodes[node_id].cert), "--tls-key", str(pki.nodes[node_id].key))
+    if mtls:  # the CA verifies callers and peers; the node's certificate carries role node
+        return (*own, "--tls-client-ca", str(pki.ca))
+    return (*own, "--tokens-file", str(pki.tokens_file), "--node-token-file", str(pki.tokens["node"]),
+            "--peer-ca", str(pki.ca))
+
+
+def _probe_security(pki: DevPki | None, mtls: bool) -> ClientSecurity | None:
+    """How the cluster itself asks the nodes' health (open, but over TLS; mutual TLS needs a
+    certificate: the read role's)."""
+    if pki is None:
+        return None
+    if mtls:
+        return ClientSecurity(ca=str(pki.ca), cert=str(pki.clients["read"].cert), key=str(pki.clients["read"].key))
+    return ClientSecurity(ca=str(pki.ca))
+
+
+def _tls_info(pki: DevPki | None, mtls: bool) -> dict[str, object]:
+    """The JSON line's security part: where the CA, tokens and certificates are."""
+    if pki is None:
+        return {"grpc_security": "plaintext"}
+    return {"grpc_security": "mtls" if mtls else "tls+tokens", "ca": str(pki.ca),
+            "tokens": {role: str(path) for role, path in pki.tokens.items() if role != "node"},
+            "certs": {role: {"cert": str(c.cert), "key": str(c.key)} for role, c in pki.clients.items()}}
+
+
+def _client_login(pki: DevPki | None, mtls: bool) -> str:
+    """The exports a shell needs to reach a secure cluster (empty for plaintext)."""
+    if pki is None:
+        return ""
+    if mtls:
+        write = pki.clients["write"]
+        return (f"\n  export KVSTORE_CA={pki.ca} KVSTORE_CERT={write.cert} KVSTORE_KEY={write.key}"
+                f"\n  # mutual TLS; other roles: {pki.directory}/{{read,admin}}.pem and .key (admin: kvstore fence)")
+    return (f"\n  export KVSTORE_CA={pki.ca} KVSTORE_TOKEN_FILE={pki.tokens['write']}"
+            f"\n  # TLS + tokens; other roles: {pki.tokens['read']}, {pki.tokens['admin']} (kvstore fence)")
+
+
+def _grpcurl(pki: DevPki | None, mtls: bool, address: str) -> str:
+    if pki is None:
+        return f"grpcurl -plaintext {address} list"
+    if mtls:
+        read = pki.clients["read"]
+        return f"grpcurl -cacert {pki.ca} -cert {read.cert} -key {read.key} {address} list"
+    return f"grpcurl -cacert {pki.ca} -H \"authorization: Bearer $(cat {pki.tokens['read']})\" {address} list"
 
 
 def _record(data_dir: Path, nodes: list[_Node]) -> None:

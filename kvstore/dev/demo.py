@@ -63,6 +63,7 @@ from kvstore.client import (
     Unavailable,
     UnknownOutcome,
 )
+from kvstore.client.security import open_channel
 from kvstore.core.sharding import shard_of
 from kvstore.dev.children import Kill
 from kvstore.v1 import cluster_pb2, cluster_pb2_grpc
@@ -245,8 +246,8 @@ def replica_digests(addresses: Sequence[str], shards: int,
     """Every reachable node's digest of every shard."""
     out: dict[int, list[cluster_pb2.ShardDigestResponse]] = {s: [] for s in range(shards)}
     for address in addresses:
-        with grpc.insecure_channel(address) as channel:
-            stub = cluster_pb2_grpc.ClusterStub(channel)  # type: ignore[no-untyped-call]
+        with open_channel(address) as channel:  # TLS and credentials from the KVSTORE_* environment
+            stub = cluster_pb2_grpc.ClusterServiceStub(channel)  # type: ignore[no-untyped-call]
             for shard in range(shards):
                 try:
                     reply = stub.ShardDigest(cluster_pb2.ShardDigestRequest(shard=shard), timeout=timeout_s)

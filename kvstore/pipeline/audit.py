@@ -17,7 +17,7 @@ What counts as an anomaly, and why a healthy cluster has none:
   table before it appends, so the WAL should never carry an id twice; replay skips the second
   (counted by the fold as `duplicates_skipped`), but a leader that appended it misbehaved.
 - *Digests that differ*: the newest snapshot's manifest against the same state recomputed from
-  its own base plus the WAL, and every replica (Cluster.ShardDigest) against the WAL's state at
+  its own base plus the WAL, and every replica (ClusterService.ShardDigest) against the WAL's state at
   that replica's checkpoint. Both sides run the same `ShardStore` code (`kvstore.pipeline.fold`),
   so a difference means a snapshot or a replica was altered or lost a write.
 
@@ -71,7 +71,7 @@ TERM_REGRESSION = "term_regression"
 
 @dataclasses.dataclass(frozen=True)
 class NodeDigest:
-    """One replica of one shard, as its node answered `Cluster.ShardDigest`."""
+    """One replica of one shard, as its node answered `ClusterService.ShardDigest`."""
 
     node: str
     address: str
@@ -333,6 +333,7 @@ def node_digests(endpoints: Sequence[str], target: WalTarget, timeout_s: float) 
     import grpc
 
     from kvstore.client import Client, KvError
+    from kvstore.client.security import open_channel
     from kvstore.v1 import cluster_pb2, cluster_pb2_grpc
 
     notes: list[str] = []
@@ -347,8 +348,8 @@ def node_digests(endpoints: Sequence[str], target: WalTarget, timeout_s: float) 
     nodes = [(n.node_id, n.address) for n in smap.nodes] or [("", e) for e in endpoints]
     out: list[NodeDigest] = []
     for node_id, address in nodes:
-        with grpc.insecure_channel(address) as channel:
-            stub = cluster_pb2_grpc.ClusterStub(channel)  # type: ignore[no-untyped-call]
+        with open_channel(address) as channel:  # TLS and credentials from the KVSTORE_* environment
+            stub = cluster_pb2_grpc.ClusterServiceStub(channel)  # type: ignore[no-untyped-call]
             for shard in range(target.shards):
                 try:
                     reply = stub.ShardDigest(cluster_pb2.ShardDigestRequest(shard=shard), timeout=timeout_s)
@@ -449,7 +450,8 @@ def wal_stats(spark: SparkSession, target: WalTarget, ranges: Mapping[int, tuple
     ranges = {s: r for s, r in ranges.items() if r[1] > r[0]}
     if not ranges:
         return out
-    raw = wal_source.read_wal(spark, target.bootstrap_servers, target.topic, ranges, kafka_extra=kafka_extra)
+    raw = wal_source.read_wal(spark, target.bootstrap_servers, target.topic, ranges, kafka_extra=kafka_extra,
+                              security=target.security)
     # Three queries over the same records: keep the slim rows rather than read Kafka three times.
     slim = slim_records(wal_source.judged(raw)).persist(StorageLevel.MEMORY_AND_DISK)
     try:

@@ -108,7 +108,8 @@ def changes_frame(judged_frame: DataFrame) -> DataFrame:
 def read_changes(spark: SparkSession, target: WalTarget, ranges: Mapping[int, tuple[int, int]]) -> DataFrame:
     """The feed's rows for [start, end) per shard, as a batch: for audits and tests, which want
     a bounded answer and no checkpoint."""
-    return changes_frame(judged(read_wal(spark, target.bootstrap_servers, target.topic, ranges)))
+    return changes_frame(judged(read_wal(spark, target.bootstrap_servers, target.topic, ranges,
+                                         security=target.security)))
 
 
 def read_table(spark: SparkSession, to: str) -> DataFrame:
@@ -203,7 +204,8 @@ def _start(spark: SparkSession, target: WalTarget, to: str, checkpoint: str, log
            follow: bool, interval_s: float) -> StreamingQuery:
     # startingOffsets only counts for a new checkpoint; a resumed query goes on from its own.
     starting = {target.topic: {str(s): o for s, o in sorted(log_starts.items())}}
-    source = (spark.readStream.format("kafka").options(**kafka_options(target.bootstrap_servers))
+    source = (spark.readStream.format("kafka").options(**kafka_options(target.bootstrap_servers,
+                                                                        security=target.security))
               .option("assign", json.dumps({target.topic: sorted(log_starts)}))
               .option("startingOffsets", json.dumps(starting))
               .option("failOnDataLoss", "true")
@@ -325,7 +327,7 @@ def _log_starts(target: WalTarget, timeout_s: float) -> dict[int, int]:
 
     from wal.clients import PartitionEnds
 
-    ends = PartitionEnds(target.bootstrap_servers, timeout_s)
+    ends = PartitionEnds(target.bootstrap_servers, timeout_s, target.security)
     try:
         return {s: ends.log_start(target.topic, s) for s in range(target.shards)}
     except KafkaException as exc:

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from kvstore.pipeline.errors import PipelineError
-from kvstore.pipeline.target import KAFKA_ENV, WalTarget, resolve
+from kvstore.pipeline.target import KAFKA_ENV, USERNAME_ENV, WalTarget, kafka_security, resolve
 
 
 class Printer(Protocol):
@@ -45,6 +45,15 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     wal_opts.add_argument("--topic", default=None,
                           help="WAL topic (default: asked from a node at --endpoints, else <--cluster>.wal)")
     wal_opts.add_argument("--cluster", default=None, help="cluster name, to derive the topic when no node answers")
+    wal_opts.add_argument("--kafka-username", default=None,
+                          help=f"the pipeline's Kafka principal (default ${USERNAME_ENV}; SASL/SCRAM-SHA-512)")
+    wal_opts.add_argument("--kafka-password-file", default=None,
+                          help="a file holding its password (default $KVSTORE_KAFKA_PASSWORD_FILE, or the password "
+                               "itself in $KVSTORE_KAFKA_PASSWORD)")
+    wal_opts.add_argument("--kafka-security-protocol", default=None,
+                          help="default $KVSTORE_KAFKA_SECURITY_PROTOCOL, else PLAINTEXT (SASL_PLAINTEXT with a user)")
+    wal_opts.add_argument("--kafka-sasl-mechanism", default=None,
+                          help="default $KVSTORE_KAFKA_SASL_MECHANISM, else SCRAM-SHA-512")
     spark_opts = argparse.ArgumentParser(add_help=False)
     spark_opts.add_argument("--master", default=None,
                             help="Spark master: local[*] (default, or $KVSTORE_SPARK_MASTER), spark://HOST:7077, "
@@ -105,7 +114,9 @@ def run(args: argparse.Namespace, printer: Printer) -> int:
     target: WalTarget | None = None
     if hasattr(args, "kafka"):  # commands that read or write the WAL
         endpoints = [e.strip() for e in args.endpoints.split(",") if e.strip()]
-        target = resolve(args.kafka, args.topic, args.cluster, endpoints, args.timeout)
+        security = kafka_security(args.kafka_security_protocol, args.kafka_sasl_mechanism, args.kafka_username,
+                                  args.kafka_password_file)
+        target = resolve(args.kafka, args.topic, args.cluster, endpoints, args.timeout, security)
     return handler(args, target, printer)
 
 

@@ -5,7 +5,7 @@ parallelism across shards (one group per shard) and does the I/O (the Kafka read
 Inside the task the fold is the replicas' own code: a `ShardStore` in a scratch directory,
 loaded with `ShardStore.load_snapshot` (what a node bootstrapping from a snapshot runs) and
 advanced with `ShardStore.apply` (what every replica runs), digested with `ShardStore.digest`
-(what `Cluster.ShardDigest` answers). So a snapshot cannot disagree with a replica at the same
+(what `ClusterService.ShardDigest` answers). So a snapshot cannot disagree with a replica at the same
 offset unless one of them was altered, which is what the audit looks for.
 
 Input rows (FOLD_INPUT, one Arrow table per shard): one `control` row (the cut, the base's cut

@@ -496,7 +496,7 @@ def _high_watermarks(target: WalTarget, timeout_s: float) -> dict[int, int]:
 
     from wal.clients import PartitionEnds
 
-    ends = PartitionEnds(target.bootstrap_servers, timeout_s)
+    ends = PartitionEnds(target.bootstrap_servers, timeout_s, target.security)
     out: dict[int, int] = {}
     try:
         for shard in range(target.shards):

@@ -38,7 +38,7 @@ def wal_ends(target: WalTarget, timeout_s: float = 30.0) -> dict[int, tuple[int,
 
     from wal.clients import PartitionEnds
 
-    ends = PartitionEnds(target.bootstrap_servers, timeout_s)
+    ends = PartitionEnds(target.bootstrap_servers, timeout_s, target.security)
     out: dict[int, tuple[int, int]] = {}
     try:
         for shard in range(target.shards):
@@ -81,7 +81,8 @@ def build_states(spark: SparkSession, target: WalTarget, root: str, base: snapsh
     frames.append(control)
     ranges = {s: (base_offsets[s], cuts[s]) for s in range(target.shards) if cuts[s] > base_offsets[s]}
     if ranges:
-        raw = wal_source.read_wal(spark, target.bootstrap_servers, target.topic, ranges, kafka_extra=kafka_extra)
+        raw = wal_source.read_wal(spark, target.bootstrap_servers, target.topic, ranges, kafka_extra=kafka_extra,
+                                  security=target.security)
         accepted = wal_source.accepted(wal_source.judged(raw))
         frames.append(accepted.select("shard", F.lit("wal").alias("kind"), "offset", "payload"))
     if base is not None:

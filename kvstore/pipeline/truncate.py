@@ -35,7 +35,7 @@ def plan(target: WalTarget, root: str) -> tuple[snapshot.Manifest, dict[int, tup
     if manifest is None:
         raise SnapshotError(f"no complete snapshot of {target.topic} ({target.shards} shards) in {root}: "
                             "run `kvstore snapshot create --dir` first; nothing was deleted")
-    ends = PartitionEnds(target.bootstrap_servers, 30.0)
+    ends = PartitionEnds(target.bootstrap_servers, 30.0, target.security)
     out: dict[int, tuple[int, int, int]] = {}
     try:
         for shard in range(target.shards):
@@ -59,7 +59,7 @@ def truncate(target: WalTarget, root: str, *, dry_run: bool = False) -> dict[str
     after: dict[int, int] = {}
     if targets and not dry_run:
         try:
-            after = delete_below(target.bootstrap_servers, target.topic, targets)
+            after = delete_below(target.bootstrap_servers, target.topic, targets, security=target.security)
         except UnavailableError as exc:
             raise PipelineError(f"{exc} (run it again: deleting below a cut is idempotent)") from exc
     shards = []

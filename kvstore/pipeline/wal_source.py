@@ -22,6 +22,7 @@ from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
 
 from kvstore.pipeline.session import ENTRY_UDF, RECORD_UDF
+from wal.clients import ClientSecurity, java_security_settings
 from wal.record import EXPECTED_OFFSET_HEADER
 
 ACCEPTED = "accepted"
@@ -33,9 +34,12 @@ JUDGED_COLUMNS = ("shard", "offset", "timestamp_ms", "verdict", "expected_offset
                   "payload")
 
 
-def kafka_options(bootstrap_servers: str, extra: Mapping[str, str] | None = None) -> dict[str, str]:
-    """Source options every job uses. `extra` passes `kafka.*` client settings through (e.g.
-    security settings), as Spark's Kafka source takes them."""
+def kafka_options(bootstrap_servers: str, extra: Mapping[str, str] | None = None,
+                  security: ClientSecurity | None = None) -> dict[str, str]:
+    """Source options every job uses. `security` logs Spark's Kafka clients (driver and
+    executors) in as the pipeline's principal, with the same settings librdkafka gets
+    (`wal.clients`), in the Java client's form. `extra` passes further `kafka.*` client settings
+    through, as Spark's Kafka source takes them."""
     options = {
         "kafka.bootstrap.servers": bootstrap_servers,
         "kafka.isolation.level": "read_committed",
@@ -46,12 +50,14 @@ def kafka_options(bootstrap_servers: str, extra: Mapping[str, str] | None = None
         "kafka.max.partition.fetch.bytes": str(8 * 1024 * 1024),
         "kafka.fetch.max.bytes": str(64 * 1024 * 1024),
     }
+    login = java_security_settings(security or ClientSecurity())
+    options.update({f"kafka.{key}": value for key, value in login.items()})
     options.update(extra or {})
     return options
 
 
 def read_wal(spark: SparkSession, bootstrap_servers: str, topic: str, ranges: Mapping[int, tuple[int, int]],
-             *, kafka_extra: Mapping[str, str] | None = None) -> DataFrame:
+             *, kafka_extra: Mapping[str, str] | None = None, security: ClientSecurity | None = None) -> DataFrame:
     """Batch read of [start, end) per shard (partition). Offsets are Kafka's: `end` exclusive,
     `start` at or above the log start (else Spark fails the job for lost data, as it should)."""
     assert ranges, "no shard to read"
@@ -59,7 +65,7 @@ def read_wal(spark: SparkSession, bootstrap_servers: str, topic: str, ranges: Ma
         assert 0 <= start <= end, f"shard {shard}: bad range [{start}, {end})"
     starting = {topic: {str(s): start for s, (start, _) in ranges.items()}}
     ending = {topic: {str(s): end for s, (_, end) in ranges.items()}}
-    return (spark.read.format("kafka").options(**kafka_options(bootstrap_servers, kafka_extra))
+    return (spark.read.format("kafka").options(**kafka_options(bootstrap_servers, kafka_extra, security))
             .option("assign", json.dumps({topic: sorted(ranges)}))
             .option("startingOffsets", json.dumps(starting))
             .option("endingOffsets", json.dumps(ending))

@@ -1,10 +1,13 @@
 """`kvstore serve`: the gRPC server (grpc.aio) of one node.
 
-Services: kvstore.v1.KV, kvstore.v1.Cluster, grpc.health.v1.Health (NOT_SERVING until every
-shard bootstrapped), server reflection of those (grpcurl works without .proto files), and, on
-the same port, kvstore.internal.v1.Peer: the calls nodes make to each other (a forwarded part
-of a scan, a node's own shard view, a fence notification). Peer is internal: not listed by
-reflection, not for clients, no compatibility promise. Prometheus metrics on --metrics-port.
+Services: kvstore.v1.KVService, kvstore.v1.ClusterService, grpc.health.v1.Health (NOT_SERVING
+until every shard bootstrapped), server reflection of those (grpcurl works without .proto files),
+and, on the same port, kvstore.internal.v1.PeerService: the calls nodes make to each other (a
+forwarded part of a scan, a node's own shard view, a fence notification). It is internal: not
+listed by reflection, not for clients, no compatibility promise. Prometheus metrics on
+--metrics-port. Security (kvstore.server.auth): TLS with --tls-cert, bearer tokens and/or mutual
+TLS with roles, checked by the one interceptor; without a certificate the node is plaintext and
+unauthenticated, and says so loudly at startup.
 SIGTERM/SIGINT: stop taking requests, finish the batches in flight, answer their clients, then
 stop (no acknowledged write is lost: acknowledgement follows commit).
 """
@@ -15,16 +18,14 @@ import argparse
 import asyncio
 import concurrent.futures
 import contextlib
-import functools
 import gc
 import json
 import logging
 import signal
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from pathlib import Path
-from typing import Any, TypeVar
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import grpc
 import grpc.aio
@@ -41,8 +42,9 @@ from kvstore.core.evaluate import key_value
 from kvstore.core.role import Role
 from kvstore.core.state import ChangeType
 from kvstore.internal.v1 import peer_pb2, peer_pb2_grpc
-from kvstore.server import shardmap
+from kvstore.server import auth, config, forward, shardmap
 from kvstore.server.config import NodeConfig
+from kvstore.server.interceptor import ErrorInterceptor
 from kvstore.server.node import Node
 from kvstore.server.peers import Peers
 from kvstore.server.replica import ShardReplica, Watcher, decode_changes
@@ -50,32 +52,10 @@ from kvstore.v1 import cluster_pb2, cluster_pb2_grpc, kv_pb2, kv_pb2_grpc
 
 log = logging.getLogger("kvstore.server")
 
-T = TypeVar("T")
 STALE_WAIT_DEFAULT_S = 5.0
 MAX_IO_THREADS = 512
 PEER_TIMEOUT_S = 0.5  # ShardMap fan-out: a node that does not answer within this is left out
 FORWARD_TIMEOUT_S = 10.0  # a forwarded scan part, when the caller set no shorter deadline
-
-
-def _handler(method: str) -> Callable[[Callable[..., Awaitable[T]]], Callable[..., Awaitable[T]]]:
-    """Map StoreErrors to gRPC status in one place (kvstore.errors.to_status) and count requests."""
-
-    def wrap(fn: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
-        @functools.wraps(fn)
-        async def run(self: Any, request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> T:
-            try:
-                result = await fn(self, request, context)
-            except errors.StoreError as exc:
-                code, details, metadata = errors.to_status(exc)
-                self.node.metrics.count_request(method, code.name)
-                await context.abort(code, details, trailing_metadata=metadata)
-                raise AssertionError("abort returned") from exc
-            self.node.metrics.count_request(method, "OK")
-            return result
-
-        return run
-
-    return wrap
 
 
 def _deadline_s(context: grpc.aio.ServicerContext[Any, Any], default: float) -> float:
@@ -83,10 +63,11 @@ def _deadline_s(context: grpc.aio.ServicerContext[Any, Any], default: float) -> 
     return default if remaining is None else max(0.0, min(default, remaining))
 
 
-class KVService(kv_pb2_grpc.KVServicer):
+class KVService(kv_pb2_grpc.KVServiceServicer):
     def __init__(self, node: Node, peers: Peers) -> None:
         self.node = node
         self.peers = peers
+        self.forwarder = forward.Forwarder(peers, node.config.node_id)
 
     def _leader(self, shard: int) -> ShardReplica:
         replica = self.node.replica(shard)
@@ -113,71 +94,111 @@ class KVService(kv_pb2_grpc.KVServicer):
         return kv_pb2.ReadHeader(shard=replica.shard, applied_revision=replica.store.applied_offset,
                                  served_by=self.node.config.node_id)
 
-    @_handler("Get")
     async def Get(self, request: kv_pb2.GetRequest, context: Any) -> kv_pb2.GetResponse:
         validation.check_key(request.key)
         floor = request.read.min_revision if request.read.HasField("min_revision") else None
-        replica = await self._read_ready(self.node.shard_for(request.key), request.read.consistency, floor, context)
+        try:
+            replica = await self._read_ready(self.node.shard_for(request.key), request.read.consistency, floor,
+                                             context)
+        except errors.NotLeaderError as refusal:
+            response = await self._forward(refusal, "Get", request, context, write=False)
+            assert isinstance(response, kv_pb2.GetResponse)
+            return response
         state = replica.store.get(request.key)
         response = kv_pb2.GetResponse(header=self._header(replica), found=state is not None)
         if state is not None:
             response.kv.CopyFrom(key_value(request.key, state))
         return response
 
-    @_handler("Put")
+    async def _forward(self, refusal: errors.NotLeaderError, method: str, request: Any,
+                       context: grpc.aio.ServicerContext[Any, Any], *, write: bool) -> Any:
+        """`request` answered by the shard's leader (kvstore.server.forward), or `refusal` raised
+        when it may not go there (no leader known, already forwarded, the caller routes itself)."""
+        leader = forward.target(refusal, context.invocation_metadata(), self.node.address)
+        if leader is None:
+            raise refusal
+        self.node.metrics.count_request(f"{method}.forwarded", "SENT")
+        try:
+            return await self.forwarder.call(leader, method, request, context, write=write)
+        except forward.LeaderAnswered as answer:
+            await answer.abort(context)
+            raise AssertionError("abort returned") from answer
+
+    async def _write(self, method: str, request: Any, shard: int, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+        try:
+            return await self._leader(shard).write(write_of(request, shard), request.ByteSize())
+        except errors.NotLeaderError as refusal:  # definite: nothing was queued here
+            return await self._forward(refusal, method, request, context, write=True)
+
     async def Put(self, request: kv_pb2.PutRequest, context: Any) -> kv_pb2.PutResponse:
         validation.check_put(request)
-        shard = self.node.shard_for(request.key)
-        response = await self._leader(shard).write(write_of(request, shard), request.ByteSize())
+        response = await self._write("Put", request, self.node.shard_for(request.key), context)
         assert isinstance(response, kv_pb2.PutResponse)
         return response
 
-    @_handler("Delete")
     async def Delete(self, request: kv_pb2.DeleteRequest, context: Any) -> kv_pb2.DeleteResponse:
         validation.check_delete(request)
-        shard = self.node.shard_for(request.key)
-        response = await self._leader(shard).write(write_of(request, shard), request.ByteSize())
+        response = await self._write("Delete", request, self.node.shard_for(request.key), context)
         assert isinstance(response, kv_pb2.DeleteResponse)
         return response
 
-    @_handler("Txn")
     async def Txn(self, request: kv_pb2.TxnRequest, context: Any) -> kv_pb2.TxnResponse:
         shard = validation.check_txn(request, self.node.config.shards)
-        response = await self._leader(shard).write(write_of(request, shard), request.ByteSize())
+        response = await self._write("Txn", request, shard, context)
         assert isinstance(response, kv_pb2.TxnResponse)
         return response
 
-    @_handler("WriteBatch")
     async def WriteBatch(self, request: kv_pb2.WriteBatchRequest, context: Any) -> kv_pb2.WriteBatchResponse:
         validation.check_write_batch(request, self.node.config.shards)
-        results = await asyncio.gather(*(self._write_part(part) for part in request.shards))
+        results = await asyncio.gather(*(self._write_part(part, context) for part in request.shards))
         return kv_pb2.WriteBatchResponse(results=results)
 
-    async def _write_part(self, part: kv_pb2.ShardMutations) -> kv_pb2.ShardMutationsResult:
+    async def _write_part(self, part: kv_pb2.ShardMutations,
+                          context: grpc.aio.ServicerContext[Any, Any]) -> kv_pb2.ShardMutationsResult:
         """One part, answered like a unary write to its shard: committed, or the error (with
         its kvstore-* metadata from the one mapping, `errors.to_status`) that call would get.
+        A part for a shard led elsewhere goes there as a WriteBatch of that part alone (one hop).
         Anything else raised here fails the whole call untagged: every part is then unknown to
         the client (W7), and its retry, with the same ids, is answered from the request table."""
         shard = part.shard
         try:
-            response = await self._leader(shard).write(write_of(part, shard), part.ByteSize())
+            try:
+                response = await self._leader(shard).write(write_of(part, shard), part.ByteSize())
+            except errors.NotLeaderError as refusal:
+                response = await self._forward_part(refusal, part, context)
         except errors.StoreError as exc:
-            code, details, metadata = errors.to_status(exc)
-            self.node.metrics.count_request("WriteBatch.part", code.name)
+            code, details, metadata = errors.to_status(exc, request_id=part.request_id)
+            self.node.metrics.count_request("WriteBatch.part", code.name, exc.reason.value)
+            text = {key: value for key, value in metadata if isinstance(value, str)}  # trailers, not the -bin
             return kv_pb2.ShardMutationsResult(
-                shard=shard, error=kv_pb2.PartError(code=code.value[0], message=details, metadata=dict(metadata)))
+                shard=shard, error=kv_pb2.PartError(code=code.value[0], message=details, metadata=text))
         assert isinstance(response, kv_pb2.ShardMutationsResult), type(response)
         self.node.metrics.count_request("WriteBatch.part", "OK")
         return response
 
-    @_handler("Scan")
+    async def _forward_part(self, refusal: errors.NotLeaderError, part: kv_pb2.ShardMutations,
+                            context: grpc.aio.ServicerContext[Any, Any]) -> kv_pb2.ShardMutationsResult:
+        leader = forward.target(refusal, context.invocation_metadata(), self.node.address)
+        if leader is None:
+            raise refusal
+        self.node.metrics.count_request("WriteBatch.part.forwarded", "SENT")
+        try:
+            reply = await self.forwarder.call(leader, "WriteBatch", kv_pb2.WriteBatchRequest(shards=[part]), context,
+                                              write=True)
+        except forward.LeaderAnswered as answer:  # its definite refusal of the call is this part's
+            text = {key: value for key, value in answer.trailing if isinstance(value, str)}
+            return kv_pb2.ShardMutationsResult(shard=part.shard, error=kv_pb2.PartError(
+                code=answer.code.value[0], message=answer.details, metadata=text))
+        assert isinstance(reply, kv_pb2.WriteBatchResponse) and len(reply.results) == 1, reply
+        return reply.results[0]
+
     async def Scan(self, request: kv_pb2.ScanRequest, context: Any) -> kv_pb2.ScanResponse:
         return await self.scan(request, list(range(self.node.config.shards)), context, forward=True)
 
     async def scan(self, request: kv_pb2.ScanRequest, shards: list[int],
                    context: grpc.aio.ServicerContext[Any, Any], *, forward: bool) -> kv_pb2.ScanResponse:
         """One page of `request` over `shards`. `forward`: the shards this node cannot serve go
-        to their leaders (Peer.ScanShards); without it (a part forwarded to us) every shard is
+        to their leaders (PeerService.ScanShards); without it (a part forwarded to us) every shard is
         served here or refused, so a part is never forwarded twice."""
         start, end, limit = validation.scan_bounds(request)
         if request.page_token:
@@ -240,24 +261,18 @@ class KVService(kv_pb2_grpc.KVServicer):
             raise errors.UnavailableError(
                 f"shards {shards}: forwarding the scan to their leader {address} failed "
                 f"({exc.code().name}: {exc.details()}); retry") from exc
-        assert isinstance(reply, kv_pb2.ScanResponse)
-        return reply
+        assert isinstance(reply, peer_pb2.ScanShardsResponse)
+        return reply.scan
 
     async def Watch(self, request: kv_pb2.WatchRequest,
-                    context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[kv_pb2.WatchEvent]:
-        try:
-            if not request.prefix:
-                validation.check_key(request.key)
-            shards = ([self.node.shard_for(request.key)] if not request.prefix
-                      else list(range(self.node.config.shards)))
-            starts = reads.watch_starts(request, shards, self.node.config.shards)
-            watching = sum(len(r.watchers) for r in self.node.replicas.values())
-            if watching >= limits.MAX_WATCHERS:
-                raise errors.OverloadedError(f"{watching} watches open; limit MAX_WATCHERS is {limits.MAX_WATCHERS}")
-        except errors.StoreError as exc:
-            code, details, metadata = errors.to_status(exc)
-            await context.abort(code, details, trailing_metadata=metadata)
-            return
+                    context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[kv_pb2.WatchResponse]:
+        if not request.prefix:
+            validation.check_key(request.key)
+        shards = [self.node.shard_for(request.key)] if not request.prefix else list(range(self.node.config.shards))
+        starts = reads.watch_starts(request, shards, self.node.config.shards)
+        watching = sum(len(r.watchers) for r in self.node.replicas.values())
+        if watching >= limits.MAX_WATCHERS:
+            raise errors.OverloadedError(f"{watching} watches open; limit MAX_WATCHERS is {limits.MAX_WATCHERS}")
         watcher = Watcher(request.key, request.prefix)
         replicas = [self.node.replica(s) for s in shards]
         for replica in replicas:
@@ -266,7 +281,7 @@ class KVService(kv_pb2_grpc.KVServicer):
         try:
             # Registered: every change applied from here on reaches the queue. Saying so lets a
             # caller start writing without sleeping first, and tells it the watch is not lost.
-            yield kv_pb2.WatchEvent(type=kv_pb2.WatchEvent.TYPE_CREATED)
+            yield kv_pb2.WatchResponse(type=kv_pb2.WatchResponse.TYPE_CREATED)
             for replica in replicas:
                 if replica.shard in starts:
                     async for event in self._history(replica, watcher, starts[replica.shard]):
@@ -285,13 +300,15 @@ class KVService(kv_pb2_grpc.KVServicer):
             for replica in replicas:
                 replica.watchers.discard(watcher)
 
-    async def _history(self, replica: ShardReplica, watcher: Watcher, start: int) -> AsyncIterator[kv_pb2.WatchEvent]:
+    async def _history(self, replica: ShardReplica, watcher: Watcher,
+                       start: int) -> AsyncIterator[kv_pb2.WatchResponse]:
         """Changes in [start, live_from) of one shard, read back from the WAL."""
         end = watcher.live_from[replica.shard]
         if start >= end:
             return
         config = replica.config
-        replayer = await asyncio.to_thread(wal.Replayer, config.bootstrap_servers, config.topic, replica.shard, start)
+        replayer = await asyncio.to_thread(lambda: wal.Replayer(config.bootstrap_servers, config.topic, replica.shard,
+                                                                start, security=config.kafka_security))
         try:
             while replayer.position < end:
                 records = await asyncio.to_thread(replayer.poll_once, 0.5)
@@ -302,20 +319,20 @@ class KVService(kv_pb2_grpc.KVServicer):
             await asyncio.to_thread(replayer.close)
 
 
-def _event(shard: int, change: Any) -> kv_pb2.WatchEvent:
+def _event(shard: int, change: Any) -> kv_pb2.WatchResponse:
     if change.type is ChangeType.PUT:
         assert change.state is not None
-        return kv_pb2.WatchEvent(type=kv_pb2.WatchEvent.TYPE_PUT, kv=key_value(change.key, change.state), shard=shard)
-    return kv_pb2.WatchEvent(type=kv_pb2.WatchEvent.TYPE_DELETE,
-                             kv=kv_pb2.KeyValue(key=change.key, mod_revision=change.revision), shard=shard)
+        return kv_pb2.WatchResponse(type=kv_pb2.WatchResponse.TYPE_PUT, kv=key_value(change.key, change.state),
+                                    shard=shard)
+    return kv_pb2.WatchResponse(type=kv_pb2.WatchResponse.TYPE_DELETE,
+                                kv=kv_pb2.KeyValue(key=change.key, mod_revision=change.revision), shard=shard)
 
 
-class ClusterService(cluster_pb2_grpc.ClusterServicer):
+class ClusterService(cluster_pb2_grpc.ClusterServiceServicer):
     def __init__(self, node: Node, peers: Peers) -> None:
         self.node = node
         self.peers = peers
 
-    @_handler("ShardMap")
     async def ShardMap(self, request: cluster_pb2.ShardMapRequest,
                        context: Any) -> cluster_pb2.ShardMapResponse:
         local = await local_view(self.node)
@@ -328,7 +345,6 @@ class ClusterService(cluster_pb2_grpc.ClusterServicer):
                     if (m := leadership.owner(shard)) is not None}
         return shardmap.merge(local, [a for a in answers if a is not None], assigned)
 
-    @_handler("ShardDigest")
     async def ShardDigest(self, request: cluster_pb2.ShardDigestRequest,
                           context: Any) -> cluster_pb2.ShardDigestResponse:
         if request.shard >= self.node.config.shards:
@@ -341,7 +357,6 @@ class ClusterService(cluster_pb2_grpc.ClusterServicer):
         return cluster_pb2.ShardDigestResponse(node_id=self.node.config.node_id, shard=request.shard,
                                                applied_offset=applied, sha256=sha, keys=keys)
 
-    @_handler("ListTransactions")
     async def ListTransactions(self, request: cluster_pb2.ListTransactionsRequest,
                                context: Any) -> cluster_pb2.ListTransactionsResponse:
         if request.older_than_ms < 0:
@@ -350,7 +365,7 @@ class ClusterService(cluster_pb2_grpc.ClusterServicer):
 
         def inspect(replica: ShardReplica) -> wal.transactions.OpenTransaction | None:
             return wal.transactions.open_transaction(replica.ends, config.kafka, config.wal_topic, replica.shard,
-                                                     timeout_s=2.0)
+                                                     timeout_s=2.0, security=config.kafka_security)
 
         response = cluster_pb2.ListTransactionsResponse()
         for shard, replica in sorted(self.node.replicas.items()):
@@ -366,7 +381,6 @@ class ClusterService(cluster_pb2_grpc.ClusterServicer):
                 leader_id=owner.member_id if owner else ""))
         return response
 
-    @_handler("FenceShard")
     async def FenceShard(self, request: cluster_pb2.FenceShardRequest,
                          context: Any) -> cluster_pb2.FenceShardResponse:
         if request.shard >= self.node.config.shards:
@@ -397,8 +411,8 @@ class ClusterService(cluster_pb2_grpc.ClusterServicer):
         except grpc.RpcError as exc:
             log.debug("peer %s did not describe itself: %s", address, exc)
             return None
-        assert isinstance(reply, cluster_pb2.ShardMapResponse)
-        return reply
+        assert isinstance(reply, peer_pb2.LocalShardViewResponse)
+        return reply.view
 
 
 async def local_view(node: Node) -> cluster_pb2.ShardMapResponse:
@@ -426,29 +440,26 @@ async def local_view(node: Node) -> cluster_pb2.ShardMapResponse:
     return response
 
 
-class PeerService(peer_pb2_grpc.PeerServicer):
-    """kvstore.internal.v1.Peer: what nodes ask each other. Internal (see peer.proto): it serves
+class PeerService(peer_pb2_grpc.PeerServiceServicer):
+    """kvstore.internal.v1.PeerService: what nodes ask each other. Internal (see peer.proto): it serves
     the other nodes of this release, not clients."""
 
     def __init__(self, node: Node, kv: KVService) -> None:
         self.node = node
         self.kv = kv
 
-    @_handler("Peer.ScanShards")
-    async def ScanShards(self, request: peer_pb2.ScanShardsRequest, context: Any) -> kv_pb2.ScanResponse:
+    async def ScanShards(self, request: peer_pb2.ScanShardsRequest, context: Any) -> peer_pb2.ScanShardsResponse:
         shards = sorted(set(request.shards))
         if not shards:
             raise errors.InvalidRequestError("ScanShards needs at least one shard")
         if shards[-1] >= self.node.config.shards:
             raise errors.InvalidRequestError(f"shard {shards[-1]} out of range ({self.node.config.shards} shards)")
-        return await self.kv.scan(request.scan, shards, context, forward=False)
+        return peer_pb2.ScanShardsResponse(scan=await self.kv.scan(request.scan, shards, context, forward=False))
 
-    @_handler("Peer.LocalShardView")
     async def LocalShardView(self, request: peer_pb2.LocalShardViewRequest,
-                             context: Any) -> cluster_pb2.ShardMapResponse:
-        return await local_view(self.node)
+                             context: Any) -> peer_pb2.LocalShardViewResponse:
+        return peer_pb2.LocalShardViewResponse(view=await local_view(self.node))
 
-    @_handler("Peer.CheckFenced")
     async def CheckFenced(self, request: peer_pb2.CheckFencedRequest, context: Any) -> peer_pb2.CheckFencedResponse:
         if request.shard >= self.node.config.shards:
             raise errors.InvalidRequestError(
@@ -458,7 +469,7 @@ class PeerService(peer_pb2_grpc.PeerServicer):
 
 
 async def _health_loop(node: Node, servicer: health.HealthServicer, stop: asyncio.Event) -> None:
-    names = ("", "kvstore.v1.KV", "kvstore.v1.Cluster")
+    names = ("", "kvstore.v1.KVService", "kvstore.v1.ClusterService")
     while not stop.is_set():
         serving = node.serving()
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
@@ -477,27 +488,34 @@ async def _health_loop(node: Node, servicer: health.HealthServicer, stop: asynci
 
 async def serve(config: NodeConfig, ready: Callable[[str], None] | None = None) -> None:
     """Run a node until SIGTERM/SIGINT."""
+    try:
+        security = auth.load(config)  # TLS, who may call what, how to call the peers (README "Security")
+    except ValueError as exc:
+        raise SystemExit(f"kvstore serve: {exc}") from exc
     node = Node(config)
     # gRPC binds with SO_REUSEPORT by default: a second process on the same address would share
     # its connections with the first without a word (two nodes answering as one). Refuse instead.
-    server = grpc.aio.server(options=[("grpc.max_receive_message_length", limits.GRPC_MAX_MESSAGE_BYTES),
+    # Every RPC passes the one interceptor: it authorizes, decodes, maps errors to rich status, counts.
+    server = grpc.aio.server(interceptors=[ErrorInterceptor(node.metrics, authorize=security.authorizer)],
+                             options=[("grpc.max_receive_message_length", limits.GRPC_MAX_MESSAGE_BYTES),
                                       ("grpc.max_send_message_length", limits.GRPC_MAX_MESSAGE_BYTES),
                                       ("grpc.so_reuseport", 0)])
-    peers = Peers()
+    peers = Peers(security.peer_credentials)
     kv_service = KVService(node, peers)
-    kv_pb2_grpc.add_KVServicer_to_server(kv_service, server)  # type: ignore[no-untyped-call]
-    cluster_pb2_grpc.add_ClusterServicer_to_server(ClusterService(node, peers), server)  # type: ignore[no-untyped-call]
+    kv_pb2_grpc.add_KVServiceServicer_to_server(kv_service, server)  # type: ignore[no-untyped-call]
+    cluster_pb2_grpc.add_ClusterServiceServicer_to_server(ClusterService(node, peers), server)  # type: ignore[no-untyped-call]
     # Internal, on the same port (peer.proto): left out of reflection, which lists the API.
-    peer_pb2_grpc.add_PeerServicer_to_server(PeerService(node, kv_service), server)  # type: ignore[no-untyped-call]
+    peer_pb2_grpc.add_PeerServiceServicer_to_server(PeerService(node, kv_service), server)  # type: ignore[no-untyped-call]
     health_servicer = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((
-        kv_pb2.DESCRIPTOR.services_by_name["KV"].full_name,
-        cluster_pb2.DESCRIPTOR.services_by_name["Cluster"].full_name,
+        kv_pb2.DESCRIPTOR.services_by_name["KVService"].full_name,
+        cluster_pb2.DESCRIPTOR.services_by_name["ClusterService"].full_name,
         health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
         reflection.SERVICE_NAME), server)
     try:
-        port = server.add_insecure_port(config.listen)
+        port = (server.add_secure_port(config.listen, security.credentials) if security.credentials is not None
+                else server.add_insecure_port(config.listen))
     except RuntimeError as exc:  # grpc raises instead of returning 0 when the address is taken
         raise SystemExit(f"cannot listen on {config.listen}: {exc} (another process there?)") from exc
     if port == 0:
@@ -515,6 +533,9 @@ async def serve(config: NodeConfig, ready: Callable[[str], None] | None = None) 
         loop.add_signal_handler(sig, stop.set)
     host = config.listen.rsplit(":", 1)[0]
     address = f"{host}:{port}"
+    warning = security.warning(address)
+    if warning is not None:
+        log.warning("WARNING: %s", warning, extra={"event": "insecure", "address": address, "security": security.mode})
     await server.start()
     try:
         await node.start(address)
@@ -523,7 +544,7 @@ async def serve(config: NodeConfig, ready: Callable[[str], None] | None = None) 
         raise
     health_task = asyncio.create_task(_health_loop(node, health_servicer, stop))
     log.info("serving", extra={"event": "serving", "address": address, "node": config.node_id,
-                               "shards": config.shards, "topic": config.wal_topic})
+                               "shards": config.shards, "topic": config.wal_topic, "security": security.mode})
     if ready is not None:
         ready(address)
     await stop.wait()
@@ -569,55 +590,27 @@ def tune_gc() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="kvstore serve", description="Run a kvstore node.")
-    parser.add_argument("--node-id", help="this node's name (env KVSTORE_NODE_ID)")
-    parser.add_argument("--listen", help="gRPC host:port (env KVSTORE_LISTEN, default 127.0.0.1:50051)")
-    parser.add_argument("--advertise", help="address clients should use (env KVSTORE_ADVERTISE)")
-    parser.add_argument("--data-dir", type=Path, help="LevelDB directory (env KVSTORE_DATA_DIR)")
-    parser.add_argument("--kafka", help="Kafka bootstrap servers (env KVSTORE_KAFKA)")
-    parser.add_argument("--cluster", help="cluster name; names the WAL topic and transactional ids")
-    parser.add_argument("--shards", type=int, help="shard count, fixed at cluster creation (default 4)")
-    parser.add_argument("--topic", help="WAL topic (default <cluster>.wal)")
-    parser.add_argument("--metrics-port", type=int, help="Prometheus metrics port (0 = off, the default)")
-    parser.add_argument("--metrics-host", help="address the metrics endpoint binds (default 127.0.0.1; "
-                                               "it has no authentication)")
-    parser.add_argument("--transaction-timeout-ms", type=int)
-    parser.add_argument("--max-pending-writes", type=int,
-                        help="writes queued per shard before RESOURCE_EXHAUSTED "
-                             f"(default {limits.MAX_PENDING_WRITES_PER_SHARD})")
-    parser.add_argument("--follower", action="store_true",
-                        help="only follow the shards (a read replica: stale reads, scans, watches)")
-    parser.add_argument("--no-standby", dest="standby", action="store_false", default=None,
-                        help="do not follow the shards this node does not lead (slower takeovers)")
-    parser.add_argument("--session-timeout-ms", type=int,
-                        help="leadership group session timeout: how long a dead node keeps its shards "
-                             "(env KVSTORE_SESSION_TIMEOUT_MS, default 1500)")
-    parser.add_argument("--snapshot-dir",
-                        help="snapshots (`kvstore snapshot create --dir`) to bootstrap an empty, suspect or "
-                             "truncated-below replica from (env KVSTORE_SNAPSHOT_DIR)")
+    parser = argparse.ArgumentParser(
+        prog="kvstore serve", description="Run a kvstore node.",
+        epilog="Every setting is a flag, a KVSTORE_* environment variable and a key of the --config TOML file "
+               "(kvstore.server.config); an unknown KVSTORE_* variable or file key is refused.")
     parser.add_argument("--log-format", choices=("json", "text"), default="json")
+    config.add_flags(parser)
     args = parser.parse_args(argv)
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JsonFormatter() if args.log_format == "json"
                          else logging.Formatter("%(asctime)s %(levelname)s %(name)s %(message)s"))
     logging.basicConfig(level=logging.INFO, handlers=[handler])
     try:
-        config = NodeConfig.from_env(node_id=args.node_id, listen=args.listen, advertise=args.advertise,
-                                     data_dir=args.data_dir, kafka=args.kafka, cluster=args.cluster,
-                                     shards=args.shards, topic=args.topic, metrics_port=args.metrics_port,
-                                     metrics_host=args.metrics_host,
-                                     transaction_timeout_ms=args.transaction_timeout_ms,
-                                     max_pending_writes=args.max_pending_writes,
-                                     lead=False if args.follower else None, standby=args.standby,
-                                     session_timeout_ms=args.session_timeout_ms,
-                                     snapshot_dir=args.snapshot_dir)
+        settings = config.from_args(args)
+        auth.load(settings)  # refuse a contradictory or unreadable security setting before anything starts
     except (ValueError, TypeError) as exc:
         print(f"kvstore serve: {exc}", file=sys.stderr)
         return 2
     started = time.monotonic()
     tune_gc()
     try:
-        asyncio.run(serve(config, ready=lambda addr: print(
+        asyncio.run(serve(settings, ready=lambda addr: print(
             json.dumps({"event": "ready", "address": addr, "after_s": round(time.monotonic() - started, 2)}),
             flush=True)))
     except wal.WalError as exc:

@@ -21,6 +21,7 @@ import time
 from kvstore.core.role import Role
 from kvstore.server.metrics import Metrics
 from kvstore.server.replica import ShardReplica
+from wal.clients import ClientSecurity
 from wal.membership import GroupMember, Member, owners
 
 log = logging.getLogger(__name__)
@@ -33,7 +34,7 @@ MISSING_LIMIT_S = 5.0  # not listed by the coordinator this long (at least): rej
 class Leadership:
     def __init__(self, *, bootstrap_servers: str, group: str, topic: str, node_id: str, address: str,
                  session_timeout_ms: int, replicas: dict[int, ShardReplica], resign_timeout_s: float,
-                 metrics: Metrics | None = None) -> None:
+                 metrics: Metrics | None = None, security: ClientSecurity | None = None) -> None:
         self.node_id = node_id
         self._metrics = metrics
         self.address = address
@@ -47,7 +48,7 @@ class Leadership:
         self._member = GroupMember(bootstrap_servers=bootstrap_servers, group=group, topic=topic,
                                    member_id=node_id, address=address, session_timeout_ms=session_timeout_ms,
                                    on_assigned=self._assigned, on_revoked=self._revoked,
-                                   on_rebalanced=self._rebalanced)
+                                   on_rebalanced=self._rebalanced, security=security)
         # Set when a rebalance ended: the view is stale now, refresh it at once rather than at
         # the next tick (clients asking another node where a shard went get the new leader).
         self._view_stale = asyncio.Event()

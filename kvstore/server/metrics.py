@@ -41,8 +41,9 @@ class Metrics:
                                       ["shard"], registry=r)
         self.open_txn_age = Gauge("kvstore_open_txn_age_seconds", "age of the open WAL transaction (0: none)",
                                   ["shard"], registry=r)
-        self.requests = Counter("kvstore_requests", "gRPC requests by method and status code",
-                                ["method", "code"], registry=r)
+        self.requests = Counter("kvstore_requests",
+                                "gRPC requests by method, status code and ErrorInfo reason ('' when OK)",
+                                ["method", "code", "reason"], registry=r)
         # Node-wide: the leadership group cannot give up one partition, so a node with a shard it
         # cannot lead (rebuilding, below a truncated log start) leaves the group, and rejoins later.
         self.group_leaves = Counter("kvstore_group_leaves",
@@ -51,12 +52,13 @@ class Metrics:
         self.group_rejoins = Counter("kvstore_group_rejoins",
                                      "times this node rejoined the leadership group once every shard could be led",
                                      registry=r)
-        self._request_counters: dict[tuple[str, str], Any] = {}
+        self._request_counters: dict[tuple[str, str, str], Any] = {}
 
-    def count_request(self, method: str, code: str) -> None:
-        """`requests{method, code}` += 1, with the labelled child cached: `labels()` takes a lock
-        and builds a key on every call, which is measurable on a path run once per request."""
-        child = self._request_counters.get((method, code))
+    def count_request(self, method: str, code: str, reason: str = "") -> None:
+        """`requests{method, code, reason}` += 1, with the labelled child cached: `labels()` takes
+        a lock and builds a key on every call, which is measurable on a path run once per request."""
+        key = (method, code, reason)
+        child = self._request_counters.get(key)
         if child is None:
-            child = self._request_counters[(method, code)] = self.requests.labels(method=method, code=code)
+            child = self._request_counters[key] = self.requests.labels(method=method, code=code, reason=reason)
         child.inc()

@@ -46,7 +46,7 @@ class Node:
                 bootstrap_servers=self.config.kafka, node_id=self.config.node_id,
                 data_dir=self.config.data_dir, transaction_timeout_ms=self.config.transaction_timeout_ms,
                 max_pending_writes=self.config.max_pending_writes,
-                snapshot_dir=self.config.snapshot_dir or None),
+                snapshot_dir=self.config.snapshot_dir or None, kafka_security=self.config.kafka_security),
                 self.metrics)
             self.replicas[shard] = replica
             replica.leader_hint = functools.partial(self.leader_address, shard)
@@ -55,7 +55,8 @@ class Node:
             self.leadership = Leadership(
                 bootstrap_servers=self.config.kafka, group=self.config.leader_group, topic=self.config.wal_topic,
                 node_id=self.config.node_id, address=self.address, session_timeout_ms=self.config.session_timeout_ms,
-                replicas=self.replicas, resign_timeout_s=RESIGN_TIMEOUT_S, metrics=self.metrics)
+                replicas=self.replicas, resign_timeout_s=RESIGN_TIMEOUT_S, metrics=self.metrics,
+                security=self.config.kafka_security)
             self.leadership.start()
             for replica in self.replicas.values():
                 replica.on_unable_to_lead = self.leadership.set_unable
@@ -110,4 +111,4 @@ class Node:
 
     def _ensure_topic(self) -> None:
         wal.ensure_wal_topic(self.config.kafka, self.config.wal_topic, self.config.shards,
-                             self.config.replication_factor or None)
+                             self.config.replication_factor or None, security=self.config.kafka_security)

@@ -158,7 +158,10 @@ class ShardReplica:
         self._round: asyncio.Future[int] | None = None
         self._round_task: asyncio.Task[None] | None = None
         self._probing = False
-        self.ends = wal.clients.PartitionEnds(config.bootstrap_servers, config.call_timeout_s)
+        self.ends = wal.clients.PartitionEnds(config.bootstrap_servers, config.call_timeout_s, config.kafka_security)
+        # W3 rejections already counted, per replayer: each one counts from 0 (a bootstrap or a
+        # takeover opens a new one), and a counter only goes up.
+        self._counted_replayer: wal.Replayer | None = None
         self._seen_rejected = 0
         self._end_fresh = True  # the last end `_confirm_beyond_end` returned was read, not kept
         # Where the leader is, for "not the leader" answers; the node sets it (group view).
@@ -458,15 +461,18 @@ class ShardReplica:
 
     def _replayer(self) -> wal.Replayer:
         return wal.Replayer(self.config.bootstrap_servers, self.config.topic, self.shard, self.store.applied_offset,
-                            call_timeout_s=self.config.call_timeout_s)
+                            call_timeout_s=self.config.call_timeout_s, security=self.config.kafka_security)
 
     def _apply_replayed(self, records: list[tuple[int, bytes]], replayer: wal.Replayer) -> None:
         """Apply one fetch of accepted records (offset, payload: `Replayer.poll_payloads`) with
         the replayer's position as the new checkpoint. Changes are built only for watchers: a
         bootstrap applies millions of effects that nobody watches (`Applied.changes`)."""
+        if replayer is not self._counted_replayer:
+            self._counted_replayer, self._seen_rejected = replayer, 0
         rejected = replayer.stats.rejected
-        self.metrics.w3_rejections.labels(shard=str(self.shard)).inc(rejected - self._seen_rejected)
-        self._seen_rejected = rejected
+        if rejected > self._seen_rejected:
+            self.metrics.w3_rejections.labels(shard=str(self.shard)).inc(rejected - self._seen_rejected)
+            self._seen_rejected = rejected
         if replayer.position <= self.store.applied_offset and not records:
             return
         applied = self.store.apply(records, replayer.position)
@@ -919,7 +925,7 @@ def writer_config(config: ReplicaConfig) -> wal.WriterConfig:
         writer=wal.WriterIdentity(config.node_id, 0),
         transaction_timeout_ms=config.transaction_timeout_ms, call_timeout_s=config.call_timeout_s,
         max_batch_records=config.max_batch_records, max_batch_bytes=config.max_batch_bytes,
-        max_record_bytes=config.max_record_bytes)
+        max_record_bytes=config.max_record_bytes, security=config.kafka_security)
 
 
 def _settle(future: asyncio.Future[Response], answer: Response | Exception) -> None:

@@ -1,7 +1,8 @@
 """The cluster's shard map, merged from what each node says of itself (pure).
 
-Any node answers `Cluster.ShardMap`: it asks every group member for its local view
-(`Peer.LocalShardView`, kvstore.internal.v1), then merges here. A shard's leader is the node that *says* it leads it
+Any node answers `ClusterService.ShardMap`: it asks every group member for its local view
+(`PeerService.LocalShardView`, kvstore.internal.v1), then merges here. A shard's leader is the node that
+*says* it leads it
 (fenced and bootstrapped), with the highest term if two transiently do (the older one is
 fenced already; it just has not noticed). A shard nobody leads yet shows the node the group
 assigned it to, with `leader_ready` false, so clients know where to retry.

@@ -20,7 +20,7 @@ bounds it was kept with (so a retry of a request made before the cut is still an
 and an expired one still refused). The checkpoint is the cut: every record below it is in.
 
 The manifest per shard: `offset` (the cut), `keys`, `digest` (`ShardStore.digest`, equal to
-`Cluster.ShardDigest` of a replica whose checkpoint is the cut), `requests`,
+`ClusterService.ShardDigest` of a replica whose checkpoint is the cut), `requests`,
 `evicted_through_ms`, and the schema version `format`.
 """
 

@@ -24,8 +24,10 @@ _SAMPLE_SUFFIXES = ("", "_total", "_created", "_sum", "_count", "_bucket")
 
 class StoreProcess:
     def __init__(self, kafka: str, data_dir: Path, cluster: str, shards: int = 4, port: int | None = None,
-                 extra_args: tuple[str, ...] = (), node_id: str = "node-1", metrics: bool = False) -> None:
+                 extra_args: tuple[str, ...] = (), node_id: str = "node-1", metrics: bool = False,
+                 credentials: grpc.ChannelCredentials | None = None) -> None:
         self.extra_args = extra_args
+        self.credentials = credentials  # TLS for `channel` (a node started with --tls-cert); None: plaintext
         self.node_id = node_id
         self.kafka = kafka
         self.data_dir = data_dir
@@ -50,7 +52,8 @@ class StoreProcess:
         self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
                                      env={**os.environ, "PYTHONPATH": str(REPO), **self.env})
         log.close()
-        self.channel = grpc.insecure_channel(self.address)
+        self.channel = (grpc.secure_channel(self.address, self.credentials) if self.credentials is not None
+                        else grpc.insecure_channel(self.address))
         self.wait_serving(timeout_s)
         return self
 
@@ -61,7 +64,7 @@ class StoreProcess:
 
         def serving() -> bool:
             assert proc.poll() is None, f"store exited with {proc.returncode}"
-            reply = health.Check(health_pb2.HealthCheckRequest(service="kvstore.v1.KV"), timeout=1)
+            reply = health.Check(health_pb2.HealthCheckRequest(service="kvstore.v1.KVService"), timeout=1)
             return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
 
         wait_until(serving, timeout_s, interval_s=0.1, what=f"store {self.node_id} at {self.address} to be SERVING")
@@ -80,14 +83,14 @@ class StoreProcess:
         return sum(s.value for s in samples if all(s.labels.get(k) == v for k, v in labels.items()))
 
     @property
-    def kv(self) -> kv_pb2_grpc.KVStub:
+    def kv(self) -> kv_pb2_grpc.KVServiceStub:
         assert self.channel is not None
-        return kv_pb2_grpc.KVStub(self.channel)
+        return kv_pb2_grpc.KVServiceStub(self.channel)
 
     @property
-    def cluster_stub(self) -> cluster_pb2_grpc.ClusterStub:
+    def cluster_stub(self) -> cluster_pb2_grpc.ClusterServiceStub:
         assert self.channel is not None
-        return cluster_pb2_grpc.ClusterStub(self.channel)
+        return cluster_pb2_grpc.ClusterServiceStub(self.channel)
 
     @property
     def pid(self) -> int:

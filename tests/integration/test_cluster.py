@@ -148,7 +148,7 @@ def test_paused_leader_is_fenced_acknowledges_nothing_after_and_steps_down(clust
 
     def write_to_zombie(key: bytes) -> None:
         with grpc.insecure_channel(zombie.address) as channel:
-            stub = kv_pb2_grpc.KVStub(channel)  # type: ignore[no-untyped-call]
+            stub = kv_pb2_grpc.KVServiceStub(channel)  # type: ignore[no-untyped-call]
             try:
                 outcomes[key] = stub.Put(kv_pb2.PutRequest(key=key, value=b"from-zombie", request_id=key.decode()),
                                          timeout=30)

@@ -25,8 +25,8 @@ def kvstore(endpoint: str, *args: str) -> subprocess.CompletedProcess[str]:
 
 
 class DevCluster:
-    def __init__(self, data_dir: Path) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-m", "kvstore.dev.cluster", "--data-dir", str(data_dir)],
+    def __init__(self, data_dir: Path, args: tuple[str, ...] = ()) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-m", "kvstore.dev.cluster", "--data-dir", str(data_dir), *args],
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
                                      env={**os.environ, "PYTHONPATH": str(REPO)})
         self.lines: queue.Queue[str] = queue.Queue()
@@ -47,6 +47,17 @@ class DevCluster:
     def interrupt(self) -> int:
         self.proc.send_signal(signal.SIGINT)  # what Ctrl-C sends
         return self.proc.wait(90)
+
+    def report(self, data_dir: Path) -> None:
+        """After a failure: what the cluster printed, its record of its nodes and each node's log
+        tail (pytest shows stdout of a failed test), so that a CI failure can be read."""
+        while not self.lines.empty():
+            print("cluster:", self.lines.get_nowait(), end="")
+        record = data_dir / "children.json"
+        print(record, record.read_text() if record.exists() else "(none)")
+        for log in sorted(data_dir.glob("node-*.log")):
+            print(f"--- {log} (last 60 lines)")
+            print("\n".join(log.read_text(errors="replace").splitlines()[-60:]))
 
     def cleanup(self) -> None:
         """After a failure: stop it as Ctrl-C would, so that its nodes (in sessions of their
@@ -88,6 +99,9 @@ def test_make_up_serves_round_trips_and_resumes(tmp_path: Path) -> None:
         assert result["failed_but_applied"] == 0 and result["ok"], result
         assert result["replicas_equal"] is True and result["new_leader"] != result["killed"], result
         assert cluster.interrupt() == 0
+    except BaseException:
+        cluster.report(data)
+        raise
     finally:
         cluster.cleanup()
 

@@ -8,10 +8,12 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import grpc
 import pytest
+from google.rpc import error_details_pb2, status_pb2
+from grpc_status import rpc_status
 
 from kvstore import limits
 from kvstore.core.sharding import shard_of
@@ -171,7 +173,7 @@ def test_watch_streams_changes(store: StoreProcess) -> None:
     first = put(store, b"w/1", b"before")
     stream = store.kv.Watch(kv_pb2.WatchRequest(prefix=b"w/"), timeout=TIMEOUT)  # from now on
     # The first event says the watch is registered: the writes below cannot slip in before it.
-    assert next(stream).type == kv_pb2.WatchEvent.TYPE_CREATED
+    assert next(stream).type == kv_pb2.WatchResponse.TYPE_CREATED
     put(store, b"w/2", b"a")
     put(store, b"w/1", b"b")
     store.kv.Delete(kv_pb2.DeleteRequest(key=b"w/2"), timeout=TIMEOUT)
@@ -179,14 +181,14 @@ def test_watch_streams_changes(store: StoreProcess) -> None:
     events = [next(stream) for _ in range(3)]
     stream.cancel()
     assert [(e.type, e.kv.key) for e in events] == [
-        (kv_pb2.WatchEvent.TYPE_PUT, b"w/2"), (kv_pb2.WatchEvent.TYPE_PUT, b"w/1"),
-        (kv_pb2.WatchEvent.TYPE_DELETE, b"w/2")]
+        (kv_pb2.WatchResponse.TYPE_PUT, b"w/2"), (kv_pb2.WatchResponse.TYPE_PUT, b"w/1"),
+        (kv_pb2.WatchResponse.TYPE_DELETE, b"w/2")]
     assert events[1].kv.version == 2 and events[1].kv.mod_revision > first.result.revision
 
     # From a past revision: history comes from the WAL.
     history = store.kv.Watch(kv_pb2.WatchRequest(key=b"w/1", start_revision=first.result.revision),
                              timeout=TIMEOUT)
-    assert next(history).type == kv_pb2.WatchEvent.TYPE_CREATED  # first, also before history
+    assert next(history).type == kv_pb2.WatchResponse.TYPE_CREATED  # first, also before history
     got = [next(history).kv.value, next(history).kv.value]
     history.cancel()
     assert got == [b"before", b"b"]
@@ -208,7 +210,7 @@ def test_a_prefix_watch_starts_per_shard(store: StoreProcess) -> None:
     assert "start_revisions" in (refused.value.details() or "")
     stream = store.kv.Watch(kv_pb2.WatchRequest(prefix=b"ps/", start_revisions=[
         kv_pb2.ShardRevision(shard=0, revision=first_a.result.revision)]), timeout=TIMEOUT)
-    assert next(stream).type == kv_pb2.WatchEvent.TYPE_CREATED
+    assert next(stream).type == kv_pb2.WatchResponse.TYPE_CREATED
     history = [next(stream), next(stream)]  # shard 0's history only: shard 1 is watched from now on
     put(store, b, b"b2")
     live = next(stream)
@@ -224,6 +226,19 @@ def test_shard_map(store: StoreProcess) -> None:
     assert all(s.leader == store.address for s in reply.shards)
     shard = reply.shards[shard_of(b"m", 4)]
     assert shard.applied_offset >= 2 and shard.lag == 0 and shard.term >= 1
+
+
+def _details(status: status_pb2.Status) -> tuple[error_details_pb2.ErrorInfo, list[Any]]:
+    info = error_details_pb2.ErrorInfo()
+    violations: list[Any] = []
+    for item in status.details:
+        if item.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
+            item.Unpack(info)
+        elif item.Is(error_details_pb2.BadRequest.DESCRIPTOR):
+            bad_request = error_details_pb2.BadRequest()
+            item.Unpack(bad_request)
+            violations.extend(bad_request.field_violations)
+    return info, violations
 
 
 def bad(call: object) -> grpc.RpcError:
@@ -261,6 +276,24 @@ def test_limits_and_malformed_requests_get_clear_errors(store: StoreProcess) -> 
         error = bad(call)
         assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, (needle, error)
         assert needle in (error.details() or ""), (needle, error.details())
+    # Every refusal carries the rich status (google.rpc.Status): ErrorInfo's reason and the limit,
+    # BadRequest's field, the outcome "none" (definite).
+    limit = rpc_status.from_call(bad(lambda: put(store, b"k" * (limits.MAX_KEY_BYTES + 1), b"v")))  # type: ignore[arg-type]
+    assert limit is not None
+    info, violations = _details(limit)
+    assert info.reason == "LIMIT_EXCEEDED" and info.domain == "kvstore", info
+    assert info.metadata["limit"] == "MAX_KEY_BYTES" and info.metadata["outcome"] == "none", info
+    assert [v.field for v in violations] == ["key"], violations
+    # Bytes that are not a PutRequest, and more bytes than MAX_REQUEST_BYTES: INVALID_ARGUMENT
+    # (definite), never UNKNOWN "Unexpected DecodeError" (which a client must read as W7).
+    assert store.channel is not None
+    raw_put = store.channel.unary_unary("/kvstore.v1.KVService/Put")
+    for garbage, reason in ((b"\xff\xff\xff\xff", "INVALID_ARGUMENT"), (b"\x0a\x05ab", "INVALID_ARGUMENT"),
+                            (b"\x00" * (limits.MAX_REQUEST_BYTES + 1), "LIMIT_EXCEEDED")):
+        error = bad(lambda raw=garbage: raw_put(raw, timeout=TIMEOUT))  # type: ignore[misc]
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, (garbage[:8], error)
+        status = rpc_status.from_call(error)  # type: ignore[arg-type]
+        assert status is not None and _details(status)[0].reason == reason, (garbage[:8], status)
     # A message above gRPC's own cap is refused by gRPC, not by a crash.
     huge = bad(lambda: put(store, b"k", b"v" * (limits.GRPC_MAX_MESSAGE_BYTES + 10)))
     assert huge.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -400,12 +433,12 @@ def test_reflection_and_metrics(kafka: LocalKafka, tmp_path: Path) -> None:
         replies = stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]),
                                             timeout=TIMEOUT)
         services = {s.name for reply in replies for s in reply.list_services_response.service}
-        assert {"kvstore.v1.KV", "kvstore.v1.Cluster", "grpc.health.v1.Health"} <= services
+        assert {"kvstore.v1.KVService", "kvstore.v1.ClusterService", "grpc.health.v1.Health"} <= services
         assert not any("internal" in name for name in services)  # the peer service is not the API
         text = urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=TIMEOUT).read().decode()
         for name in ("kvstore_commit_latency_seconds_count", "kvstore_batch_records_bucket", "kvstore_applied_offset",
                      "kvstore_lag_records", "kvstore_w3_rejections_total", "kvstore_fencings_total",
-                     "kvstore_open_txn_age_seconds", 'kvstore_requests_total{code="OK",method="Put"}'):
+                     "kvstore_open_txn_age_seconds", 'kvstore_requests_total{code="OK",method="Put",reason=""}'):
             assert name in text, name
     finally:
         node.stop()

@@ -5,17 +5,19 @@ from __future__ import annotations
 
 import argparse
 import base64
+import io
 import json
 import re
 import sys
 import types
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
 
-from kvstore import cli
+from kvstore import cli, limits
 from kvstore.cli import TxnSyntaxError, main, parse_compare, parse_op, parse_txn, serve_argv
 from kvstore.client import (
     Client,
@@ -176,7 +178,6 @@ def test_endpoints_default_from_environment(monkeypatch: pytest.MonkeyPatch) -> 
         ["get"],
         ["get", "k", "--consistency", "eventual"],
         ["get", "k", "--min-revision", "-1"],
-        ["put", "k"],
         ["--timeout", "0", "get", "k"],
         ["--timeout", "abc", "get", "k"],
         ["scan", "--limit", "x"],
@@ -287,7 +288,7 @@ class FakeClient:
 def fake(monkeypatch: pytest.MonkeyPatch) -> FakeClient:
     client = FakeClient()
 
-    def make(endpoints: list[str], timeout_s: float) -> FakeClient:
+    def make(endpoints: list[str], timeout_s: float, security: object = None) -> FakeClient:
         client.endpoints, client.timeout = list(endpoints), timeout_s
         return client
 
@@ -612,7 +613,7 @@ def test_cli_unknown_outcome_says_how_to_finish_the_write(
 ) -> None:
     """The write happened but every answer was lost: the CLI prints the id and first-attempt time,
     and running the command again with them finishes it without applying it twice."""
-    monkeypatch.setattr(cli, "make_client", lambda endpoints, timeout_s: Client(
+    monkeypatch.setattr(cli, "make_client", lambda endpoints, timeout_s, security=None: Client(
         endpoints, timeout_s=timeout_s, max_attempts=2, backoff_s=0.001))
     k0, leader = key_on(0, 2).decode(), fake_cluster.leaders[0]
     lost = Failure(grpc.StatusCode.UNAVAILABLE, "Socket closed", apply_first=True)
@@ -652,3 +653,54 @@ def test_watch_from_shard_revisions(fake: FakeClient, capsys: pytest.CaptureFixt
     assert fake.calls == [("watch", ("", "w", None, {0: 7, 2: 9}), {})]
     rc, _out, err = run(["watch", "--prefix", "w", "--from-shard", "7"], capsys)
     assert rc == 2 and "SHARD:REV" in err
+
+
+class _Stdin:
+    """sys.stdin with a binary buffer, as a pipe gives it."""
+
+    def __init__(self, data: bytes) -> None:
+        self.buffer = io.BytesIO(data)
+        self.buffer.isatty = lambda: False  # type: ignore[method-assign]
+
+
+@pytest.mark.parametrize("argv", [["put", "k"], ["put", "k", "-"]], ids=["omitted", "dash"])
+def test_put_reads_the_value_from_stdin(fake: FakeClient, capsys: pytest.CaptureFixture[str],
+                                        monkeypatch: pytest.MonkeyPatch, argv: list[str]) -> None:
+    payload = bytes(range(256)) * 4  # any bytes, newlines and NULs included
+    monkeypatch.setattr(sys, "stdin", _Stdin(payload))
+    assert run(argv, capsys)[0] == 0
+    assert fake.calls[-1] == ("put", ("k", payload, None), {"first_attempt_unix_ms": None})
+
+
+def test_put_reads_the_value_from_a_file(fake: FakeClient, capsys: pytest.CaptureFixture[str],
+                                         tmp_path: Path) -> None:
+    big = b"\x00v" * 1_500_000  # 3 MB: far above what an argument can carry, within no limit yet...
+    path = tmp_path / "value.bin"
+    path.write_bytes(big[: limits.MAX_VALUE_BYTES])
+    assert run(["put", "k", "--value-file", str(path)], capsys)[0] == 0
+    assert fake.calls[-1][1][1] == big[: limits.MAX_VALUE_BYTES]
+    # ... above MAX_VALUE_BYTES it is refused before connecting, naming the limit.
+    path.write_bytes(big)
+    calls = len(fake.calls)
+    rc, _, err = run(["put", "k", "--value-file", str(path)], capsys)
+    assert rc == 2 and "MAX_VALUE_BYTES" in err and len(fake.calls) == calls
+    rc, _, err = run(["put", "k", "--value-file", str(tmp_path / "missing")], capsys)
+    assert rc == 2 and "missing" in err and "Traceback" not in err
+    rc, _, err = run(["put", "k", "v", "--value-file", str(path)], capsys)
+    assert rc == 2 and "not both" in err
+
+
+def test_put_refuses_an_oversized_stdin_without_reading_it_all(
+        fake: FakeClient, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    stdin = _Stdin(b"x" * (limits.MAX_VALUE_BYTES + 10))
+    monkeypatch.setattr(sys, "stdin", stdin)
+    rc, _, err = run(["put", "k"], capsys)
+    assert rc == 2 and "MAX_VALUE_BYTES" in err and "standard input" in err
+    assert stdin.buffer.tell() == limits.MAX_VALUE_BYTES + 1  # one byte past the limit, no more
+
+
+def test_options_are_never_abbreviated(fake: FakeClient, capsys: pytest.CaptureFixture[str]) -> None:
+    """A prefix must not be read as some option: `--to` was once taken for `--token`."""
+    rc, _, err = run(["get", "k", "--out", "json"], capsys)
+    assert rc == 2 and "--out" in err
+    assert cli.build_parser().parse_args(["changes", "--to", "dir"]).to == "dir"

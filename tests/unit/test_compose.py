@@ -2,7 +2,7 @@
 
 These catch what review misses and only `docker compose up` would show: the Kafka image drifting
 from the pinned release, broker settings drifting from `wal.broker.BROKER_SETTINGS`, a KVSTORE_*
-variable the node never reads (`NodeConfig.from_env` ignores unknown names silently), nodes that
+variable the node never reads (the node refuses to start on one), nodes that
 disagree on the cluster or the shard count, an advertised address that is not the node's own, a
 session timeout the broker refuses, an image that runs something else or ships stale stubs, a
 snapshot job that writes where the nodes do not look, an image without Java or the pipeline's jars.
@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import base64
-import dataclasses
 import functools
 import json
 import os
@@ -38,7 +37,7 @@ KAFKA = "kafka"
 SNAPSHOT = "snapshot"  # the one-shot Spark job (profile `pipeline`)
 PIPELINE_PROFILE = "pipeline"
 GROUP_MAX_SESSION_TIMEOUT_MS_DEFAULT = 1_800_000  # the broker's default group.max.session.timeout.ms
-NODE_FIELDS = {f"KVSTORE_{field.name.upper()}" for field in dataclasses.fields(NodeConfig)}
+NODE_FIELDS = {NodeConfig.env_name(name) for name in NodeConfig.model_fields}
 
 
 # ---- reading the files -----------------------------------------------------------------------
@@ -367,7 +366,8 @@ def test_nodes_share_one_snapshot_volume_apart_from_their_data(monkeypatch: pyte
 
 def test_nodes_agree_on_everything_but_their_identity(monkeypatch: pytest.MonkeyPatch) -> None:
     """Cluster name, shard count, topic, Kafka, timeouts: one cluster, not three."""
-    shared = {dataclasses.replace(node_config(name, monkeypatch), node_id="", listen="", advertise="", data_dir=Path())
+    shared = {node_config(name, monkeypatch).model_copy(update={"node_id": "", "listen": "", "advertise": "",
+                                                                 "data_dir": Path()})
               for name in NODES}
     assert len(shared) == 1, shared
 
