@@ -171,5 +171,5 @@ dashboard: venv proto kafka
 	$(PY) bench/dashboard.py
 
 clean:
-	rm -rf $(VENV) .data build *.egg-info .coverage .coverage.*
+	rm -rf $(VENV) .data .data-secure .tools build *.egg-info .coverage .coverage.*
 	find . -name '*_pb2*.py*' -not -path './.venv/*' -delete
