@@ -117,7 +117,7 @@ class KVService(kv_pb2_grpc.KVServiceServicer):
         leader = forward.target(refusal, context.invocation_metadata(), self.node.address)
         if leader is None:
             raise refusal
-        self.node.metrics.count_request(f"{method}.forwarded", "SENT")
+        self.node.metrics.forwarded.labels(method=method).inc()
         try:
             return await self.forwarder.call(leader, method, request, context, write=write)
         except forward.LeaderAnswered as answer:
@@ -181,7 +181,7 @@ class KVService(kv_pb2_grpc.KVServiceServicer):
         leader = forward.target(refusal, context.invocation_metadata(), self.node.address)
         if leader is None:
             raise refusal
-        self.node.metrics.count_request("WriteBatch.part.forwarded", "SENT")
+        self.node.metrics.forwarded.labels(method="WriteBatch.part").inc()
         try:
             reply = await self.forwarder.call(leader, "WriteBatch", kv_pb2.WriteBatchRequest(shards=[part]), context,
                                               write=True)

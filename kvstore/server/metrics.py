@@ -44,6 +44,9 @@ class Metrics:
         self.requests = Counter("kvstore_requests",
                                 "gRPC requests by method, status code and ErrorInfo reason ('' when OK)",
                                 ["method", "code", "reason"], registry=r)
+        self.forwarded = Counter("kvstore_forwarded_requests",
+                                 "client requests this node sent on to the shard's leader (kvstore.server.forward)",
+                                 ["method"], registry=r)
         # Node-wide: the leadership group cannot give up one partition, so a node with a shard it
         # cannot lead (rebuilding, below a truncated log start) leaves the group, and rejoins later.
         self.group_leaves = Counter("kvstore_group_leaves",

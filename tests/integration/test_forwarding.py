@@ -80,6 +80,8 @@ def test_every_node_takes_writes_and_linearizable_reads_for_every_shard(cluster:
                 got = kv.Get(kv_pb2.GetRequest(key=key), timeout=TIMEOUT)  # linearizable (the default)
                 assert got.found and got.kv.value == node.node_id.encode(), (node.node_id, shard, got)
                 assert got.header.served_by == cluster.leader_of(shard).node_id  # the leader answered
+    # Followers counted what they forwarded (a node leads some shards, never all four here).
+    assert sum(n.metric("kvstore_forwarded_requests_total", method="Put") for n in cluster.nodes) > 0
     # Every node reads back every other node's writes.
     for node in cluster.nodes:
         channel, kv = stub(node.address)
