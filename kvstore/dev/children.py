@@ -22,6 +22,7 @@ import dataclasses
 import json
 import os
 import subprocess
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -66,10 +67,24 @@ def process_identity(pid: int) -> tuple[str, str] | None:
     return (out[0], out[1]) if out[0] else None
 
 
-def child_of(node_id: str, address: str, pid: int) -> Child | None:
+# How long a child just started may show an empty command line. Popen returns once the child's
+# execve switched to the new program's memory, but the kernel sets the new command line's bounds a
+# little later (load_elf_binary, after exec_mmap): read in between, /proc/<pid>/cmdline is empty.
+# Recording that empty line made the demo refuse a live node later ("is gone"), under CI load.
+IDENTITY_SETTLE_S = 5.0
+
+
+def child_of(node_id: str, address: str, pid: int, *, settle_s: float = IDENTITY_SETTLE_S,
+             identity_of: Callable[[int], tuple[str, str] | None] | None = None) -> Child | None:
     """The record of a node process just started (call it before the process can be reaped);
-    None if it is gone already (nothing to record: the supervisor sees it exit and says why)."""
-    identity = process_identity(pid)
+    None if it is gone already (nothing to record: the supervisor sees it exit and says why).
+    Waits (at most `settle_s`) until the process shows its command line (IDENTITY_SETTLE_S)."""
+    read = identity_of or process_identity
+    deadline = time.monotonic() + settle_s
+    identity = read(pid)
+    while identity is not None and not identity[1] and time.monotonic() < deadline:
+        time.sleep(0.005)
+        identity = read(pid)
     return Child(node_id, address, pid, *identity) if identity is not None else None
 
 

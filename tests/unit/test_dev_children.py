@@ -106,3 +106,28 @@ def test_kill_without_a_dev_cluster_refuses_and_says_how(tmp_path: Path) -> None
         children.dev_cluster_kill(tmp_path / "nowhere")(node(), signal.SIGKILL)
     message = str(info.value)
     assert "only a node the local dev cluster started" in message and "--data-dir" in message
+
+
+def test_a_child_is_recorded_once_its_command_line_shows() -> None:
+    """Right after Popen the kernel may still show an empty command line (the new program's
+    argument bounds are set a little after execve switched memory). Recording that made the demo
+    refuse a live node as "gone" (CI, twice): the record waits for the line, within a bound."""
+    reads = iter([("4242", ""), ("4242", ""), ("4242", "python -m kvstore.server")])
+    child = children.child_of("node-1", "127.0.0.1:50051", 7, identity_of=lambda pid: next(reads))
+    assert child is not None and child.command == "python -m kvstore.server" and child.started == "4242"
+    # A process that never shows one is recorded as it is, once the bound has passed.
+    empty = children.child_of("node-1", "127.0.0.1:50051", 7, settle_s=0.02, identity_of=lambda pid: ("1", ""))
+    assert empty is not None and empty.command == ""
+    # Gone meanwhile: nothing to record.
+    assert children.child_of("node-1", "127.0.0.1:50051", 7, identity_of=lambda pid: None) is None
+
+
+def test_a_child_just_started_is_recorded_with_its_command_line() -> None:
+    for _ in range(20):  # the race is narrow: try it a few times with real processes
+        proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(5)"])
+        try:
+            child = children.child_of("node-1", "127.0.0.1:50051", proc.pid)
+            assert child is not None and "time.sleep(5)" in child.command, child
+        finally:
+            proc.kill()
+            proc.wait()
