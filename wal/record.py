@@ -5,6 +5,23 @@ The expected offset travels twice: in the protobuf body (authoritative for Pytho
 as ASCII decimal in the Kafka header `wal.expected_offset`, so that Spark SQL can apply the same
 rule as a column expression without parsing protobuf. A record whose two copies disagree is
 malformed, never accepted.
+
+The header rule, exactly (`kvstore.pipeline.wal_source.header_expected_offset` is its SQL twin,
+and tests/pipeline/test_w3_property.py holds the two together on arbitrary bytes, record by
+record, on a real Spark session):
+
+* Header keys are read as librdkafka hands them to Python: up to their first NUL byte, as UTF-8.
+  A record with any key that is not UTF-8 there (confluent-kafka cannot even build its header
+  list: `Message.headers()` raises) or that holds U+FFFD (what the JVM's Kafka client makes of
+  such bytes) is malformed: both kinds of reader see the same thing.
+* The first header whose key is `wal.expected_offset` counts; later ones are ignored.
+* Its value must be one or more ASCII digits and nothing else (no sign, space or line end);
+  leading zeros are allowed. A value above 2^63 - 1 (no Kafka offset) makes the record malformed.
+  It is read without ever handing a long string to `int()` (Python refuses more than 4,300
+  digits with ValueError; one such header once wedged every reader of its shard).
+
+Whatever goes wrong while judging one record makes that record malformed (`judge` never raises
+on data); the replayer counts it and logs its offset.
 """
 
 from __future__ import annotations
@@ -13,8 +30,6 @@ import enum
 import functools
 from collections.abc import Sequence
 from typing import NamedTuple
-
-from google.protobuf.message import DecodeError
 
 from wal.v1 import record_pb2
 
@@ -83,16 +98,42 @@ def _writer_field(writer: WriterIdentity) -> bytes:
     return b"\x12" + _varint(len(inner)) + inner
 
 
+MAX_OFFSET = (1 << 63) - 1  # Kafka offsets are int64
+_MAX_OFFSET_DIGITS = len(str(MAX_OFFSET))  # 19
+_SHORT_DIGITS = _MAX_OFFSET_DIGITS - 1  # up to 18 digits a value is always <= MAX_OFFSET
+_REPLACEMENT = "\ufffd"
+
+
+def parse_offset(raw: bytes | str | None) -> int | None:
+    """A header value as an offset: ASCII digits only (leading zeros allowed), at most
+    MAX_OFFSET; None for anything else. Bounded work whatever the length: leading zeros are
+    dropped and more than 19 significant digits is refused before `int()` sees them."""
+    if isinstance(raw, str):
+        if not raw.isascii():
+            return None
+        raw = raw.encode("ascii")
+    if not raw or not raw.isdigit():  # bytes.isdigit(): ASCII 0-9 only
+        return None
+    significant = raw.lstrip(b"0")
+    if len(significant) > _MAX_OFFSET_DIGITS:
+        return None
+    value = int(significant) if significant else 0
+    return value if value <= MAX_OFFSET else None
+
+
 def header_expected_offset(headers: AnyHeaders) -> int | None:
-    """The expected offset from the header, or None if absent or not a decimal integer."""
+    """The expected offset from the headers, or None (the record is malformed): no such header,
+    a value that is not an offset (`parse_offset`), or a key that is not readable text (the
+    module docstring's rule). Every key is looked at, not only those before the first match."""
     pairs = headers.items() if isinstance(headers, dict) else (headers or ())
-    for key, value in pairs:
-        if key == EXPECTED_OFFSET_HEADER:
-            if isinstance(value, bytes):  # bytes.isdigit() is ASCII digits only, and int() takes bytes
-                return int(value) if value.isdigit() else None
-            text = value or ""
-            return int(text) if text.isascii() and text.isdigit() else None
-    return None
+    found = False
+    value: str | bytes | None = None
+    for key, header_value in pairs:  # bounded by the record's headers
+        if not isinstance(key, str) or _REPLACEMENT in key:
+            return None
+        if not found and key == EXPECTED_OFFSET_HEADER:
+            found, value = True, header_value
+    return parse_offset(value) if found else None
 
 
 def judge(
@@ -104,7 +145,7 @@ def judge(
         return Verdict.MALFORMED, None
     try:
         body = record_pb2.Record.FromString(value)
-    except DecodeError:
+    except Exception:  # DecodeError, or anything else the parser may raise on hostile bytes
         return Verdict.MALFORMED, None
     if body.expected_offset != expected_in_header:
         return Verdict.MALFORMED, None
@@ -154,10 +195,13 @@ def judge_batch(offsets: Sequence[int], values: Sequence[bytes | None], headers:
     for index in range(len(offsets)):  # bounded by the batch; a plain loop: once per record replayed
         value = values[index]
         record_headers = headers[index]
-        # header_expected_offset, inline for the shape every writer sends (first header is ours).
-        if type(record_headers) is list and record_headers and record_headers[0][0] == EXPECTED_OFFSET_HEADER \
-                and type(header_value := record_headers[0][1]) is bytes:
-            expected: int | None = int(header_value) if header_value.isdigit() else None
+        # header_expected_offset, inline for the shape every writer sends (our header alone, at
+        # most 18 digits: always an offset), anything else through it.
+        if type(record_headers) is list and len(record_headers) == 1 \
+                and record_headers[0][0] == EXPECTED_OFFSET_HEADER \
+                and type(header_value := record_headers[0][1]) is bytes \
+                and len(header_value) <= _SHORT_DIGITS and header_value.isdigit():
+            expected: int | None = int(header_value)
         else:
             expected = header_expected_offset(record_headers)
         if expected is None or value is None:
@@ -196,7 +240,7 @@ def judge_batch(offsets: Sequence[int], values: Sequence[bytes | None], headers:
         # Anything else, as `judge` does it.
         try:
             body = record_pb2.Record.FromString(value)
-        except DecodeError:
+        except Exception:  # as `judge`: whatever the parser raises on hostile bytes
             malformed += 1
             continue
         if body.expected_offset != expected:

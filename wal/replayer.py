@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import operator
 import time
 from collections.abc import Callable, Iterator
@@ -37,6 +38,8 @@ from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Topic
 from wal import clients, record
 from wal.errors import OffsetOutOfRangeError, UnavailableError, WalTimeoutError
 
+log = logging.getLogger(__name__)
+
 # librdkafka stops fetching a partition while its local queue holds queued.min.messages (100k) or
 # queued.max.messages.kbytes, and then looks again only after fetch.queue.backoff.ms (1 s by
 # default). A replay that applies slower than the broker delivers fills the queue, so with the
@@ -45,6 +48,7 @@ from wal.errors import OffsetOutOfRangeError, UnavailableError, WalTimeoutError
 # as they are; only the look comes sooner.
 REPLAY_FETCH = {"fetch.queue.backoff.ms": 10}
 CONSUME_STEP = 500  # records per consume() within one fetch (`Replayer._fetch` says why)
+UNREADABLE_LOGGED = 20  # unreadable records logged one by one per replayer; then every 1000th
 _ERROR, _OFFSET = operator.methodcaller("error"), operator.methodcaller("offset")
 _VALUE, _HEADERS = operator.methodcaller("value"), operator.methodcaller("headers")
 
@@ -53,7 +57,8 @@ _VALUE, _HEADERS = operator.methodcaller("value"), operator.methodcaller("header
 class ReplayStats:
     accepted: int = 0
     rejected_mismatch: int = 0  # well-formed records that landed where they did not expect (W3)
-    rejected_malformed: int = 0  # foreign or corrupt records
+    rejected_malformed: int = 0  # foreign or corrupt records (the unreadable ones included)
+    unreadable: int = 0  # of those, records that could not even be judged (e.g. headers that do not decode)
 
     @property
     def rejected(self) -> int:
@@ -252,7 +257,7 @@ class Replayer:
             budget -= len(batch)
             self._position_current = True  # consumed after the last seek (older ones are dropped)
             messages, offsets, values, headers, failure = self._records_of(batch)
-            judged = record.judge_batch(offsets, values, headers)
+            judged = self._judge(offsets, values, headers)
             stats = self.stats
             stats.accepted += len(judged.accepted)
             stats.rejected_mismatch += judged.mismatch
@@ -280,11 +285,10 @@ class Replayer:
                 # Only records, in order, none seen before: what a fetch nearly always is, read a
                 # column at a time (~0.2 µs a record less than the loop below).
                 self.position = offsets[-1] + 1
-                return batch, offsets, list(map(_VALUE, batch)), list(map(_HEADERS, batch)), None
+                return batch, offsets, list(map(_VALUE, batch)), self._headers_of(batch, offsets), None
         messages: list[Message] = []
         offsets = []
         values: list[bytes | None] = []
-        headers: list[record.AnyHeaders] = []
         failure: UnavailableError | None = None
         for msg in batch:  # bounded by CONSUME_STEP
             err = msg.error()
@@ -309,10 +313,69 @@ class Replayer:
             messages.append(msg)
             offsets.append(offset)
             values.append(msg.value())
-            headers.append(msg.headers())
             position = offset + 1
+        headers = self._headers_of(messages, offsets)
         self.position = position
         return messages, offsets, values, headers, failure
+
+    def _judge(self, offsets: list[int], values: list[bytes | None], headers: list[record.AnyHeaders]) -> record.Judged:
+        """W3 over one step (`record.judge_batch`). Should judging ever raise on some record's
+        bytes (a bug: it must not), the step is judged again record by record, and a record whose
+        judgement raises is malformed, logged with its offset: never a failed reader that would
+        meet the same record again at the same checkpoint, forever."""
+        try:
+            return record.judge_batch(offsets, values, headers)
+        except Exception:
+            log.exception("%s[%d]: judging records %d..%d raised; judging them one by one", self.topic,
+                          self.partition, offsets[0], offsets[-1])
+        judged = record.Judged([], [], [], 0, 0)
+        for index, (offset, value, record_headers) in enumerate(zip(offsets, values, headers, strict=True)):
+            try:
+                verdict, accepted = record.judge(offset, value, record_headers)
+            except Exception as exc:
+                self._unreadable(offset, f"judging raised {type(exc).__name__}: {exc}")
+                verdict, accepted = record.Verdict.MALFORMED, None
+            if accepted is not None:
+                judged.accepted.append(index)
+                judged.payloads.append(accepted.payload)
+                judged.writers.append(accepted.writer)
+            elif verdict is record.Verdict.MISMATCH:
+                judged = judged._replace(mismatch=judged.mismatch + 1)
+            else:
+                judged = judged._replace(malformed=judged.malformed + 1)
+        return judged
+
+    def _headers_of(self, messages: list[Message], offsets: list[int]) -> list[record.AnyHeaders]:
+        """Each message's headers; None (the record is then malformed, W3) for one whose headers
+        cannot be read. confluent-kafka builds a key with PyUnicode_FromString, so a key that is
+        not UTF-8 makes `headers()` raise SystemError, and the message then caches a list
+        holding a NULL that crashes the interpreter when touched: a message whose `headers()`
+        raised is never asked again. (Seen: one such record wedged every reader of its shard.)
+
+        `list.extend` keeps the items it appended before its iterator raised (CPython;
+        tests/unit/test_replayer_errors.py holds it), so the failing message is the one at the
+        list's length, and the rest are asked from the next one on."""
+        out: list[record.AnyHeaders] = []
+        while True:  # bounded: every turn either ends or moves past one message
+            try:
+                out.extend(map(_HEADERS, itertools.islice(messages, len(out), None)))
+                break
+            except Exception as exc:
+                failed = len(out)
+                assert failed < len(messages), "a message failed that was not asked"
+                self._unreadable(offsets[failed], f"{type(exc).__name__}: {exc}")
+                out.append(None)
+        assert len(out) == len(messages)
+        return out
+
+    def _unreadable(self, offset: int, why: str) -> None:
+        """A record that cannot even be judged: malformed (W3), counted as such by the caller,
+        logged with its offset (the first few per replayer, then every 1000th: a flood of them
+        must not flood the log)."""
+        self.stats.unreadable += 1
+        if self.stats.unreadable <= UNREADABLE_LOGGED or self.stats.unreadable % 1000 == 0:
+            log.warning("%s[%d] offset %d: unreadable record (%s): skipped as malformed (%d so far)", self.topic,
+                        self.partition, offset, why, self.stats.unreadable)
 
     def _drop_queued_refusal(self) -> None:
         """Consume what is queued up to librdkafka's _AUTO_OFFSET_RESET error (seek() discards

@@ -7,10 +7,10 @@ judged by `verdict`, the SQL twin of `wal.record.judge` (tests/pipeline/test_wal
 the two together on the same records, rogue ones included).
 
 Spark 4 runs ANSI SQL, where a plain `cast` of a bad string fails the whole job. A WAL may hold
-anything a foreign producer wrote, so nothing here may throw on data: the header is checked
-against `^[0-9]+$` and parsed with `try_cast`, the first matching header is taken with
-`try_element_at`, and bytes that do not parse decode to NULL. Such records are *malformed*, i.e.
-rejected and counted, never a failed job.
+anything a foreign producer wrote, so nothing here may throw on data: the header is checked as
+bytes and parsed with `try_cast` (`header_expected_offset`), the first matching header is taken
+with `try_element_at`, and bytes that do not parse decode to NULL. Such records are *malformed*,
+i.e. rejected and counted, never a failed job.
 """
 
 from __future__ import annotations
@@ -23,7 +23,9 @@ from pyspark.sql import functions as F
 
 from kvstore.pipeline.session import ENTRY_UDF, RECORD_UDF
 from wal.clients import ClientSecurity, java_security_settings
-from wal.record import EXPECTED_OFFSET_HEADER
+from wal.record import EXPECTED_OFFSET_HEADER, MAX_OFFSET
+
+MAX_OFFSET_DIGITS = len(str(MAX_OFFSET))
 
 ACCEPTED = "accepted"
 MISMATCH = "mismatch"
@@ -73,13 +75,31 @@ def read_wal(spark: SparkSession, bootstrap_servers: str, topic: str, ranges: Ma
 
 
 def header_expected_offset() -> Column:
-    """The `wal.expected_offset` header as a bigint, NULL if absent or not ASCII decimal
-    (`wal.record.header_expected_offset`: the first such header counts)."""
-    first = F.try_element_at(
-        F.filter(F.coalesce(F.col("headers"), F.array()), lambda h: h["key"] == F.lit(EXPECTED_OFFSET_HEADER)),
-        F.lit(1))
-    text = first["value"].cast("string")
-    return F.when(text.rlike("^[0-9]+$"), text.try_cast("bigint")).otherwise(F.lit(None).cast("bigint"))
+    """The `wal.expected_offset` header as a bigint, NULL when the record is malformed by it:
+    `wal.record.header_expected_offset`'s rule (its module docstring), step for step.
+
+    - A key counts up to its first NUL byte (Python readers get keys as C strings from
+      librdkafka), and a key holding U+FFFD makes the record malformed (the JVM's Kafka client
+      decodes a key that is not UTF-8 with U+FFFD; Python readers cannot decode it at all).
+    - The first header with our key counts. Its value is checked as bytes, through `hex`, to be
+      ASCII digits only: no regex end anchor that also matches before a final line terminator
+      (Java's `$` does), no cast that trims whitespace (Spark's does).
+    - Leading zeros are dropped and more than 19 significant digits refused before the cast;
+      `try_cast` then refuses what is above 2^63 - 1.
+    """
+    headers = F.coalesce(F.col("headers"), F.array())
+
+    def key(header: Column) -> Column:
+        return F.substring_index(header["key"], "\u0000", 1)
+
+    unreadable = F.exists(headers, lambda h: key(h).contains("\ufffd"))
+    first = F.try_element_at(F.filter(headers, lambda h: key(h) == F.lit(EXPECTED_OFFSET_HEADER)), F.lit(1))
+    value = first["value"]
+    digits = F.hex(value).rlike(r"\A(3[0-9])+\z")  # 0x30-0x39, one or more, nothing else
+    significant = F.regexp_replace(value.cast("string"), r"\A0+", "")
+    offset = (F.when(significant == F.lit(""), F.lit(0).cast("bigint"))
+              .when(F.length(significant) <= F.lit(MAX_OFFSET_DIGITS), significant.try_cast("bigint")))
+    return F.when(~unreadable & digits, offset).otherwise(F.lit(None).cast("bigint"))
 
 
 def w3_accepts(actual: Column, expected: Column) -> Column:

@@ -73,6 +73,9 @@ def test_w3_column_expression_agrees_with_judge(kafka: LocalKafka, topic: str, s
         (bad_utf8_writer, [(EXPECTED_OFFSET_HEADER, str(base + 13).encode())]),
         (envelope(base + 14, payload=b""), [(EXPECTED_OFFSET_HEADER, "\u0661\u0667".encode())]),  # Arabic digits
         (b"", [(EXPECTED_OFFSET_HEADER, b"0")]),                                   # empty body = offset 0, mismatch
+        (envelope(base + 16), [(EXPECTED_OFFSET_HEADER, str(base + 16).encode() + b"\n")]),  # Java's $ matched
+        (envelope(base + 17), [(EXPECTED_OFFSET_HEADER, b"9" * 5_000)]),          # int() raised: wedged readers
+        (envelope(base + 18), [(EXPECTED_OFFSET_HEADER, b"0" * 5_000 + str(base + 18).encode())]),
     ]
     for value, headers in cases:
         rogue(value, headers)
@@ -100,6 +103,6 @@ def test_w3_column_expression_agrees_with_judge(kafka: LocalKafka, topic: str, s
     by_case = [python[base + i][0] for i in range(len(cases))]
     assert by_case == ["malformed", "mismatch", "accepted", "malformed", "malformed", "accepted", "malformed",
                        "malformed", "malformed", "malformed", "malformed", "malformed", "accepted", "malformed",
-                       "malformed", "mismatch"]
+                       "malformed", "mismatch", "malformed", "malformed", "accepted"]
     assert python[0][0] == python[1][0] == "accepted" and python[end - 2][0] == "accepted"
     assert base + len(cases) not in python  # aborted

@@ -19,6 +19,7 @@ from wal.record import (
     header_expected_offset,
     judge,
     judge_batch,
+    parse_offset,
 )
 from wal.v1 import record_pb2
 
@@ -144,10 +145,37 @@ def test_judge_malformed(offset: int, value: bytes | None, headers: Headers | No
         pytest.param([(H, b"x"), (H, b"9")], None, id="first-occurrence-bad"),
         pytest.param([(H, b"-1")], None, id="negative"),
         pytest.param([(H, b"\xc3\xa9")], None, id="utf8-non-ascii"),
+        pytest.param([(H, b"12\n")], None, id="trailing-newline"),
+        pytest.param([(H, b"12\r\n")], None, id="trailing-crlf"),
+        pytest.param([(H, b"\n12")], None, id="leading-newline"),
+        pytest.param([(H, b"9" * 5_000)], None, id="5000-digits"),
+        pytest.param([(H, b"0" * 5_000 + b"12")], 12, id="5000-leading-zeros"),
+        pytest.param([(H, b"0" * 5_000)], 0, id="5000-zeros"),
+        pytest.param([(H, b"9223372036854775807")], 2**63 - 1, id="int64-max"),
+        pytest.param([(H, b"09223372036854775807")], 2**63 - 1, id="int64-max-leading-zero"),
+        pytest.param([(H, b"9223372036854775808")], None, id="int64-max+1"),
+        pytest.param([(H, b"10000000000000000000")], None, id="20-digits"),
+        pytest.param([(H, "12")], 12, id="str-value"),
+        pytest.param([(H, "\u0661\u0662")], None, id="str-arabic-indic"),
+        pytest.param({H: b"12"}, 12, id="dict"),
+        pytest.param([(H, b"12"), ("other\ufffd", b"")], None, id="a-key-with-U+FFFD-after"),
+        pytest.param([("\ufffd", b""), (H, b"12")], None, id="a-key-with-U+FFFD-before"),
+        pytest.param([(H, b"12"), (None, b"")], None, id="a-key-that-is-not-text"),
     ],
 )
 def test_header_expected_offset(headers: Headers | None, expected: int | None) -> None:
     assert header_expected_offset(headers) == expected
+
+
+@pytest.mark.parametrize(
+    ("raw", "expected"),
+    [(b"0", 0), (b"7", 7), (b"007", 7), (b"", None), (None, None), (b"1" * 18, int("1" * 18)),
+     (b"9" * 19, None), (b"1" * 19, int("1" * 19)), (b"1" * 4_301, None), (b"0" * 4_301 + b"1", 1),
+     (b" 1", None), (b"1 ", None), (b"+1", None), (b"1\n", None), ("\uff11", None), ("42", 42)],
+    ids=repr,
+)
+def test_parse_offset(raw: bytes | str | None, expected: int | None) -> None:
+    assert parse_offset(raw) == expected
 
 
 @pytest.mark.parametrize(
@@ -212,6 +240,14 @@ def _rogue_values(rng: random.Random, offset: int, payload: bytes) -> list[tuple
         (good, [(EXPECTED_OFFSET_HEADER, str(offset))]),  # a str value, as a dict or a test may pass
         (good, [(EXPECTED_OFFSET_HEADER, None)]),
         (good, None),
+        # Issue 18: what once wedged a reader or split the readers.
+        (good, [(EXPECTED_OFFSET_HEADER, b"9" * 5_000)]),  # int() refuses > 4,300 digits
+        (good, [(EXPECTED_OFFSET_HEADER, b"0" * 5_000 + str(offset).encode())]),  # the same number
+        (good, [(EXPECTED_OFFSET_HEADER, str(offset).encode() + b"\n")]),
+        (good, [(EXPECTED_OFFSET_HEADER, str(offset).encode()), ("bad\ufffd", b"")]),
+        (good, [(EXPECTED_OFFSET_HEADER, str(offset).encode()), (None, b"")]),
+        (good, [(EXPECTED_OFFSET_HEADER, b"9223372036854775808")]),
+        (good, [(EXPECTED_OFFSET_HEADER, str(offset).encode()), (EXPECTED_OFFSET_HEADER, b"x")]),
         (bytes(rng.randrange(256) for _ in range(rng.randrange(12))), headers),
         (bytearray_flip(rng, good), headers),
     ]

@@ -186,3 +186,70 @@ def test_other_seek_errors_are_raised(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(consumer, "seek", broken_seek)
     with pytest.raises(KafkaException):
         r.seek(1)
+
+
+# ---- records that cannot be judged (issue 18) --------------------------------------------------------
+
+
+class PoisonedMessage(FakeMessage):
+    """A record whose header key is not UTF-8: confluent-kafka's `headers()` raises SystemError the
+    first time and then returns a cached list holding a NULL, which crashes the interpreter when
+    touched. Here a second call fails the test instead."""
+
+    def __init__(self, offset: int) -> None:
+        super().__init__(offset, b"x", None)
+        self.asked = 0
+
+    def headers(self) -> Any:
+        self.asked += 1
+        assert self.asked == 1, f"offset {self._offset}: headers() asked again after it failed"
+        raise SystemError("<method 'headers' of 'cimpl.Message' objects> returned a result with an exception set")
+
+
+def test_list_extend_keeps_what_it_appended_before_its_iterator_raised() -> None:
+    """`Replayer._headers_of` counts on it to find which message failed."""
+    def items() -> Any:
+        yield 1
+        yield 2
+        raise SystemError("third")
+
+    out: list[int] = [0]
+    with pytest.raises(SystemError):
+        out.extend(items())
+    assert out == [0, 1, 2]
+
+
+@pytest.mark.parametrize("poisoned_at", [[0], [1], [2], [0, 2], [0, 1, 2]])
+def test_a_record_whose_headers_cannot_be_read_is_malformed_and_asked_once(
+        monkeypatch: pytest.MonkeyPatch, poisoned_at: list[int]) -> None:
+    r, consumer, _ = make(monkeypatch, 0, 0, 10)
+    messages: list[FakeMessage] = [PoisonedMessage(o) if o in poisoned_at else accepted_at(o, b"p%d" % o)
+                                   for o in range(3)]
+    consumer.batches.append(messages)
+    got = r.poll_once(0.1)
+    assert [a.offset for a in got] == [o for o in range(3) if o not in poisoned_at]
+    assert (r.stats.rejected_malformed, r.stats.unreadable) == (len(poisoned_at), len(poisoned_at))
+    assert r.position == 3
+    assert all(m.asked == 1 for m in messages if isinstance(m, PoisonedMessage))
+
+
+def test_a_judgement_that_raises_makes_its_record_malformed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Should judging ever raise on some bytes (a bug), the reader judges record by record and
+    skips the one that raises, instead of failing at the same checkpoint forever."""
+    r, consumer, _ = make(monkeypatch, 0, 0, 10)
+    consumer.batches.append([accepted_at(0, b"a"), accepted_at(1, b"b"), accepted_at(2, b"c")])
+    real_judge = record.judge
+
+    def judge_batch(*args: Any) -> Any:
+        raise RuntimeError("a bug")
+
+    def judge(offset: int, *args: Any) -> Any:
+        if offset == 1:
+            raise RuntimeError("a bug on this record")
+        return real_judge(offset, *args)
+
+    monkeypatch.setattr(record, "judge_batch", judge_batch)
+    monkeypatch.setattr(record, "judge", judge)
+    got = r.poll_once(0.1)
+    assert [(a.offset, a.payload) for a in got] == [(0, b"a"), (2, b"c")]
+    assert (r.stats.accepted, r.stats.rejected_malformed, r.stats.unreadable) == (2, 1, 1)
