@@ -91,11 +91,15 @@ endif
 
 # Every RPC of a real node with random messages and bytes that are not protobuf (tests/fuzz): at least
 # 10^4 cases, none may crash the node, get an unclean status or change the state by a refused
-# request. `make test` runs a sample of the same tests (FUZZ_CASES=15 per RPC and mode).
+# request. A fresh random seed per campaign, printed (FUZZ_SEED=N make fuzz replays campaign N).
+# `make test` runs a sample of the same tests (FUZZ_CASES=15 per RPC and mode) with a fixed seed
+# unless FUZZ_SEED is set (README "Development").
 FUZZ_CASES ?= 400
+FUZZ_SEED ?= random
 fuzz: venv proto kafka
 	mkdir -p .data
-	FUZZ_CASES=$(FUZZ_CASES) FUZZ_MIN_CASES=10000 FUZZ_REPORT=.data/fuzz-report.json $(PY) -m pytest -q tests/fuzz
+	FUZZ_SEED=$(FUZZ_SEED) FUZZ_CASES=$(FUZZ_CASES) FUZZ_MIN_CASES=10000 FUZZ_REPORT=.data/fuzz-report.json \
+	  $(PY) -m pytest -q tests/fuzz
 
 unit: venv proto
 	$(PY) -m pytest -q tests/unit

@@ -23,8 +23,44 @@ MAX_BATCH_BYTES = 4 * 1024 * 1024
 BATCH_LINGER_MS = 2
 MAX_WATCHERS = 1_024
 WATCH_QUEUE_EVENTS = 10_000  # per watcher; a watcher that falls this far behind is cut off
-# gRPC's own cap, a little above MAX_REQUEST_BYTES so that our check (with a clear message) runs.
+# The size contract of a request, in two refusing zones (README "Limits and errors"):
+# - above MAX_REQUEST_BYTES, up to GRPC_MAX_MESSAGE_BYTES: the store refuses it (the interceptor,
+#   before decoding): INVALID_ARGUMENT, ErrorInfo LIMIT_EXCEEDED with limit MAX_REQUEST_BYTES;
+# - above GRPC_MAX_MESSAGE_BYTES: gRPC's transport refuses it (the node's receive cap) with
+#   RESOURCE_EXHAUSTED and no ErrorInfo; the store's code never sees those bytes, so it cannot
+#   say more. Nothing was queued, but a generic client cannot tell (no outcome "none"); the
+#   Python client never sends one (it refuses anything above MAX_REQUEST_BYTES itself).
+# Raising the cap would only move the transport's zone up: whatever the cap, a node must stop
+# reading somewhere, and every call in flight may hold this much of a request in memory. 2 MiB (a
+# little over twice MAX_REQUEST_BYTES) leaves the store's own refusal a whole megabyte of room; it
+# is also the send cap of nodes and clients (the largest response), and what deployed clients were
+# built with. The same value caps node-to-node calls (kvstore.server.peers).
+# tests/integration/test_request_size.py pins both zones at their edges; the fuzz test accepts
+# an answer without ErrorInfo only in the second (tests/fuzz/contract.py).
 GRPC_MAX_MESSAGE_BYTES = 2 * 1024 * 1024
+assert MAX_VALUE_BYTES < MAX_REQUEST_BYTES < GRPC_MAX_MESSAGE_BYTES, "the store's refusal needs a zone of its own"
+# The size contract of a response: the cap above is also the node's send cap, and an answer above it
+# would leave as gRPC's RESOURCE_EXHAUSTED "Sent message larger than max", no ErrorInfo, after the
+# work was done (three 900 000-byte values in one Scan page did that). So every answer that gathers
+# values is built within MAX_RESPONSE_BYTES, counting every field it carries:
+# - a Scan page (and a scan part one node serves another, PeerService.ScanShards) ends early when
+#   the next key would not fit, and says there is more exactly as at its `limit`; its first key is
+#   always sent, so paging always progresses;
+# - a Txn whose answer (its gets' values) would not fit is refused before anything is queued:
+#   INVALID_ARGUMENT, ErrorInfo LIMIT_EXCEEDED, limit MAX_RESPONSE_BYTES. A Txn that writes is also
+#   bounded by the WAL's record limit (~1 MB), since its answer is stored in its record for retries.
+# Every other answer holds at most one value (Get, a Watch event) or no value at all.
+# MAX_KEY_VALUE_BYTES is the largest key+value an answer carries with its protobuf framing (the
+# three revisions, tags and lengths, a Txn get's wrappers); 64 bytes cover that with room. A single
+# one always fits the budget (the first key of a page), and the budget plus one more of them plus
+# framing still fits the send cap: even a page whose fixed part (one header per shard, the page
+# token) took the budget would stay below it. 1 MiB pages cost a round trip per MiB of values.
+MAX_KEY_VALUE_BYTES = MAX_KEY_BYTES + MAX_VALUE_BYTES + 64
+MAX_RESPONSE_BYTES = 1024 * 1024
+RESPONSE_FRAMING_BYTES = 64 * 1024  # gRPC's frame, a forwarded part's wrapper, a page token: with room
+assert MAX_KEY_VALUE_BYTES <= MAX_RESPONSE_BYTES, "a page's first key must fit the response budget alone"
+assert MAX_RESPONSE_BYTES + MAX_KEY_VALUE_BYTES + RESPONSE_FRAMING_BYTES <= GRPC_MAX_MESSAGE_BYTES, \
+    "a response must stay below gRPC's send cap"
 
 # ---- the request-id (dedupe) table: DESIGN.md §3, "kept for a documented horizon" ----------------
 # Every replica forgets a request id at the same WAL entry, by time and by count, from the leader

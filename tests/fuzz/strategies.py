@@ -3,11 +3,16 @@ are not one: what a fuzz campaign sends to a node.
 
 Values lean towards the store's edges (empty, at and one past every documented limit, unknown
 enum numbers, negative and huge integers) and towards a few real keys, so that random requests
-reach the code behind validation as well as validation itself.
+reach the code behind validation as well as validation itself. Whole requests lean towards the
+edges of the size contract (tests/fuzz/contract.py): about one in five is padded to exactly
+MAX_REQUEST_BYTES, one byte more, the transport cap or one byte more, so a sample of a few hundred
+cases reaches both refusing zones, not only when enough big values happen to meet. Each test's
+first case, hypothesis's simplest, is one of them: its request padded to exactly MAX_REQUEST_BYTES.
 """
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any
 
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
@@ -33,6 +38,62 @@ _blobs = st.one_of(
                               else st.just(b"")),
 )
 _texts = st.one_of(st.text(max_size=24), st.sampled_from(["", "r1", "x" * (limits.MAX_REQUEST_ID_BYTES + 1)]))
+
+
+# The sizes a padded request gets: the last one the store takes, the first it refuses itself, the
+# last one gRPC lets through to it and the first one gRPC refuses.
+EDGE_SIZES = [limits.MAX_REQUEST_BYTES, limits.MAX_REQUEST_BYTES + 1,
+              limits.GRPC_MAX_MESSAGE_BYTES, limits.GRPC_MAX_MESSAGE_BYTES + 1]
+PAD_FIELD = 536_870_911  # the largest field number protobuf allows; no message of the API uses it
+# One roll in PAD_ONE_IN pads a request (each costs one to two megabytes to send). Hypothesis draws
+# the roll's simplest value, 0, more often than the others: about one request in five is padded.
+PAD_ONE_IN = 10
+
+
+class Sent:
+    """One request's bytes. A failure's traceback shows each frame's arguments: this shows a
+    request by its size, digest and first bytes, where the bytes' own repr would bury the report
+    under megabytes of padding. The seed (tests/fuzz/seeding.py) is what replays it."""
+
+    __slots__ = ("raw",)
+
+    def __init__(self, raw: bytes) -> None:
+        self.raw = raw
+
+    def __repr__(self) -> str:
+        return (f"Sent({len(self.raw)} bytes, sha256 {hashlib.sha256(self.raw).hexdigest()[:16]}, "
+                f"starting {self.raw[:48]!r})")
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        low, n = n & 0x7F, n >> 7
+        out.append(low | (0x80 if n else 0))
+        if not n:
+            return bytes(out)
+
+
+def padded(raw: bytes, size: int) -> bytes:
+    """`raw` followed by an unknown length-delimited field (PAD_FIELD) that makes it exactly `size`
+    bytes; `raw` itself if it is that long already. A parser keeps an unknown field and ignores
+    it, so the padded bytes decode to the same request (or fail to, for bytes that are not one):
+    only the size changes."""
+    if len(raw) >= size:
+        return raw
+    tag = _varint(PAD_FIELD << 3 | 2)
+    for prefix in (b"", _varint(PAD_FIELD << 3 | 0) + b"\x00"):  # the second avoids a length-varint boundary
+        for width in range(1, 6):
+            length = size - len(raw) - len(prefix) - len(tag) - width
+            if length >= 0 and len(_varint(length)) == width:
+                return raw + prefix + tag + _varint(length) + b"\x00" * length
+    raise ValueError(f"cannot pad {len(raw)} bytes to {size}")  # only when size is within a few bytes of raw
+
+
+def sized(requests: st.SearchStrategy[bytes]) -> st.SearchStrategy[Sent]:
+    """`requests`, some padded to one of EDGE_SIZES (roll 0 of PAD_ONE_IN)."""
+    return st.tuples(requests, st.integers(0, PAD_ONE_IN - 1), st.sampled_from(EDGE_SIZES)).map(
+        lambda args: Sent(padded(args[0], args[2]) if args[1] == 0 else args[0]))
 
 
 def _ints(bits: int, signed: bool) -> st.SearchStrategy[int]:
