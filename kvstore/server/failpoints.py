@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 
 ENV = "KVSTORE_FAILPOINTS"
-KNOWN = frozenset({"apply-after-commit"})
+KNOWN = frozenset({"apply-after-commit", "bookkeeping-after-commit"})
 
 
 class FailpointError(OSError):

@@ -684,7 +684,6 @@ class ShardReplica:
             result = await self._append(writer, plan.payloads, plan.revision, batch)
             if result is None:
                 return machine.may_start_batch()
-            machine.batch_committed(result.offsets, result.upcoming_offset)
             try:
                 apply_error = self._apply_committed(result, plan.payloads)
             finally:
@@ -693,6 +692,11 @@ class ShardReplica:
                 # replica is rebuilt from it). Nothing below may answer "nothing written".
                 for index, response in plan.after_commit:
                     _settle(live[index].future, response)
+            # The machine's bookkeeping (and its paired W2 assertions) only after every client
+            # has its committed answer: should it raise, this leadership ends (the loop starts
+            # over and replays from the checkpoint), but no committed write is reported failed.
+            failpoints.check("bookkeeping-after-commit")
+            machine.batch_committed(result.offsets, result.upcoming_offset)
             if apply_error is not None:
                 self._give_up_after_apply_failure(apply_error)
                 return False
@@ -748,8 +752,9 @@ class ShardReplica:
 
     def _apply_committed(self, result: wal.AppendResult, payloads: list[bytes]) -> Exception | None:
         """W5: apply a committed batch at the offsets its records were delivered at (checked by
-        the machine, W2), with the new checkpoint. Returns the error instead of raising: the
-        batch is committed either way."""
+        the guard before the commit, W2; the machine's paired check follows the answers), with
+        the new checkpoint. Returns the error instead of raising: the batch is committed either
+        way."""
         try:
             failpoints.check("apply-after-commit")
             # The marker's slot (last record + 1) is assumed, not observed: the store remembers it.

@@ -101,6 +101,31 @@ def test_failed_apply_after_commit_answers_committed_and_gives_the_shard_up(kafk
         failpoints.arm("apply-after-commit", 0)
 
 
+def test_bookkeeping_that_raises_after_a_commit_still_answers_committed(kafka: LocalKafka, tmp_path: Path) -> None:
+    """W7 (issue 18): the machine's post-commit bookkeeping and its paired assertions run after
+    the clients have their committed answers. Made to raise there, the client still hears
+    "committed" (never a retriable failure for a write that took effect); the leadership starts
+    over from the WAL and the write is there, once."""
+    topic = _topic(kafka)
+
+    async def scenario() -> None:
+        async with _replica(_config(kafka, topic, tmp_path, "a"), lead=True) as replica:
+            await wait_until_async(lambda: replica.role is Role.LEADING, 30, what="the replica to lead")
+            failpoints.arm("bookkeeping-after-commit", 1)
+            response = await _put(replica, b"k", b"v", "rid-1")
+            assert response.result.HasField("revision") and not response.result.replayed
+            await wait_until_async(lambda: replica.role is Role.LEADING, 30, what="the replica to lead again")
+            again = await _put(replica, b"k", b"v", "rid-1")  # the retry finds the committed id
+            assert again.result.replayed and again.result.revision == response.result.revision
+            state = replica.store.get(b"k")
+            assert state is not None and state.version == 1 and state.mod_revision == response.result.revision
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        failpoints.arm("bookkeeping-after-commit", 0)
+
+
 def test_unknown_commit_outcome_fences_then_continues(kafka: LocalKafka, tmp_path: Path) -> None:
     """commit_transaction keeps timing out (injected before it is called, so nothing reaches
     the coordinator and the transaction stays open): the client hears "unknown outcome", and the

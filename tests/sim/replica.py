@@ -385,12 +385,13 @@ class Replica:
         in_flight, self.in_flight = self.in_flight, None
         assert in_flight is not None
         if isinstance(result, AppendResult):
-            self.role.batch_committed(result.offsets, result.upcoming_offset)
             self._apply(list(zip(result.offsets, in_flight.payloads, strict=True)), result.upcoming_offset,
                         unverified=result.offsets[-1] + 1)  # the marker's slot is assumed, not read
             self.world.audit.counters["batches"] += 1
             for pending, response in in_flight.waiting:  # W5: answered only now
                 self._answer(pending, response)
+            # As the node does: the machine's bookkeeping only once every client has its answer.
+            self.role.batch_committed(result.offsets, result.upcoming_offset)
             if self.role.keeps_leading:
                 self._maybe_start_batch()
             else:
