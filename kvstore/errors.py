@@ -15,7 +15,9 @@ A client that sees:
 * UNKNOWN with `kvstore-outcome: unknown`: the commit may or may not have happened (W7): retry
   with the same request id, which the store applies at most once;
 * FAILED_PRECONDITION with `kvstore-reason: request-id-expired`: the retry came after the
-  request-id horizon; the original attempt's outcome is unknown and cannot be learnt here.
+  request-id horizon; the original attempt's outcome is unknown and cannot be learnt here;
+* OUT_OF_RANGE, reason COMPACTED: a Watch asked for history the WAL no longer holds (truncated);
+  ErrorInfo.metadata["log_start"] says where it starts now.
 
 Every error the store raises *before anything of the request could have been committed* carries
 `kvstore-outcome: none` ("definite": nothing was queued, or the batch was aborted). A client
@@ -54,6 +56,8 @@ INFO_LEADER = "leader"
 INFO_SHARD = "shard"
 INFO_REQUEST_ID = "request_id"
 INFO_LIMIT = "limit"
+INFO_LOG_START = "log_start"  # COMPACTED: the oldest revision the shard's WAL still holds
+INFO_REVISION = "revision"  # COMPACTED: the revision asked for
 
 
 class Reason(enum.StrEnum):
@@ -67,6 +71,7 @@ class Reason(enum.StrEnum):
     UNAVAILABLE = "UNAVAILABLE"  # bootstrapping, leader changing, batch aborted: retry (RetryInfo)
     OUTCOME_UNKNOWN = "OUTCOME_UNKNOWN"  # W7: retry with metadata["request_id"]
     REQUEST_ID_EXPIRED = "REQUEST_ID_EXPIRED"  # the retry came too late: outcome unknown for good
+    COMPACTED = "COMPACTED"  # history below the shard's log start was truncated (metadata["log_start"])
     DEADLINE_EXCEEDED = "DEADLINE_EXCEEDED"
     UNAUTHENTICATED = "UNAUTHENTICATED"  # no or bad credentials
     PERMISSION_DENIED = "PERMISSION_DENIED"  # the caller's role does not allow the call
@@ -187,6 +192,28 @@ class RequestExpiredError(StoreError):
 
     def metadata(self) -> tuple[tuple[str, str], ...]:
         return ((REASON_KEY, REASON_REQUEST_ID_EXPIRED),)
+
+
+class CompactedError(StoreError):
+    """History asked for below a shard's log start: `kvstore wal truncate` deleted those records
+    (etcd's ErrCompacted). Nothing was done. The newest snapshot holds the state as of its cut;
+    read the current state and watch again from `log_start` or later."""
+
+    code = grpc.StatusCode.OUT_OF_RANGE
+    reason = Reason.COMPACTED
+
+    def __init__(self, shard: int, revision: int, log_start: int) -> None:
+        super().__init__(f"shard {shard}: revision {revision} was compacted: the WAL starts at {log_start} now "
+                         "(truncated below a snapshot); read the current state and watch from that revision or later")
+        self.shard = shard
+        self.revision = revision
+        self.log_start = log_start
+
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        return ((SHARD_KEY, str(self.shard)),)
+
+    def info(self) -> dict[str, str]:
+        return {INFO_SHARD: str(self.shard), INFO_REVISION: str(self.revision), INFO_LOG_START: str(self.log_start)}
 
 
 class DeadlineError(StoreError):

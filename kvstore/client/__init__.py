@@ -68,6 +68,7 @@ from kvstore.client.client import MAP_FETCH_TIMEOUT_S, Client
 from kvstore.client.errors import (
     BatchIncomplete,
     Cancelled,
+    Compacted,
     CrossShardTxn,
     DeadlineExceeded,
     InvalidArgument,
@@ -140,6 +141,7 @@ __all__ = [
     "Cancelled",
     "Client",
     "ClientSecurity",
+    "Compacted",
     "Compare",
     "CompareOp",
     "Consistency",

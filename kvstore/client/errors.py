@@ -22,6 +22,7 @@ from google.rpc import error_details_pb2, status_pb2
 from kvstore.errors import (
     DOMAIN,
     INFO_LEADER,
+    INFO_LOG_START,
     INFO_OUTCOME,
     INFO_SHARD,
     LEADER_HINT_KEY,
@@ -191,6 +192,21 @@ class Overloaded(KvError):
     """A bounded server queue was full; nothing was done."""
 
 
+class Compacted(KvError):
+    """A Watch asked for history below a shard's log start: the WAL was truncated there (etcd's
+    ErrCompacted). Nothing was started; read the current state, then watch from `log_start`."""
+
+    @property
+    def log_start(self) -> int | None:
+        raw = self.details.info.get(INFO_LOG_START, "")
+        return int(raw) if raw.isdigit() else None
+
+    @property
+    def shard(self) -> int | None:
+        raw = self.details.info.get(INFO_SHARD) or self.metadata.get(SHARD_KEY)
+        return int(raw) if raw and raw.isdigit() else None
+
+
 class DeadlineExceeded(KvError):
     """The call's deadline passed. For a write this is definite: no attempt was sent, or every
     one was refused with `kvstore-outcome: none`; a deadline that cut an attempt of a write
@@ -294,6 +310,8 @@ def error_from_status(
         # The server's own full queue. gRPC's RESOURCE_EXHAUSTED (a message above its size cap)
         # carries neither and falls through: retrying the same bytes cannot help.
         return Overloaded(message, **kwargs)
+    if reason == Reason.COMPACTED or code == grpc.StatusCode.OUT_OF_RANGE:
+        return Compacted(message, **kwargs)
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         return DeadlineExceeded(message, **kwargs)
     if code == grpc.StatusCode.CANCELLED:

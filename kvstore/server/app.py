@@ -273,8 +273,11 @@ class KVService(kv_pb2_grpc.KVServiceServicer):
         watching = sum(len(r.watchers) for r in self.node.replicas.values())
         if watching >= limits.MAX_WATCHERS:
             raise errors.OverloadedError(f"{watching} watches open; limit MAX_WATCHERS is {limits.MAX_WATCHERS}")
-        watcher = Watcher(request.key, request.prefix)
         replicas = [self.node.replica(s) for s in shards]
+        for replica in replicas:  # before the watch is registered: a clean refusal, nothing started
+            if replica.shard in starts:
+                await self._check_history(replica, starts[replica.shard])
+        watcher = Watcher(request.key, request.prefix)
         for replica in replicas:
             watcher.live_from[replica.shard] = replica.store.applied_offset
             replica.watchers.add(watcher)
@@ -300,9 +303,24 @@ class KVService(kv_pb2_grpc.KVServiceServicer):
             for replica in replicas:
                 replica.watchers.discard(watcher)
 
+    async def _check_history(self, replica: ShardReplica, start: int) -> None:
+        """Refuse a watch whose history starts below the shard's log start (truncated: etcd's
+        ErrCompacted), instead of finding out after TYPE_CREATED. UNAVAILABLE if the log start
+        cannot be read now."""
+        config = replica.config
+        try:
+            log_start = await asyncio.to_thread(replica.ends.log_start, config.topic, replica.shard)
+        except Exception as exc:  # librdkafka's error: the broker is away; the watch may be retried
+            raise errors.UnavailableError(f"shard {replica.shard}: cannot read the WAL's log start for the watch's "
+                                          f"history: {exc}") from exc
+        if start < log_start:
+            raise errors.CompactedError(replica.shard, start, log_start)
+
     async def _history(self, replica: ShardReplica, watcher: Watcher,
                        start: int) -> AsyncIterator[kv_pb2.WatchResponse]:
-        """Changes in [start, live_from) of one shard, read back from the WAL."""
+        """Changes in [start, live_from) of one shard, read back from the WAL. A truncation that
+        races the watch (the log start passed `start` after `_check_history`) ends the stream
+        with the same OUT_OF_RANGE."""
         end = watcher.live_from[replica.shard]
         if start >= end:
             return
@@ -311,7 +329,12 @@ class KVService(kv_pb2_grpc.KVServiceServicer):
                                                                 start, security=config.kafka_security))
         try:
             while replayer.position < end:
-                records = await asyncio.to_thread(replayer.poll_once, 0.5)
+                try:
+                    records = await asyncio.to_thread(replayer.poll_once, 0.5)
+                except wal.OffsetOutOfRangeError as exc:
+                    if exc.below_start:
+                        raise errors.CompactedError(replica.shard, replayer.position, exc.log_start) from exc
+                    raise errors.UnavailableError(f"shard {replica.shard}: watch history: {exc}") from exc
                 for change in decode_changes([r for r in records if r.offset < end]):
                     if watcher.matches(change.key):
                         yield _event(replica.shard, change)

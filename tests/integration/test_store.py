@@ -219,6 +219,42 @@ def test_a_prefix_watch_starts_per_shard(store: StoreProcess) -> None:
     assert (live.shard, live.kv.value) == (1, b"b2")
 
 
+def test_a_watch_below_the_log_start_is_out_of_range(store: StoreProcess) -> None:
+    """History that truncation deleted: OUT_OF_RANGE with reason COMPACTED naming the shard's log
+    start (etcd's ErrCompacted), before the watch is registered, never INTERNAL after
+    TYPE_CREATED; the client raises `Compacted` with the log start, and a watch from it works."""
+    from kvstore.client import Client, Compacted
+    from wal import delete_below
+
+    key = b"compacted/1"
+    shard = shard_of(key, 4)
+    revisions = [put(store, key, f"v{i}".encode()).result.revision for i in range(4)]
+    topic = f"{store.cluster}.wal"
+    [log_start] = delete_below(store.kafka, topic, {shard: revisions[2]}).values()
+    assert log_start == revisions[2]
+
+    with pytest.raises(grpc.RpcError) as refused:
+        next(store.kv.Watch(kv_pb2.WatchRequest(key=key, start_revision=revisions[1]), timeout=TIMEOUT))
+    assert refused.value.code() == grpc.StatusCode.OUT_OF_RANGE
+    status = rpc_status.from_call(refused.value)
+    assert status is not None
+    info = error_details_pb2.ErrorInfo()
+    assert any(d.Unpack(info) for d in status.details if d.Is(error_details_pb2.ErrorInfo.DESCRIPTOR))
+    assert (info.reason, info.metadata["log_start"], info.metadata["shard"]) == ("COMPACTED", str(log_start),
+                                                                                 str(shard))
+    assert info.metadata["outcome"] == "none"
+    with pytest.raises(grpc.RpcError) as all_history:  # 0 (all history) is gone too
+        next(store.kv.Watch(kv_pb2.WatchRequest(key=key, start_revision=0), timeout=TIMEOUT))
+    assert all_history.value.code() == grpc.StatusCode.OUT_OF_RANGE
+
+    with Client([store.address], timeout_s=TIMEOUT) as client:
+        with pytest.raises(Compacted) as compacted:
+            client.watch(key, start_revision=revisions[0])
+        assert (compacted.value.log_start, compacted.value.shard) == (log_start, shard)
+        with client.watch(key, start_revision=log_start) as watch:  # from the log start: what is left
+            assert [next(watch).kv.value for _ in range(2)] == [b"v2", b"v3"]
+
+
 def test_shard_map(store: StoreProcess) -> None:
     put(store, b"m", b"1")
     reply = store.cluster_stub.ShardMap(cluster_pb2.ShardMapRequest(), timeout=TIMEOUT)

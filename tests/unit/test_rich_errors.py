@@ -12,6 +12,7 @@ from kvstore import errors, limits
 from kvstore.client import Client
 from kvstore.client.errors import (
     NO_DETAILS,
+    Compacted,
     ErrorDetails,
     InvalidArgument,
     KvError,
@@ -53,6 +54,8 @@ TABLE = [
                  {"outcome": "none"}, id="expired"),
     pytest.param(errors.InternalError("bug"), UnknownOutcome, R.INTERNAL, None, (), {"outcome": "unknown"},
                  id="internal-is-unknown"),
+    pytest.param(errors.CompactedError(2, 5, 40), Compacted, R.COMPACTED, None, (),
+                 {"outcome": "none", "shard": "2", "revision": "5", "log_start": "40"}, id="compacted"),
     pytest.param(errors.PermissionDeniedError("role read may not Put"), PermissionDenied, R.PERMISSION_DENIED, None,
                  (), {"outcome": "none"}, id="permission-denied"),
     pytest.param(errors.UnauthenticatedError("no credentials"), Unauthenticated, R.UNAUTHENTICATED, None, (),
@@ -83,6 +86,8 @@ def test_the_client_reads_the_status_details_alone(error: errors.StoreError, cls
     assert client_error.reason == reason and client_error.field_violations == violations
     if isinstance(client_error, NotLeader):
         assert client_error.leader_hint == info.get("leader") and client_error.shard == 3
+    if isinstance(client_error, Compacted):
+        assert (client_error.shard, client_error.log_start) == (2, 40)
 
 
 @pytest.mark.parametrize(("error", "cls", "reason", "delay", "violations", "info"), TABLE)
