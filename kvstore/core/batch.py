@@ -213,6 +213,9 @@ def plan_batch(writes: Sequence[Write], revision: int, lookup: Lookup, table: Re
         except ValueError as exc:  # a condition the validator could not see (e.g. an unknown compare op)
             plan.now.append((index, errors.InvalidRequestError(str(exc))))
             continue
+        except errors.InvalidRequestError as invalid:  # e.g. a Txn answer above MAX_RESPONSE_BYTES: nothing queued
+            plan.now.append((index, invalid))
+            continue
         if evaluation.entry is not None:
             evaluation.entry.leader_unix_ms = now_unix_ms
             payload = evaluation.entry.SerializeToString()
@@ -220,7 +223,7 @@ def plan_batch(writes: Sequence[Write], revision: int, lookup: Lookup, table: Re
                 # e.g. a Txn whose answer (stored with it for retries) carries large gets
                 plan.now.append((index, errors.InvalidRequestError(
                     f"WAL record of {len(payload)} bytes exceeds the record limit {batch_limits.max_record_bytes}; "
-                    "split the Txn")))
+                    "split the Txn", limit="max_record_bytes")))
                 continue
             if plan.payloads and (plan.payload_bytes + len(payload) > batch_limits.max_bytes
                                   or len(plan.payloads) >= batch_limits.max_records):

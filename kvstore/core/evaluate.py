@@ -5,12 +5,19 @@ The leader evaluates a request against its applied state plus the batch still pe
 The result is the WAL entry to append (effects only, DESIGN.md §4) and the response to send
 once the batch commits. The response travels inside the entry, so that any replica can answer a
 retry with the original result from its request-id table.
+
+A Txn's response carries the values its gets read, and only the state tells how large they are:
+so it is measured here, where it is built, and a Txn whose answer would exceed
+`limits.MAX_RESPONSE_BYTES` is refused (`errors.InvalidRequestError`, limit named) before
+anything of it is queued, read-only or not, instead of failing in gRPC's send cap afterwards.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+from kvstore import errors, limits
+from kvstore.core.reads import field_bytes
 from kvstore.core.state import KeyState, Lookup, next_key_state
 from kvstore.internal.v1 import wal_entry_pb2
 from kvstore.v1 import kv_pb2
@@ -109,10 +116,16 @@ def compare_holds(compare: kv_pb2.Compare, state: KeyState | None) -> bool:
     raise ValueError(f"compare op {op} is not supported")
 
 
-def evaluate_txn(req: kv_pb2.TxnRequest, lookup: Lookup, shard: int, revision: int) -> Evaluation:
-    """Compares and gets see the state before the Txn; its writes apply in order."""
+def evaluate_txn(req: kv_pb2.TxnRequest, lookup: Lookup, shard: int, revision: int, *,
+                 max_response_bytes: int = limits.MAX_RESPONSE_BYTES) -> Evaluation:
+    """Compares and gets see the state before the Txn; its writes apply in order. Raises
+    InvalidRequestError (limit MAX_RESPONSE_BYTES) when the answer would exceed
+    `max_response_bytes`; it stops reading as soon as its results do, so a Txn of many large gets
+    never holds more than the budget and one value."""
     succeeded = all(compare_holds(c, lookup(c.key)) for c in req.compares)
+    branch = "success" if succeeded else "failure"
     ops = req.success if succeeded else req.failure
+    answer_bytes = 0  # the encoded results so far (TxnResponse.results)
     overlay: dict[bytes, KeyState | None] = {}
 
     def current(key: bytes) -> KeyState | None:
@@ -143,9 +156,14 @@ def evaluate_txn(req: kv_pb2.TxnRequest, lookup: Lookup, shard: int, revision: i
             results.append(kv_pb2.TxnOpResult(get=get))
         else:
             raise ValueError("a Txn operation must be a put, delete or get")
+        answer_bytes += field_bytes(results[-1].ByteSize())
+        if answer_bytes > max_response_bytes:
+            raise _answer_too_large(f"more than {max_response_bytes} bytes after {len(results)} of its {len(ops)} "
+                                    f"{branch} operations", branch, max_response_bytes)
     if not effects and not (req.request_id and _may_write(req)):
         # Only gets, whichever branch: nothing to record, answered after a read barrier.
         response = kv_pb2.TxnResponse(succeeded=succeeded, results=results, result=kv_pb2.WriteResult(shard=shard))
+        _check_answer(response, branch, max_response_bytes)
         return Evaluation(None, response)
     # A branch that writes nothing in a Txn that could have written (a compare-and-set whose
     # compare failed) is still recorded under its request id, as an entry without effects: an
@@ -153,7 +171,22 @@ def evaluate_txn(req: kv_pb2.TxnRequest, lookup: Lookup, shard: int, revision: i
     # client's deadline) must find this answer and replay it, never write after the client was
     # told the other branch ran (found by the simulation, tests/sim).
     response = kv_pb2.TxnResponse(succeeded=succeeded, results=results, result=write)
+    _check_answer(response, branch, max_response_bytes)
     return Evaluation(_entry(req.request_id, effects, response), response)
+
+
+def _check_answer(response: kv_pb2.TxnResponse, branch: str, max_response_bytes: int) -> None:
+    """The whole answer, its results and the rest, within the budget."""
+    size = response.ByteSize()
+    if size > max_response_bytes:
+        raise _answer_too_large(f"{size} bytes", branch, max_response_bytes)
+
+
+def _answer_too_large(size: str, branch: str, max_response_bytes: int) -> errors.InvalidRequestError:
+    return errors.InvalidRequestError(
+        f"the Txn's answer would be {size} (the keys and values its gets read), above MAX_RESPONSE_BYTES "
+        f"({max_response_bytes}); nothing was done: read those keys with fewer gets per Txn, or with Get",
+        field=branch, limit="MAX_RESPONSE_BYTES")
 
 
 def _may_write(req: kv_pb2.TxnRequest) -> bool:

@@ -24,7 +24,7 @@ import logging
 import signal
 import sys
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Generator
 from typing import Any
 
 import grpc
@@ -211,27 +211,34 @@ class KVService(kv_pb2_grpc.KVServiceServicer):
                     for shard in local]
         forwarded = await asyncio.gather(*(self._forward_scan(address, group, request, context)
                                            for address, group in remote.items()))
-        # Scatter-gather: every shard's first `limit + 1` keys (a forwarded part: its first page
-        # and whether it has more), merged in byte order.
-        rows: list[tuple[bytes, kv_pb2.KeyValue]] = []
-        for replica in replicas:
-            rows.extend((key, key_value(key, state)) for key, state in replica.store.scan(start, end, limit + 1))
-        more_elsewhere = False
-        for part in forwarded:
-            rows.extend((kv.key, kv) for kv in part.kvs)
-            more_elsewhere = more_elsewhere or bool(part.next_page_token)
-        rows.sort(key=lambda row: row[0])
-        page = rows[:limit]
         response = kv_pb2.ScanResponse(headers=[self._header(r) for r in replicas])
         for part in forwarded:
             response.headers.extend(part.headers)
-        for _key, kv in page:
-            if request.keys_only:
-                kv.value = b""
-            response.kvs.append(kv)
-        if page and (len(rows) > limit or more_elsewhere):
-            response.next_page_token = page[-1][0] + b"\x00"
+        # Scatter-gather, bounded by `limit` and by MAX_RESPONSE_BYTES (kvstore.core.reads): the
+        # shards served here are read lazily in key order, merged with the pages the other
+        # leaders served, and the page stops where either bound or a part's end of knowledge is.
+        streams = [self._scan_rows(replica, start, end, keys_only=request.keys_only) for replica in replicas]
+        try:
+            page = reads.merge_pages(streams, [reads.Page(list(part.kvs), more=bool(part.next_page_token))
+                                               for part in forwarded],
+                                     limit, reads.page_budget_bytes(response.headers))
+        finally:
+            for stream in streams:
+                stream.close()
+        response.kvs.extend(page.kvs)
+        response.next_page_token = page.next_page_token()
         return response
+
+    @staticmethod
+    def _scan_rows(replica: ShardReplica, start: bytes, end: bytes | None, *,
+                   keys_only: bool) -> Generator[kv_pb2.KeyValue, None, None]:
+        """The shard's keys in [start, end) as the page will carry them (no value for keys_only:
+        the page's bytes are counted on what is sent)."""
+        for key, state in replica.store.scan_lazily(start, end):
+            kv = key_value(key, state)
+            if keys_only:
+                kv.ClearField("value")
+            yield kv
 
     def _scan_plan(self, shards: list[int], consistency: int) -> tuple[list[int], dict[str, list[int]]]:
         """Which shards this node reads itself, and which it forwards to which leader. Stale

@@ -246,6 +246,15 @@ class ShardStore:
                 break
         return out
 
+    def scan_lazily(self, start: bytes, end: bytes | None) -> Iterator[tuple[bytes, KeyState]]:
+        """`scan` without a count, read as the caller goes: a scan page bounded by bytes
+        (kvstore.core.reads.take_page) stops reading where it is full, instead of loading a
+        page's count of values first. Read it to its end or close it, within one step of the
+        event loop (the iterator reads one LevelDB snapshot, taken at its first row)."""
+        stop = _DATA + end if end is not None else bytes([_DATA[0] + 1])
+        for raw_key, raw_value in self._db.iterator(start=_DATA + start, stop=stop):
+            yield raw_key[len(_DATA):], KeyState.decode(raw_value)
+
     def request(self, request_id: str) -> RequestRecord | None:
         raw = self._db.get(_REQUEST + request_id.encode())
         if raw is None:

@@ -483,13 +483,13 @@ def test_reflection_and_metrics(kafka: LocalKafka, tmp_path: Path) -> None:
 def test_txn_whose_wal_record_would_be_too_large_is_refused(store: StoreProcess) -> None:
     keys = [f"big{i}".encode() for i in range(64)]
     same = [k for k in keys if shard_of(k, 4) == shard_of(keys[0], 4)][:2]
-    for key in same:
-        put(store, key, b"v" * 600_000)
+    for key in same:  # two gets of 510 000: an answer below MAX_RESPONSE_BYTES, a record above its limit
+        put(store, key, b"v" * 510_000)
     error = bad(lambda: store.kv.Txn(kv_pb2.TxnRequest(success=[
         kv_pb2.TxnOp(get=kv_pb2.GetRequest(key=same[0])), kv_pb2.TxnOp(get=kv_pb2.GetRequest(key=same[1])),
         kv_pb2.TxnOp(put=kv_pb2.PutRequest(key=same[0], value=b"small"))]), timeout=TIMEOUT))
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "record limit" in (error.details() or "")
-    assert get(store, same[0]).kv.value == b"v" * 600_000  # nothing applied, shard still leading
+    assert get(store, same[0]).kv.value == b"v" * 510_000  # nothing applied, shard still leading
     assert put(store, same[1], b"ok").version == 2
 
 
