@@ -67,6 +67,7 @@ class Write:
     build: Build
     response_type: type[Any]  # the response message of the request's kind: decodes a replayed answer
     first_attempt_unix_ms: int = 0
+    kind: int = wal_entry_pb2.REQUEST_KIND_UNSPECIFIED  # WalEntry.request_kind: stamped into its entry
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -112,18 +113,19 @@ def write_of(request: ClientWrite, shard: int) -> Write:
     if isinstance(request, kv_pb2.PutRequest):
         put = request
         return Write(put.request_id, lambda lookup, rev: evaluate_put(put, lookup, shard, rev), kv_pb2.PutResponse,
-                     put.first_attempt_unix_ms)
+                     put.first_attempt_unix_ms, wal_entry_pb2.REQUEST_KIND_PUT)
     if isinstance(request, kv_pb2.DeleteRequest):
         delete = request
         return Write(delete.request_id, lambda lookup, rev: evaluate_delete(delete, lookup, shard, rev),
-                     kv_pb2.DeleteResponse, delete.first_attempt_unix_ms)
+                     kv_pb2.DeleteResponse, delete.first_attempt_unix_ms, wal_entry_pb2.REQUEST_KIND_DELETE)
     if isinstance(request, kv_pb2.ShardMutations):
         part = request
         return Write(part.request_id, lambda _lookup, rev: evaluate_mutations(part, shard, rev),
-                     kv_pb2.ShardMutationsResult, part.first_attempt_unix_ms)
+                     kv_pb2.ShardMutationsResult, part.first_attempt_unix_ms,
+                     wal_entry_pb2.REQUEST_KIND_WRITE_BATCH_PART)
     txn = request
     return Write(txn.request_id, lambda lookup, rev: evaluate_txn(txn, lookup, shard, rev), kv_pb2.TxnResponse,
-                 txn.first_attempt_unix_ms)
+                 txn.first_attempt_unix_ms, wal_entry_pb2.REQUEST_KIND_TXN)
 
 
 def probe_write() -> Write:
@@ -134,16 +136,32 @@ def probe_write() -> Write:
                  kv_pb2.PutResponse)
 
 
-def replayed(response_type: type[Any], raw: bytes) -> Response | errors.StoreError:
-    """The original answer to a request id seen before, marked as a replay; a refusal when the
-    recorded answer is not of this request's kind (every recorded answer carries a `result`, and
-    another kind's bytes do not parse into one here): the id was used before by another kind of
-    request, which did commit, and this one is not applied."""
-    response = response_type.FromString(raw)
+_KIND_NAMES: dict[int, str] = {wal_entry_pb2.REQUEST_KIND_PUT: "a Put", wal_entry_pb2.REQUEST_KIND_DELETE: "a Delete",
+                               wal_entry_pb2.REQUEST_KIND_TXN: "a Txn",
+                               wal_entry_pb2.REQUEST_KIND_WRITE_BATCH_PART: "a WriteBatch part"}
+
+
+def replayed(write: Write, earlier: RequestRecord) -> Response | errors.StoreError:
+    """The original answer to a request id seen before, marked as a replay; a refusal when it
+    answered another kind of request: the id was used before by another request, which did
+    commit, and this one is not applied (a Delete retried with a Put's id must not get the Put's
+    answer, whose bytes parse as a DeleteResponse just as well).
+
+    The kind recorded with the id decides (WalEntry.request_kind). An id recorded before kinds
+    were (0) falls back to the answer's shape: every recorded answer carries a `result`, and a
+    WriteBatch part's answer and the others' do not parse into one another's; Put, Delete and
+    Txn answers cannot be told apart that way."""
+    response_type = write.response_type
+    if earlier.kind and write.kind and earlier.kind != write.kind:
+        return errors.InvalidRequestError(
+            f"this request id was already used by {_KIND_NAMES.get(earlier.kind, 'another request')}, which "
+            f"committed at revision {earlier.revision}; this is {_KIND_NAMES.get(write.kind, 'another kind')}, "
+            "and was not applied: give every request its own id", field="request_id")
+    response = response_type.FromString(earlier.response)
     if not response.HasField("result"):
         return errors.InvalidRequestError(
             "this request id was already used by another kind of request, which committed (its recorded "
-            f"answer is not a {response_type.__name__}); give every request its own id")
+            f"answer is not a {response_type.__name__}); give every request its own id", field="request_id")
     response.result.replayed = True
     assert isinstance(response, (kv_pb2.PutResponse, kv_pb2.DeleteResponse, kv_pb2.TxnResponse,
                                  kv_pb2.ShardMutationsResult)), response_type
@@ -163,7 +181,7 @@ def admit(write: Write, table: RequestTable, in_progress: Container[str], now_un
         return None
     earlier = table.request(write.request_id)
     if earlier is not None:
-        return replayed(write.response_type, earlier.response)
+        return replayed(write, earlier)
     why = request_horizon.expired(write.first_attempt_unix_ms, now_unix_ms, table.evicted_through_ms, horizon_ms,
                                   skew_ms)
     if why is not None:
@@ -218,6 +236,8 @@ def plan_batch(writes: Sequence[Write], revision: int, lookup: Lookup, table: Re
             continue
         if evaluation.entry is not None:
             evaluation.entry.leader_unix_ms = now_unix_ms
+            if rid:
+                evaluation.entry.request_kind = write.kind  # type: ignore[assignment]
             payload = evaluation.entry.SerializeToString()
             if len(payload) > batch_limits.max_record_bytes:
                 # e.g. a Txn whose answer (stored with it for retries) carries large gets

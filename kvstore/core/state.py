@@ -58,16 +58,29 @@ class Change(NamedTuple):
     revision: int
 
 
+# WalEntry.request_kind values a replica keeps; anything else (a hostile or future value) is kept
+# as unspecified, identically on every replica and in the Spark jobs.
+KNOWN_REQUEST_KINDS = frozenset(wal_entry_pb2.RequestKind.values()) - {wal_entry_pb2.REQUEST_KIND_UNSPECIFIED}
+
+
+def request_kind(raw: int) -> int:
+    """A WalEntry's request_kind as the request-id table keeps it: a known kind, else 0."""
+    return raw if raw in KNOWN_REQUEST_KINDS else wal_entry_pb2.REQUEST_KIND_UNSPECIFIED
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class RequestRecord:
-    """What the request-id table keeps: where the request committed, what was answered, and the
+    """What the request-id table keeps: where the request committed, what was answered, the
     leader's clock when it built the entry (0: an entry written before WalEntry.leader_unix_ms
-    existed), by which every replica forgets the id at the same entry (`kvstore.server.storage`)."""
+    existed), by which every replica forgets the id at the same entry (`kvstore.server.storage`),
+    and the kind of request that was answered (WalEntry.request_kind; 0: not known), so that a
+    retry of another kind with the same id is refused (`kvstore.core.batch.admit`)."""
 
     request_id: str
     revision: int
     response: bytes
     leader_unix_ms: int = 0
+    kind: int = 0
 
 
 @dataclasses.dataclass
@@ -155,9 +168,9 @@ def decode_entry(payload: bytes) -> wal_entry_pb2.WalEntry | None:
 
 
 # A WalEntry's fields as plain values (`decode_fields`): request_id, effects, response,
-# leader_unix_ms; an effect is (key, value), value None for a delete. A plain tuple: one is built
-# per record replayed, and a NamedTuple costs ~0.2 µs more.
-Decoded = tuple[str, list[tuple[bytes, bytes | None]], bytes, int]
+# leader_unix_ms, request_kind (`request_kind`: known or 0); an effect is (key, value), value None
+# for a delete. A plain tuple: one is built per record replayed, and a NamedTuple costs ~0.2 µs more.
+Decoded = tuple[str, list[tuple[bytes, bytes | None]], bytes, int, int]
 
 
 def decode_fields(payload: bytes) -> Decoded | None:
@@ -186,7 +199,7 @@ def _decode_protobuf(payload: bytes) -> Decoded | None:
             effects.append((effect.put.key, effect.put.value))
         else:
             effects.append((effect.delete.key, None))
-    return entry.request_id, effects, entry.response, entry.leader_unix_ms
+    return entry.request_id, effects, entry.response, entry.leader_unix_ms, request_kind(entry.request_kind)
 
 
 _NOT_A_VARINT = 1 << 63  # above any varint `_varint_at` reads: as a length it overruns every bound
@@ -205,13 +218,22 @@ def _varint_at(data: bytes, at: int, end: int) -> tuple[int, int]:
     return _NOT_A_VARINT, at
 
 
+_NO_TAIL = (_NOT_A_VARINT, 0)
+
+
 @functools.lru_cache(maxsize=256)
-def _whole_varint(raw: bytes) -> int:
-    """The value of `raw` if it is one varint of at most 9 bytes and nothing else, else
-    _NOT_A_VARINT. Cached: a leader stamps every entry of a batch with the same time, and
-    reading its six bytes one by one cost ~1.2 µs a record (a cache hit ~0.1)."""
+def _tail(raw: bytes) -> tuple[int, int]:
+    """(leader_unix_ms, request_kind) of an entry's last bytes after field 4's tag: one varint
+    of at most 9 bytes, then optionally field 5 (tag 0x28) with a one-byte varint, and nothing
+    else; _NO_TAIL for any other shape (protobuf decides then). Cached: a leader stamps every
+    entry of a batch with the same time (and mostly the same kind), and reading the six bytes one
+    by one cost ~1.2 µs a record (a cache hit ~0.1)."""
     value, end = _varint_at(raw, 0, len(raw))
-    return value if end == len(raw) else _NOT_A_VARINT
+    if end == len(raw):
+        return value, 0
+    if end and end + 2 == len(raw) and raw[end] == 0x28 and raw[end + 1] < 0x80:
+        return value, request_kind(raw[end + 1])
+    return _NO_TAIL
 
 
 def _decode_canonical(p: bytes) -> Decoded | None:
@@ -219,8 +241,9 @@ def _decode_canonical(p: bytes) -> Decoded | None:
     shape (then protobuf decides, `decode_fields`). Recognised, field by field in number order:
     1 request_id (ASCII only: protobuf's UTF-8 check stays protobuf's), 2 effects (each exactly
     one of put {1 key, 2 value} / delete {1 key}, every length exactly filling its parent),
-    3 response, 4 leader_unix_ms (positive, < 2^63); each at most once, effects consecutive,
-    nothing after. What it recognises, protobuf reads the same way: these are the only fields
+    3 response, 4 leader_unix_ms (positive, < 2^63), 5 request_kind (one byte: 0-127; more
+    bytes are protobuf's to read, which truncates an enum to 32 bits); each at most once, effects
+    consecutive, nothing after. What it recognises, protobuf reads the same way: these are the only fields
     there are, and every byte is accounted for. Written for speed (one-byte lengths inline, an
     index past the end caught once), as it runs for every record replayed."""
     n = len(p)
@@ -229,6 +252,7 @@ def _decode_canonical(p: bytes) -> Decoded | None:
     effects: list[tuple[bytes, bytes | None]] = []
     response = b""
     leader_ms = 0
+    kind = 0
     try:
         if n and p[0] == 0x0A:  # 1: request_id
             length = p[1]
@@ -303,16 +327,19 @@ def _decode_canonical(p: bytes) -> Decoded | None:
                 return None
             response = p[i:end]
             i = end
-        if i < n and p[i] == 0x20:  # 4: leader_unix_ms, the last field: its varint ends the payload
-            leader_ms = _whole_varint(p[i + 1:])
+        if i < n and p[i] == 0x20:  # 4: leader_unix_ms, then maybe 5: request_kind, ending the payload
+            leader_ms, kind = _tail(p[i + 1:])
             if leader_ms == _NOT_A_VARINT:
                 return None
             i = n
-    except IndexError:  # a length or tag past the end: not this shape
+        elif i + 2 == n and p[i] == 0x28 and p[i + 1] < 0x80:  # 5 alone (no leader time)
+            kind = request_kind(p[i + 1])
+            i = n
+    except Exception:  # a length or tag past the end (IndexError), or anything odd: protobuf decides
         return None
     if i != n:
         return None
-    return request_id, effects, response, leader_ms
+    return request_id, effects, response, leader_ms, kind
 
 
 def apply_entries(
@@ -355,7 +382,7 @@ def apply_entries(
             if entry is None:
                 out.malformed += 1
                 continue
-        request_id, effects, response, leader_ms = entry
+        request_id, effects, response, leader_ms, kind = entry
         # Without `on_request` this call keeps the ids it applied itself; `request_seen` is
         # asked only about the others.
         duplicate = bool(request_id) and ((on_request is None and request_id in seen_here)
@@ -379,7 +406,7 @@ def apply_entries(
             changed_revisions.append(offset)
         if request_id:
             seen_here.add(request_id)
-            request = RequestRecord(request_id, offset, bytes(response), leader_ms)
+            request = RequestRecord(request_id, offset, bytes(response), leader_ms, kind)
             requests.append(request)
             if on_request is not None:
                 on_request(request)

@@ -91,6 +91,9 @@ class FoldPoint(NamedTuple):
     wal_records: int
     duplicates: int
     malformed_entries: int
+    requests: int = 0  # the request-id table there: ids kept, its digest, forgotten through (ms)
+    requests_digest: str = ""
+    evicted_through_ms: int = 0
 
 
 @dataclasses.dataclass
@@ -247,10 +250,11 @@ def _shard_report(s: int, newest: snapshot.Manifest | None, start: Start, cut: i
 
     if start.manifest is not None:
         loaded = fold.get(begin)
-        expected = start.manifest.shard(s).digest
-        if loaded is not None and loaded.digest != expected:
-            anomalies.append(f"shard {s}: snapshot {start.manifest.name}'s files do not reproduce its manifest's "
-                             f"digest ({loaded.digest[:12]} != {expected[:12]})")
+        why = None if loaded is None else snapshot.mismatch(
+            start.manifest.shard(s), loaded.digest, loaded.keys, loaded.requests, loaded.requests_digest,
+            loaded.evicted_through_ms)
+        if why is not None:
+            anomalies.append(f"shard {s}: snapshot {start.manifest.name}'s files do not reproduce its manifest ({why})")
 
     digest_snapshot = digest_wal = None
     digest_wal_note = None
@@ -270,10 +274,11 @@ def _shard_report(s: int, newest: snapshot.Manifest | None, start: Start, cut: i
         else:
             digest_wal = recomputed.digest
             digest_wal_note = f"recomputed from {start.describe()} plus the WAL to {meta.offset}"
-            if (recomputed.digest, recomputed.keys) != (meta.digest, meta.keys):
+            why = snapshot.mismatch(meta, recomputed.digest, recomputed.keys, recomputed.requests,
+                                    recomputed.requests_digest, recomputed.evicted_through_ms)
+            if why is not None:
                 anomalies.append(f"shard {s}: snapshot {newest.name} differs from the WAL at its cut {meta.offset}: "
-                                 f"digest {meta.digest[:12]} ({meta.keys} keys), recomputed {recomputed.digest[:12]} "
-                                 f"({recomputed.keys} keys)")
+                                 f"recomputed {why}")
 
     node_entries = []
     for node in sorted(nodes, key=lambda n: (n.node, n.address)):
@@ -386,13 +391,15 @@ def fold_points(spark: SparkSession, target: WalTarget, root: str, start: Start,
     states = build_states(spark, target, root, start.manifest, cuts, points, kafka_extra=kafka_extra,
                           emit_state=False)
     rows = (states.where(F.col("kind") == "meta")
-            .select("shard", "offset", "digest", "keys", "wal_records", "duplicates", "malformed_entries")
+            .select("shard", "offset", "digest", "keys", "wal_records", "duplicates", "malformed_entries",
+                    "requests", "requests_digest", "evicted_through_ms")
             .collect())
     out: dict[int, dict[int, FoldPoint]] = {s: {} for s in range(target.shards)}
     for row in rows:
         out[int(row["shard"])][int(row["offset"])] = FoldPoint(
             int(row["offset"]), str(row["digest"]), int(row["keys"]), int(row["wal_records"]),
-            int(row["duplicates"]), int(row["malformed_entries"]))
+            int(row["duplicates"]), int(row["malformed_entries"]), int(row["requests"]), str(row["requests_digest"]),
+            int(row["evicted_through_ms"]))
     return out
 
 

@@ -16,7 +16,6 @@ cut as `key` and `request` rows, and one `meta` row per digest point (the cut's 
 
 from __future__ import annotations
 
-import itertools
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -37,7 +36,7 @@ FOLD_INPUT = pa.schema([
     ("key", pa.binary()), ("value", pa.binary()), ("version", pa.int64()), ("mod_revision", pa.int64()),
     ("create_revision", pa.int64()), ("request_id", pa.string()), ("revision", pa.int64()),
     ("leader_unix_ms", pa.int64()), ("response", pa.binary()), ("base_offset", pa.int64()),
-    ("evicted_through_ms", pa.int64()), ("digest_at", pa.list_(pa.int64())),
+    ("evicted_through_ms", pa.int64()), ("digest_at", pa.list_(pa.int64())), ("request_kind", pa.int32()),
 ])
 FOLD_OUTPUT = pa.schema([
     ("shard", pa.int32()), ("kind", pa.string()),
@@ -46,18 +45,19 @@ FOLD_OUTPUT = pa.schema([
     ("leader_unix_ms", pa.int64()), ("response", pa.binary()),
     ("offset", pa.int64()), ("digest", pa.string()), ("keys", pa.int64()), ("requests", pa.int64()),
     ("evicted_through_ms", pa.int64()), ("wal_records", pa.int64()), ("duplicates", pa.int64()),
-    ("malformed_entries", pa.int64()), ("is_cut", pa.bool_()),
+    ("malformed_entries", pa.int64()), ("is_cut", pa.bool_()), ("request_kind", pa.int32()),
+    ("requests_digest", pa.string()),
 ])
 # The same schemas as Spark DDL, for createDataFrame and applyInArrow.
 FOLD_INPUT_DDL = ("shard int, kind string, offset bigint, payload binary, key binary, value binary, version bigint, "
                   "mod_revision bigint, create_revision bigint, request_id string, revision bigint, "
                   "leader_unix_ms bigint, response binary, base_offset bigint, evicted_through_ms bigint, "
-                  "digest_at array<bigint>")
+                  "digest_at array<bigint>, request_kind int")
 FOLD_OUTPUT_DDL = ("shard int, kind string, key binary, value binary, version bigint, mod_revision bigint, "
                    "create_revision bigint, request_id string, revision bigint, leader_unix_ms bigint, "
                    "response binary, offset bigint, digest string, keys bigint, requests bigint, "
                    "evicted_through_ms bigint, wal_records bigint, duplicates bigint, malformed_entries bigint, "
-                   "is_cut boolean")
+                   "is_cut boolean, request_kind int, requests_digest string")
 
 
 class FoldError(Exception):
@@ -92,8 +92,9 @@ def fold(table: pa.Table, *, topic: str, max_request_ids: int, request_id_horizo
                              encode_states(*(key_rows.column(c).combine_chunks() for c in
                                              ("value", "version", "mod_revision", "create_revision"))),
                              strict=True))
-        req_cols = _columns(table, "request", "request_id", "revision", "response", "leader_unix_ms")
-        base_requests = sorted(itertools.starmap(RequestRecord, zip(*req_cols, strict=True)),
+        req_cols = _columns(table, "request", "request_id", "revision", "response", "leader_unix_ms", "request_kind")
+        base_requests = sorted((RequestRecord(rid, rev, resp, ms, kind or 0)  # a format-1 base has no kind
+                                for rid, rev, resp, ms, kind in zip(*req_cols, strict=True)),
                                key=lambda q: q.revision)
         del key_rows, req_cols
         store.load_snapshot([base_keys], [base_requests], checkpoint=base_offset,
@@ -115,7 +116,7 @@ def fold(table: pa.Table, *, topic: str, max_request_ids: int, request_id_horizo
             digest, keys = store.digest()
             out.meta(offset=point, digest=digest, keys=keys, requests=store.request_count,
                      evicted_through_ms=store.evicted_through_ms, wal_records=len(wal), duplicates=duplicates,
-                     malformed_entries=malformed, is_cut=point == cut)
+                     malformed_entries=malformed, is_cut=point == cut, requests_digest=store.requests_digest())
         if emit_state:
             out.keys(store.keys())
             out.requests(store.requests())
@@ -134,10 +135,10 @@ class _Output:
         self._keys: dict[str, list[Any]] = {c: [] for c in ("key", "value", "version", "mod_revision",
                                                             "create_revision")}
         self._requests: dict[str, list[Any]] = {c: [] for c in ("request_id", "revision", "leader_unix_ms",
-                                                                "response")}
+                                                                "response", "request_kind")}
         self._metas: dict[str, list[Any]] = {c: [] for c in ("offset", "digest", "keys", "requests",
                                                              "evicted_through_ms", "wal_records", "duplicates",
-                                                             "malformed_entries", "is_cut")}
+                                                             "malformed_entries", "is_cut", "requests_digest")}
 
     def keys(self, states: Iterator[tuple[bytes, KeyState]]) -> None:
         key, value, version, mod, create = self._keys.values()
@@ -149,12 +150,13 @@ class _Output:
             create.append(state.create_revision)
 
     def requests(self, requests: Iterator[RequestRecord]) -> None:
-        rid, revision, leader_ms, response = self._requests.values()
+        rid, revision, leader_ms, response, kind = self._requests.values()
         for req in requests:
             rid.append(req.request_id)
             revision.append(req.revision)
             leader_ms.append(req.leader_unix_ms)
             response.append(req.response)
+            kind.append(req.kind)
 
     def meta(self, **values: Any) -> None:
         assert values.keys() == self._metas.keys(), f"meta fields {sorted(values)}"

@@ -92,9 +92,11 @@ def build_states(spark: SparkSession, target: WalTarget, root: str, base: snapsh
                 F.col("shard").cast("int"), F.lit("key").alias("kind"), "key", "value", "version", "mod_revision",
                 "create_revision"))
         if snapshot.has_table(root, base.name, "requests"):
+            # A format-1 base has no request kinds: unknown (0), as a replica migrated in place.
+            request_kind = F.col("request_kind") if base.format >= 2 else F.lit(0)
             frames.append(spark.read.parquet(f"{uri}/requests").select(
                 F.col("shard").cast("int"), F.lit("request").alias("kind"), "request_id", "revision",
-                "leader_unix_ms", "response"))
+                "leader_unix_ms", "response", request_kind.cast("int").alias("request_kind")))
     rows = functools.reduce(lambda a, b: a.unionByName(b), [_as_fold_input(f) for f in frames])
     topic = target.topic
     # A lambda, not functools.partial: pyspark infers applyInArrow's flavour from the function's
@@ -126,8 +128,9 @@ def create(spark: SparkSession, target: WalTarget, root: str, *,
     name = snapshot.new_name()
     uri = snapshot.snapshot_uri(root, name)
     started = time.monotonic()
-    # Digest the base too: a snapshot built on a base that does not reproduce its own manifest
-    # would carry the damage forward under a fresh, self-consistent digest.
+    # Digest the base too (its keys and its request-id table): a snapshot built on a base that does
+    # not reproduce its own manifest would carry the damage forward under fresh, self-consistent
+    # digests (a base that lost its requests/ files would let retries inside the window apply twice).
     digest_at = {sh: [base.shard(sh).offset] for sh in range(target.shards)} if base else None
     states = build_states(spark, target, root, base, cuts, digest_at, kafka_extra=kafka_extra).persist()
     try:
@@ -135,12 +138,19 @@ def create(spark: SparkSession, target: WalTarget, root: str, *,
         if base is not None:
             for m in all_metas:
                 expected = base.shard(int(m["shard"]))
-                if int(m["offset"]) == expected.offset and (m["digest"], m["keys"]) != (expected.digest, expected.keys):
+                if int(m["offset"]) != expected.offset:
+                    continue
+                why = snapshot.mismatch(expected, str(m["digest"]), int(m["keys"]), int(m["requests"]),
+                                        str(m["requests_digest"]), int(m["evicted_through_ms"]))
+                if why is not None:
                     raise SnapshotError(
-                        f"the newest snapshot {base.name} does not reproduce its own digest for shard {m['shard']} "
-                        f"({m['keys']} keys, {str(m['digest'])[:12]}; its manifest says {expected.keys}, "
-                        f"{expected.digest[:12]}): not building on it. Move it aside and run again (the next older "
-                        "one, or the WAL, is then the base)")
+                        f"the newest snapshot {base.name} does not reproduce its own manifest for shard {m['shard']} "
+                        f"({why}): not building on it. Move it aside and run again (the next older one, or the "
+                        "WAL, is then the base)")
+                if not expected.requests_digest:
+                    log.warning("snapshot %s (format %d) shard %s: no digest covers its request-id table, only its "
+                                "count (%d): building on it; the new snapshot's table is covered", base.name,
+                                base.format, m["shard"], expected.requests)
         metas = [m for m in all_metas if m["is_cut"]]
         (states.where(F.col("kind") == "key").select("shard", *snapshot.KEYS_SCHEMA.names)
          .write.partitionBy("shard").parquet(f"{uri}/keys"))
@@ -157,7 +167,8 @@ def create(spark: SparkSession, target: WalTarget, root: str, *,
         request_id_horizon_ms=REQUEST_ID_HORIZON_MS,
         shards=tuple(snapshot.ShardSnapshot(shard=s, offset=int(m["offset"]), keys=int(m["keys"]),
                                             digest=str(m["digest"]), requests=int(m["requests"]),
-                                            evicted_through_ms=int(m["evicted_through_ms"]))
+                                            evicted_through_ms=int(m["evicted_through_ms"]),
+                                            requests_digest=str(m["requests_digest"]))
                      for s, m in sorted(by_shard.items())))
     snapshot.write_manifest(root, manifest)
     log.info("snapshot %s: %d shards, %d keys, %.1fs", name, target.shards, sum(s.keys for s in manifest.shards),

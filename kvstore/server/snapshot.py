@@ -10,7 +10,7 @@ take: `s3://`, `gs://`, `hdfs://`; Spark's `s3a://` is read as `s3://`):
 
     DIR/snap-<created unix ms, 13 digits>/
         keys/shard=<s>/*.parquet       key, value, version, mod_revision, create_revision
-        requests/shard=<s>/*.parquet   request_id, revision, leader_unix_ms, response
+        requests/shard=<s>/*.parquet   request_id, revision, leader_unix_ms, response, request_kind
         manifest.json                  written last: a snapshot without one is incomplete
 
 What a replica needs to continue exactly where the WAL left it (W5 at the cut): every live key
@@ -21,7 +21,14 @@ and an expired one still refused). The checkpoint is the cut: every record below
 
 The manifest per shard: `offset` (the cut), `keys`, `digest` (`ShardStore.digest`, equal to
 `ClusterService.ShardDigest` of a replica whose checkpoint is the cut), `requests`,
-`evicted_through_ms`, and the schema version `format`.
+`evicted_through_ms`, `requests_digest` (`ShardStore.requests_digest`: the request-id table and
+its horizon state), and the schema version `format`. Both digests are checked wherever a snapshot
+is depended on: when a node loads it (`load_into`), when the next snapshot is built on it, and
+before `kvstore wal truncate` deletes the WAL below it (`verify_shard`).
+
+Format 2 added `requests_digest` and the requests' `request_kind`. A format-1 snapshot still
+loads (its ids' kinds are unknown: 0), but nothing covers its request table but the count: it is
+used with a warning, and the next snapshot built on it is format 2.
 """
 
 from __future__ import annotations
@@ -46,7 +53,8 @@ from kvstore.server.storage import ShardStore
 
 log = logging.getLogger(__name__)
 
-FORMAT = 1
+FORMAT = 2
+READABLE_FORMATS = (1, 2)
 MANIFEST = "manifest.json"
 _NAME = re.compile(r"^snap-(\d{13})$")
 
@@ -56,6 +64,7 @@ KEYS_SCHEMA = pa.schema([
 ])
 REQUESTS_SCHEMA = pa.schema([
     ("request_id", pa.string()), ("revision", pa.int64()), ("leader_unix_ms", pa.int64()), ("response", pa.binary()),
+    ("request_kind", pa.int32()),  # format 2 (absent from format 1: read as 0)
 ])
 
 
@@ -71,6 +80,7 @@ class ShardSnapshot:
     digest: str
     requests: int
     evicted_through_ms: int
+    requests_digest: str = ""  # format 2; "" in a format-1 manifest (nothing covers its request table)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,8 +110,9 @@ class Manifest:
     def from_json(text: str, where: str) -> Manifest:
         try:
             body: dict[str, Any] = json.loads(text)
-            if body.get("format") != FORMAT:
-                raise SnapshotFormatError(f"{where}: format {body.get('format')!r}, this version reads {FORMAT}")
+            if body.get("format") not in READABLE_FORMATS:
+                raise SnapshotFormatError(f"{where}: format {body.get('format')!r}, this version reads "
+                                          f"{', '.join(map(str, READABLE_FORMATS))}")
             shards = tuple(ShardSnapshot(**s) for s in body.pop("shards"))
             manifest = Manifest(shards=shards, **body)
         except (ValueError, TypeError, KeyError) as exc:
@@ -250,9 +261,10 @@ def encode_states(value: pa.Array, version: pa.Array, mod_revision: pa.Array, cr
 
 
 def requests(root: str, name: str, shard: int, batch_rows: int = 65_536) -> Iterator[list[RequestRecord]]:
+    """The shard's request-id table in batches (a format-1 snapshot's have no kind: 0)."""
     for batch in _shard_batches(root, name, "requests", shard, REQUESTS_SCHEMA, batch_rows):
-        cols = [batch.column(i).to_pylist() for i in range(4)]
-        yield [RequestRecord(rid, rev, resp, ms) for rid, rev, ms, resp in zip(*cols, strict=True)]
+        cols = [batch.column(i).to_pylist() for i in range(5)]
+        yield [RequestRecord(rid, rev, resp, ms, kind or 0) for rid, rev, ms, resp, kind in zip(*cols, strict=True)]
 
 
 # ---- loading into a replica -----------------------------------------------------------------------
@@ -276,10 +288,52 @@ def load_into(store: ShardStore, root: str, manifest: Manifest, *, batch_rows: i
     store.load_snapshot(encoded_key_states(root, manifest.name, store.shard, batch_rows),
                         requests(root, manifest.name, store.shard, batch_rows),
                         checkpoint=meta.offset, evicted_through_ms=meta.evicted_through_ms, on_progress=on_progress)
-    digest, keys = store.digest()
-    if (digest, keys, store.request_count) != (meta.digest, meta.keys, meta.requests):
-        store.wipe(f"snapshot {manifest.name} did not load to its own digest")
-        raise SnapshotFormatError(
-            f"snapshot {manifest.name} shard {store.shard}: loaded {keys} keys, {store.request_count} request ids, "
-            f"digest {digest[:12]}; its manifest says {meta.keys}, {meta.requests}, {meta.digest[:12]}")
+    why = mismatch(meta, *store.digest(), store.request_count, store.requests_digest(), store.evicted_through_ms)
+    if why is not None:
+        store.wipe(f"snapshot {manifest.name} did not load to its own digests")
+        raise SnapshotFormatError(f"snapshot {manifest.name} shard {store.shard}: {why}")
+    if not meta.requests_digest:
+        log.warning("snapshot %s (format %d) shard %d: no digest covers its request-id table (only its count, %d): "
+                    "the next snapshot will", manifest.name, manifest.format, store.shard, meta.requests)
     return meta
+
+
+def mismatch(meta: ShardSnapshot, digest: str, keys: int, requests: int, requests_digest: str,
+             evicted_through_ms: int) -> str | None:
+    """How a state recomputed from a snapshot's files (or from its base plus the WAL) differs
+    from what its manifest says, or None. Pure: the loader, the snapshot job and the audit say
+    the same thing the same way."""
+    found: list[str] = []
+    if (digest, keys) != (meta.digest, meta.keys):
+        found.append(f"{keys} keys with digest {digest[:12]}, its manifest says {meta.keys} with {meta.digest[:12]}")
+    if requests != meta.requests:
+        found.append(f"{requests} request ids, its manifest says {meta.requests}")
+    if evicted_through_ms != meta.evicted_through_ms:
+        found.append(f"request ids forgotten through {evicted_through_ms} ms, its manifest says "
+                     f"{meta.evicted_through_ms}")
+    if meta.requests_digest and requests_digest != meta.requests_digest:
+        found.append(f"request-id table digest {requests_digest[:12]}, its manifest says {meta.requests_digest[:12]}")
+    return "; ".join(found) if found else None
+
+
+def verify_shard(root: str, manifest: Manifest, shard: int, scratch_dir: str | None = None) -> ShardSnapshot:
+    """Load one shard of a snapshot into a scratch replica and check it against its manifest
+    (`load_into`: the same check a node runs before it serves a loaded snapshot). For whoever
+    is about to depend on a snapshot without loading it for real (`kvstore wal truncate` deletes
+    the WAL below its cut): it must be whole first. Raises SnapshotFormatError saying what is
+    wrong; leaves nothing behind."""
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    scratch = Path(tempfile.mkdtemp(prefix=f"kvstore-verify-{shard}-", dir=scratch_dir))
+    store = ShardStore(scratch / "db", topic=manifest.topic, shard=shard, max_request_ids=manifest.max_request_ids,
+                       request_id_horizon_ms=manifest.request_id_horizon_ms)
+    try:
+        try:
+            return load_into(store, root, manifest)
+        except (OSError, pa.ArrowException) as exc:
+            raise SnapshotFormatError(f"snapshot {manifest.name} shard {shard}: cannot read its files: {exc}") from exc
+    finally:
+        store.close()
+        shutil.rmtree(scratch, ignore_errors=True)

@@ -3,7 +3,8 @@
 Layout (one LevelDB directory per shard, all keys prefixed):
 
     d<key>                 -> KeyState.encode()
-    r<request id>          -> revision (8 bytes) + leader_unix_ms (8 bytes) + original response
+    r<request id>          -> revision (8 bytes) + leader_unix_ms (8 bytes) + request kind (1 byte)
+                              + original response
     q<revision:8><id>      -> leader_unix_ms (8 bytes)   (request ids in commit order, to bound the table)
     m:format, m:topic, m:shard, m:checkpoint, m:requests (ids kept), m:evicted_through (ms)
     m:loading              present while a snapshot is being loaded (`load_snapshot`)
@@ -35,15 +36,19 @@ from kvstore.limits import MAX_REQUEST_IDS, REQUEST_ID_HORIZON_MS
 
 log = logging.getLogger(__name__)
 
-# 2: request ids keep their leader time, m:evicted_through. Older directories are rebuilt.
-FORMAT_VERSION = b"2"
+# 2: request ids keep their leader time, m:evicted_through. 3: and the kind of request they
+# answered (a byte after the time). A directory of format 2 is migrated in place when opened (its
+# ids' kinds are unknown: 0); older ones are rebuilt.
+FORMAT_VERSION = b"3"
+_MIGRATES_FROM = b"2"
 
 _DATA = b"d"
 _REQUEST = b"r"
 _REQUEST_ORDER = b"q"
 _META = b"m:"
 _U64 = struct.Struct(">Q")
-_REQUEST_HEAD = struct.Struct(">QQ")  # revision, leader_unix_ms
+_REQUEST_HEAD = struct.Struct(">QQB")  # revision, leader_unix_ms, request kind
+_REQUEST_HEAD_V2 = struct.Struct(">QQ")  # format 2: revision, leader_unix_ms
 
 
 # A Bloom filter per table: applying a record looks its key up first, and during a bootstrap or
@@ -160,7 +165,7 @@ class ShardStore:
                 return "data without format marker"
             self._initialise(db)
             return None
-        if fmt != FORMAT_VERSION:
+        if fmt not in (FORMAT_VERSION, _MIGRATES_FROM):
             return f"format {fmt!r}, expected {FORMAT_VERSION!r}"
         if db.get(_META + b"topic") != self.topic.encode() or db.get(_META + b"shard") != str(self.shard).encode():
             return "written for another topic or shard"
@@ -170,7 +175,24 @@ class ShardStore:
             return "no checkpoint"
         if db.get(_META + b"requests") is None or db.get(_META + b"evicted_through") is None:
             return "no request-table metadata"
+        if fmt == _MIGRATES_FROM:
+            self._migrate_from_2(db)
         return None
+
+    def _migrate_from_2(self, db: plyvel.DB) -> None:
+        """Format 2 -> 3 in one write batch: every kept request id gets kind 0 (unknown), which
+        `kvstore.core.batch.admit` treats as before (the recorded answer decides). In place,
+        because a rebuild needs the whole WAL (or a snapshot), which a truncated WAL without
+        --snapshot-dir cannot give. Bounded by MAX_REQUEST_IDS rows."""
+        count = 0
+        with db.write_batch(sync=True) as batch:
+            for raw_key, raw_value in db.iterator(prefix=_REQUEST):  # bounded: the kept ids
+                revision, leader_ms = _REQUEST_HEAD_V2.unpack_from(raw_value)
+                batch.put(raw_key, _REQUEST_HEAD.pack(revision, leader_ms, 0) + raw_value[_REQUEST_HEAD_V2.size:])
+                count += 1
+            batch.put(_META + b"format", FORMAT_VERSION)
+        log.info("shard %d: migrated %s from format 2 to %s (%d request ids)", self.shard, self.path,
+                 FORMAT_VERSION.decode(), count)
 
     def _initialise(self, db: plyvel.DB) -> None:
         with db.write_batch(sync=True) as batch:
@@ -259,8 +281,8 @@ class ShardStore:
         raw = self._db.get(_REQUEST + request_id.encode())
         if raw is None:
             return None
-        revision, leader_ms = _REQUEST_HEAD.unpack_from(raw)
-        return RequestRecord(request_id, revision, raw[_REQUEST_HEAD.size:], leader_ms)
+        revision, leader_ms, kind = _REQUEST_HEAD.unpack_from(raw)
+        return RequestRecord(request_id, revision, raw[_REQUEST_HEAD.size:], leader_ms, kind)
 
     def keys(self) -> Iterator[tuple[bytes, KeyState]]:
         """Every key, in order (for audits and replica comparisons)."""
@@ -289,6 +311,20 @@ class ShardStore:
             h.update(_U64.pack(len(raw_key)) + raw_key + _U64.pack(len(raw_value)) + raw_value)
             count += 1
         return h.hexdigest(), count
+
+    def requests_digest(self) -> str:
+        """SHA-256 hex over the request-id table as a replica continues from it: the ids kept
+        (count, in commit order, each with its revision, leader time, kind and recorded answer)
+        and the newest leader time ever forgotten (`evicted_through_ms`). Two replicas at the same
+        checkpoint must agree on it as on `digest`: a table that lost ids would answer a retry
+        inside the window by applying it a second time, and keys alone would never show it."""
+        h = hashlib.sha256()
+        h.update(_U64.pack(self.request_count) + _U64.pack(self.evicted_through_ms))
+        for req in self.requests():  # bounded by MAX_REQUEST_IDS
+            rid = req.request_id.encode()
+            h.update(_REQUEST_HEAD.pack(req.revision, req.leader_unix_ms, req.kind) + _U64.pack(len(rid)) + rid
+                     + _U64.pack(len(req.response)) + req.response)
+        return h.hexdigest()
 
     # ---- apply -------------------------------------------------------------------------------------
 
@@ -341,7 +377,7 @@ class ShardStore:
                 batch.delete(_REQUEST + rid)
             for req in window.added.values():
                 rid = req.request_id.encode()
-                batch.put(_REQUEST + rid, _REQUEST_HEAD.pack(req.revision, req.leader_unix_ms) + req.response)
+                batch.put(_REQUEST + rid, _REQUEST_HEAD.pack(req.revision, req.leader_unix_ms, req.kind) + req.response)
                 batch.put(_REQUEST_ORDER + _U64.pack(req.revision) + rid, _U64.pack(req.leader_unix_ms))
             batch.put(_META + b"requests", _U64.pack(window.count))
             batch.put(_META + b"evicted_through", _U64.pack(window.evicted_through_ms))
@@ -392,7 +428,8 @@ class ShardStore:
                 for req in request_rows:
                     assert req.revision < checkpoint, f"request {req.request_id} at {req.revision} >= cut {checkpoint}"
                     rid = req.request_id.encode()
-                    batch.put(_REQUEST + rid, _REQUEST_HEAD.pack(req.revision, req.leader_unix_ms) + req.response)
+                    head = _REQUEST_HEAD.pack(req.revision, req.leader_unix_ms, req.kind)
+                    batch.put(_REQUEST + rid, head + req.response)
                     batch.put(_REQUEST_ORDER + _U64.pack(req.revision) + rid, _U64.pack(req.leader_unix_ms))
             requests += len(request_rows)
             if on_progress is not None:

@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
 from pyspark.sql import SparkSession
 
-from kvstore import cli
-from kvstore.client import Client, Op
+from kvstore import cli, errors
+from kvstore.client import Client, InvalidArgument, Op
+from kvstore.core.batch import admit, write_of
+from kvstore.core.sharding import shard_of
+from kvstore.internal.v1 import wal_entry_pb2 as pb
 from kvstore.server import snapshot
-from kvstore.v1 import cluster_pb2
+from kvstore.server.storage import ShardStore
+from kvstore.v1 import cluster_pb2, kv_pb2
 from tests.integration.store_process import StoreProcess
 from tests.pipeline.conftest import NODE_SHARDS, cli_json
 from wal.broker import LocalKafka
@@ -66,6 +71,21 @@ def test_snapshot_equals_the_live_state_and_builds_on_the_previous_one(
     assert in_snapshot == scanned
     request_ids = {r.request_id for s in range(SHARDS) for batch in snapshot.requests(root, name, s) for r in batch}
     assert "rid-before-the-cut" in request_ids
+    # The request kinds travel in the snapshot: a replica loaded from it refuses a Delete retried
+    # with the Put's id (issue 18), as the live replica does, instead of answering with the Put's result.
+    once = shard_of(b"once", SHARDS)
+    loaded = ShardStore(tmp_path / "loaded", topic=f"{node.cluster}.wal", shard=once)
+    try:
+        snapshot.load_into(loaded, root, manifest)
+        assert loaded.request("rid-before-the-cut").kind == pb.REQUEST_KIND_PUT  # type: ignore[union-attr]
+        delete = kv_pb2.DeleteRequest(key=b"once", request_id="rid-before-the-cut",
+                                      first_attempt_unix_ms=int(time.time() * 1000))
+        refused = admit(write_of(delete, once), loaded, (), int(time.time() * 1000))
+        assert isinstance(refused, errors.InvalidRequestError) and "already used by a Put" in str(refused)
+    finally:
+        loaded.close()
+    with Client([node.address], timeout_s=20) as client, pytest.raises(InvalidArgument, match="already used by a Put"):
+        client.delete("once", request_id="rid-before-the-cut")
 
     # Nothing new: no second copy.
     again = cli_json(capsys, *common, "snapshot", "create", "--dir", root, *wal_args)
@@ -91,5 +111,15 @@ def test_snapshot_equals_the_live_state_and_builds_on_the_previous_one(
     with Client([node.address], timeout_s=20) as client:
         client.put("one-more", "x")
     assert cli.main([*common, "snapshot", "create", "--dir", root, *wal_args]) == 1
-    assert "does not reproduce its own digest" in capsys.readouterr().err
+    assert "does not reproduce its own manifest" in capsys.readouterr().err
     assert [m.name for m, _ in snapshot.list_snapshots(root)] == [manifest2.name, name]  # nothing written
+
+    # Nor one that lost its request-id table (issue 18): its keys still match, its ids do not.
+    path.write_text(manifest2.to_json())
+    assert manifest2.shard(once).requests >= 1
+    for lost in (tmp_path / "snaps" / manifest2.name / "requests" / f"shard={once}").rglob("*.parquet"):
+        lost.unlink()
+    assert cli.main([*common, "snapshot", "create", "--dir", root, *wal_args]) == 1
+    err = capsys.readouterr().err
+    assert "does not reproduce its own manifest" in err and "request ids" in err, err
+    assert [m.name for m, _ in snapshot.list_snapshots(root)] == [manifest2.name, name]

@@ -14,6 +14,7 @@ from kvstore import errors, limits
 from kvstore.core.batch import BatchLimits, Plan, Write, admit, plan_batch, probe_write, replayed, write_of
 from kvstore.core.evaluate import Evaluation, evaluate_delete, evaluate_mutations, evaluate_put, evaluate_txn
 from kvstore.core.state import KeyState, RequestRecord, apply_entries, decode_entry
+from kvstore.internal.v1 import wal_entry_pb2 as pb
 from kvstore.v1 import kv_pb2 as kv
 
 SHARD, REV = 1, 100
@@ -34,12 +35,14 @@ class Table:
 
 def put(key: bytes, value: bytes = b"v", rid: str = "", first_ms: int = NOW_MS) -> Write:
     req = kv.PutRequest(key=key, value=value, request_id=rid)
-    return Write(rid, lambda lookup, rev: evaluate_put(req, lookup, SHARD, rev), kv.PutResponse, first_ms)
+    return Write(rid, lambda lookup, rev: evaluate_put(req, lookup, SHARD, rev), kv.PutResponse, first_ms,
+                 pb.REQUEST_KIND_PUT)
 
 
 def delete(key: bytes, rid: str = "") -> Write:
     req = kv.DeleteRequest(key=key, request_id=rid)
-    return Write(rid, lambda lookup, rev: evaluate_delete(req, lookup, SHARD, rev), kv.DeleteResponse, NOW_MS)
+    return Write(rid, lambda lookup, rev: evaluate_delete(req, lookup, SHARD, rev), kv.DeleteResponse, NOW_MS,
+                 pb.REQUEST_KIND_DELETE)
 
 
 def cas(key: bytes, version: int, value: bytes, rid: str = "") -> Write:
@@ -55,9 +58,9 @@ def get_only(key: bytes, rid: str = "") -> Write:
     return Write(rid, lambda lookup, rev: evaluate_txn(req, lookup, SHARD, rev), kv.TxnResponse, NOW_MS)
 
 
-def committed(rid: str, revision: int = 7, version: int = 3) -> RequestRecord:
+def committed(rid: str, revision: int = 7, version: int = 3, kind: int = pb.REQUEST_KIND_PUT) -> RequestRecord:
     answer = kv.PutResponse(result=kv.WriteResult(shard=SHARD, revision=revision), version=version)
-    return RequestRecord(rid, revision, answer.SerializeToString(), NOW_MS - 1000)
+    return RequestRecord(rid, revision, answer.SerializeToString(), NOW_MS - 1000, kind)
 
 
 def plan(writes: list[Write], state: dict[bytes, KeyState] | None = None, table: Table | None = None,
@@ -101,7 +104,8 @@ def test_a_replay_is_the_recorded_answer_marked_replayed() -> None:
     answer = admit(put(b"k", rid="a"), Table({"a": committed("a", revision=7, version=3)}), set(), NOW_MS)
     assert isinstance(answer, kv.PutResponse)
     assert (answer.result.revision, answer.version, answer.result.replayed) == (7, 3, True)
-    assert replayed(kv.PutResponse, committed("a").response).result.replayed
+    again = replayed(put(b"k", rid="a"), committed("a"))
+    assert isinstance(again, kv.PutResponse) and again.result.replayed
 
 
 # ---- planning -------------------------------------------------------------------------------------------
@@ -266,9 +270,50 @@ def test_write_of_every_request_kind(request_: Any, response_type: type[Any]) ->
     write = write_of(request_, SHARD)
     assert (write.request_id, write.response_type, write.first_attempt_unix_ms) == (
         request_.request_id, response_type, NOW_MS)
+    assert write.kind == KINDS[response_type]
+    [payload] = plan([write]).payloads  # the kind travels in the entry, with the request id
+    assert pb.WalEntry.FromString(payload).request_kind == write.kind
     evaluation = write.build(lambda _key: None, REV)
     assert isinstance(evaluation.response, response_type) and evaluation.entry is not None
     assert evaluation.entry.request_id == request_.request_id and evaluation.response.result.revision == REV
+
+
+KINDS = {kv.PutResponse: pb.REQUEST_KIND_PUT, kv.DeleteResponse: pb.REQUEST_KIND_DELETE,
+         kv.TxnResponse: pb.REQUEST_KIND_TXN, kv.ShardMutationsResult: pb.REQUEST_KIND_WRITE_BATCH_PART}
+_REQUESTS_OF_EVERY_KIND = {
+    pb.REQUEST_KIND_PUT: kv.PutRequest(key=b"a", value=b"1", request_id="x", first_attempt_unix_ms=NOW_MS),
+    pb.REQUEST_KIND_DELETE: kv.DeleteRequest(key=b"a", request_id="x", first_attempt_unix_ms=NOW_MS),
+    pb.REQUEST_KIND_TXN: kv.TxnRequest(success=[kv.TxnOp(put=kv.PutRequest(key=b"a", value=b"1"))], request_id="x",
+                                       first_attempt_unix_ms=NOW_MS),
+    pb.REQUEST_KIND_WRITE_BATCH_PART: mutations("x", (b"a", b"1")),
+}
+
+
+@pytest.mark.parametrize("first", sorted(_REQUESTS_OF_EVERY_KIND))
+@pytest.mark.parametrize("retry", sorted(_REQUESTS_OF_EVERY_KIND))
+def test_an_id_is_answered_only_for_its_own_kind_of_request(first: int, retry: int) -> None:
+    """Issue 18: a request id reused by another kind of request is refused for every kind (a
+    Delete retried with a Put's id must not get the Put's answer: its bytes parse as one)."""
+    original = write_of(_REQUESTS_OF_EVERY_KIND[first], SHARD)
+    [payload] = plan([original]).payloads
+    applied = apply_entries(lambda _key: None, lambda _rid: False, [(REV, payload)])
+    [record] = applied.requests
+    assert record.kind == first
+    answer = admit(write_of(_REQUESTS_OF_EVERY_KIND[retry], SHARD), Table({"x": record}), (), NOW_MS)
+    if first == retry:
+        assert isinstance(answer, original.response_type) and answer.result.replayed
+    else:
+        assert isinstance(answer, errors.InvalidRequestError) and answer.definite, answer
+        assert "already used by" in str(answer) and answer.field == "request_id"
+
+
+def test_an_id_recorded_without_a_kind_is_judged_by_its_answer_as_before() -> None:
+    """Entries written before WalEntry.request_kind: the recorded answer's shape decides, which
+    tells a WriteBatch part from the rest, not a Put from a Delete (documented)."""
+    legacy = committed("x", kind=pb.REQUEST_KIND_UNSPECIFIED)
+    assert isinstance(admit(delete(b"a", rid="x"), Table({"x": legacy}), (), NOW_MS), kv.DeleteResponse)
+    refused = admit(write_of(mutations("x", (b"a", b"1")), SHARD), Table({"x": legacy}), (), NOW_MS)
+    assert isinstance(refused, errors.InvalidRequestError)
 
 
 @pytest.mark.parametrize(("recorded", "again"), [
@@ -279,7 +324,7 @@ def test_write_of_every_request_kind(request_: Any, response_type: type[Any]) ->
 ])
 def test_an_id_reused_by_another_kind_of_request_is_refused_not_replayed_as_garbage(recorded: Any,
                                                                                    again: Write) -> None:
-    table = Table({"x": RequestRecord("x", 7, recorded.SerializeToString(), NOW_MS - 1000)})
+    table = Table({"x": RequestRecord("x", 7, recorded.SerializeToString(), NOW_MS - 1000)})  # no kind
     answer = admit(again, table, (), NOW_MS)
     assert isinstance(answer, errors.InvalidRequestError) and answer.definite
     assert "already used by another kind of request" in str(answer)

@@ -8,6 +8,7 @@ ids, evicted-through time) a replica reaches applying the same records.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 from pathlib import Path
@@ -141,10 +142,12 @@ def test_fold_refuses_inconsistent_input() -> None:
 
 
 def write_snapshot(root: Path, name: str, out: pa.Table, cut: int, shards: int = 1, topic: str = TOPIC,
-                   manifest_digest: str | None = None) -> snapshot.Manifest:
+                   manifest_digest: str | None = None, format_1: bool = False) -> snapshot.Manifest:
     """Lay out the fold's output as the Spark job does (Hive-style shard directories)."""
     data = out.to_pylist()
-    for table, schema in (("keys", snapshot.KEYS_SCHEMA), ("requests", snapshot.REQUESTS_SCHEMA)):
+    requests_schema = pa.schema([f for f in snapshot.REQUESTS_SCHEMA if f.name != "request_kind"]) if format_1 \
+        else snapshot.REQUESTS_SCHEMA
+    for table, schema in (("keys", snapshot.KEYS_SCHEMA), ("requests", requests_schema)):
         kind = "key" if table == "keys" else "request"
         part = [r for r in data if r["kind"] == kind]
         if part:
@@ -159,8 +162,10 @@ def write_snapshot(root: Path, name: str, out: pa.Table, cut: int, shards: int =
         shards=tuple(snapshot.ShardSnapshot(shard=s, offset=cut, keys=m["keys"] if s == 0 else 0,
                                             digest=(manifest_digest or m["digest"]) if s == 0 else "",
                                             requests=m["requests"] if s == 0 else 0,
-                                            evicted_through_ms=m["evicted_through_ms"])
-                     for s in range(shards)))
+                                            evicted_through_ms=m["evicted_through_ms"],
+                                            requests_digest="" if format_1 or s else m["requests_digest"])
+                     for s in range(shards)),
+        format=1 if format_1 else snapshot.FORMAT)
     snapshot.write_manifest(str(root), manifest)
     return manifest
 
@@ -268,3 +273,68 @@ def test_bad_manifests_are_named(tmp_path: Path, edit: Any, message: str) -> Non
     path.write_text(json.dumps(body))
     with pytest.raises(snapshot.SnapshotFormatError, match=message):
         snapshot.read_manifest(str(root), manifest.name)
+
+
+def test_the_request_table_is_covered_by_its_own_digest(tmp_path: Path) -> None:
+    """Issue 18: a snapshot whose requests/ files were lost or altered is refused wherever it is
+    depended on (a node's load, `verify_shard` before truncation), not loaded as a self-consistent
+    state that would apply retries inside the window a second time."""
+    wal = wal_log(11)
+    cut = wal[-1][0] + 1
+    out = run(rows(0, cut, wal))
+    reference = replica(tmp_path, wal, cut)
+    assert meta(out)["requests_digest"] == reference.requests_digest()  # the fold's digest is the replica's
+    assert meta(out)["requests"] > 0
+    root = tmp_path / "snaps"
+    lost = write_snapshot(root, snapshot.new_name(1), out, cut)
+    altered = write_snapshot(root, snapshot.new_name(2), out, cut)
+    for path in (root / lost.name / "requests").rglob("*.parquet"):
+        path.unlink()
+    [path] = (root / altered.name / "requests").rglob("*.parquet")
+    table = pq.read_table(path)
+    responses = table.column("response").to_pylist()
+    responses[0] = b"forged"  # as many ids, the same keys: only the table's digest tells
+    pq.write_table(table.set_column(table.schema.get_field_index("response"), "response",
+                                    pa.array(responses, pa.binary())), path)
+    for manifest, message in ((lost, "request ids"), (altered, "request-id table digest")):
+        store = fresh(tmp_path, manifest.name)
+        with pytest.raises(snapshot.SnapshotFormatError, match=message):
+            snapshot.load_into(store, str(root), manifest)
+        assert store.applied_offset == 0
+        store.close()
+        with pytest.raises(snapshot.SnapshotFormatError, match=message):
+            snapshot.verify_shard(str(root), manifest, 0, scratch_dir=str(tmp_path))
+    reference.close()
+
+
+def test_a_format_1_snapshot_loads_with_unknown_request_kinds(tmp_path: Path) -> None:
+    wal = wal_log(12)
+    cut = wal[-1][0] + 1
+    manifest = write_snapshot(tmp_path / "snaps", snapshot.new_name(1), run(rows(0, cut, wal)), cut, format_1=True)
+    again = snapshot.read_manifest(str(tmp_path / "snaps"), manifest.name)
+    assert (again.format, again.shard(0).requests_digest) == (1, "")
+    store = fresh(tmp_path)
+    snapshot.load_into(store, str(tmp_path / "snaps"), again)
+    reference = replica(tmp_path, wal, cut)
+    assert store.digest() == reference.digest()
+    assert [(r.request_id, r.revision, r.kind) for r in store.requests()] == [
+        (r.request_id, r.revision, 0) for r in reference.requests()]
+    store.close()
+    reference.close()
+
+
+@pytest.mark.parametrize(("found", "expected"), [
+    (("d", 3, 2, "q", 9), None),
+    (("x", 3, 2, "q", 9), "3 keys with digest x"),
+    (("d", 4, 2, "q", 9), "4 keys"),
+    (("d", 3, 1, "q", 9), "1 request ids, its manifest says 2"),
+    (("d", 3, 2, "other", 9), "request-id table digest other"),
+    (("d", 3, 2, "q", 8), "forgotten through 8 ms"),
+])
+def test_mismatch_names_every_difference(found: tuple[str, int, int, str, int], expected: str | None) -> None:
+    meta_ = snapshot.ShardSnapshot(shard=0, offset=5, keys=3, digest="d", requests=2, evicted_through_ms=9,
+                                   requests_digest="q")
+    why = snapshot.mismatch(meta_, *found)
+    assert (why is None) if expected is None else (why is not None and expected in why), why
+    legacy = dataclasses.replace(meta_, requests_digest="")  # format 1: only the count covers the table
+    assert snapshot.mismatch(legacy, "d", 3, 2, "anything", 9) is None

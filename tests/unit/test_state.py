@@ -277,14 +277,16 @@ def test_batching_does_not_change_the_outcome(seed: int) -> None:
 # ---- the replay fast path: plain-value decoding and apply_entries against the protobuf reference --
 
 
-def _reference_fields(payload: bytes) -> tuple[str, list[tuple[bytes, bytes | None]], bytes, int] | None:
-    """What protobuf makes of a payload (`decode_entry`), as plain values."""
+def _reference_fields(payload: bytes) -> tuple[str, list[tuple[bytes, bytes | None]], bytes, int, int] | None:
+    """What protobuf makes of a payload (`decode_entry`), as plain values; a request kind outside
+    the enum is kept as unspecified."""
     decoded = decode_entry(payload)
     if decoded is None:
         return None
     effects = [(f.put.key, f.put.value) if f.WhichOneof("kind") == "put" else (f.delete.key, None)
                for f in decoded.effects]
-    return decoded.request_id, effects, decoded.response, decoded.leader_unix_ms
+    kind = decoded.request_kind if decoded.request_kind in (1, 2, 3, 4) else 0
+    return decoded.request_id, effects, decoded.response, decoded.leader_unix_ms, kind
 
 
 def _varint(value: int) -> bytes:
@@ -312,8 +314,9 @@ def _random_entry(rng: random.Random) -> pb.WalEntry:
             effects.append(delete(key))
     rid = rng.choice(["", "", "r1", "0f" * 16, "x" * 127, "x" * 128, "é-id", "\u0665"])
     ms = rng.choice([0, 0, 1, 127, 128, 1_700_000_000_123, 2**62, 2**63 - 1, -1, -(2**63)])
+    kind = rng.choice([0, 0, 1, 2, 3, 4, 5, 127, 128, 2**31 - 1, -1])  # past the enum too: open enums keep them
     return pb.WalEntry(request_id=rid, effects=effects, response=rng.randbytes(rng.choice(sizes[:7])),
-                       leader_unix_ms=ms)
+                       leader_unix_ms=ms, request_kind=kind)  # type: ignore[arg-type]
 
 
 def _by_hand(entry: pb.WalEntry, rng: random.Random) -> bytes:
@@ -334,7 +337,8 @@ def _by_hand(entry: pb.WalEntry, rng: random.Random) -> bytes:
         if rng.random() < 0.3:
             inner.reverse()
         parts.append(field(2, field(1 if kind == "put" else 2, b"".join(inner))))
-    parts += [field(1, entry.request_id.encode()), field(3, entry.response), b"\x20" + _varint(entry.leader_unix_ms)]
+    parts += [field(1, entry.request_id.encode()), field(3, entry.response), b"\x20" + _varint(entry.leader_unix_ms),
+              b"\x28" + _varint(entry.request_kind)]
     if rng.random() < 0.5:
         rng.shuffle(parts)
     return b"".join(parts)
@@ -359,6 +363,12 @@ def _mutations(rng: random.Random, payload: bytes, other: bytes) -> list[bytes]:
         _field(1, "é".encode()) + payload,
         payload + b"\x20" + _varint(-7),  # a negative time, ten bytes long
         payload + b"\x20\xff",  # a time that never ends
+        payload + b"\x28\x02",  # a request kind after everything
+        payload + b"\x28\x82\x00",  # a kind in two bytes (non-minimal): 2
+        payload + b"\x28" + _varint(2**32 + 1),  # protobuf truncates an enum to 32 bits: 1
+        payload + b"\x28" + _varint(-1),  # a negative kind, ten bytes long
+        payload + b"\x28\xff",  # a kind that never ends
+        payload + b"\x28\x01\x28\x03",  # twice: the later one counts
         payload + b"\x1a\x05ab",  # a response longer than what is left
         rng.randbytes(rng.randrange(20)),
     ]
@@ -378,7 +388,7 @@ def test_canonical_entries_take_the_fast_path() -> None:
     """What the leader writes is read without protobuf (the tests above hold both paths equal)."""
     for seed in range(50):
         entry = _random_entry(random.Random(seed))
-        if all(ord(c) < 128 for c in entry.request_id) and entry.leader_unix_ms >= 0:
+        if all(ord(c) < 128 for c in entry.request_id) and entry.leader_unix_ms >= 0 and 0 <= entry.request_kind < 128:
             assert _decode_canonical(entry.SerializeToString()) == _reference_fields(entry.SerializeToString())
 
 
@@ -411,7 +421,8 @@ def _reference_apply_entries(lookup: Lookup, request_seen: RequestSeen, records:
             out.changed[2].append(offset)
         if request_id:
             seen_here.add(request_id)
-            request = RequestRecord(request_id, offset, bytes(entry.response), leader_ms)
+            request = RequestRecord(request_id, offset, bytes(entry.response), leader_ms,
+                                    entry.request_kind if entry.request_kind in (1, 2, 3, 4) else 0)
             out.requests.append(request)
             if on_request is not None:
                 on_request(request)

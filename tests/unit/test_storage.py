@@ -416,14 +416,39 @@ def test_suspect_metadata_is_rebuilt(two_sessions: Path, open_store: Callable[..
     assert_rebuilt(open_store())
 
 
-def test_directory_of_the_previous_format_is_rebuilt(two_sessions: Path,
-                                                     open_store: Callable[..., ShardStore]) -> None:
+def test_directory_of_format_1_is_rebuilt(two_sessions: Path, open_store: Callable[..., ShardStore]) -> None:
     """Format 1 kept request ids without their time: it cannot say what to forget when."""
-    assert FORMAT_VERSION == b"2"
+    assert FORMAT_VERSION == b"3"
     _tamper(two_sessions, lambda db: db.put(b"m:format", b"1"))
     store = open_store()
-    assert store.rebuilt_reason == "format b'1', expected b'2'"
+    assert store.rebuilt_reason == "format b'1', expected b'3'"
     assert (store.applied_offset, store.evicted_through_ms) == (0, 0)
+
+
+def test_directory_of_format_2_is_migrated_in_place(tmp_path: Path, open_store: Callable[..., ShardStore]) -> None:
+    """Format 2 kept no request kinds: its ids get kind 0 (unknown) in place, nothing else moves,
+    so a replica of a truncated WAL needs no rebuild to upgrade."""
+    first = open_store()
+    first.apply([(3, put(b"k", rid="rid-a", response=b"a", ms=1_000)), (4, put(b"j", rid="rid-b", ms=2_000))], 6)
+    before = (first.digest(), first.applied_offset, first.evicted_through_ms, list(first.requests()))
+    first.close()
+
+    def to_format_2(db: plyvel.DB) -> None:  # what format 2 wrote: no kind byte
+        for raw_key, raw_value in list(db.iterator(prefix=b"r")):
+            db.put(raw_key, raw_value[:16] + raw_value[17:])
+        db.put(b"m:format", b"2")
+
+    _tamper(tmp_path / "shard", to_format_2)
+    store = open_store()
+    assert store.rebuilt_reason is None
+    assert (store.digest(), store.applied_offset, store.evicted_through_ms, list(store.requests())) == before
+    assert [r.kind for r in store.requests()] == [0, 0]
+    store.close()
+    db = plyvel.DB(str(tmp_path / "shard"))
+    try:
+        assert db.get(b"m:format") == b"3"
+    finally:
+        db.close()
 
 
 def _garbage(*patterns: str) -> Callable[[Path], None]:
@@ -587,3 +612,12 @@ def test_held_keys_never_miss_an_added_key() -> None:
     assert all(held.may_hold(key) for key in added)
     others = [b"other-%d" % i for i in range(20_000)]
     assert sum(held.may_hold(key) for key in others) < len(others) * 0.01  # ~0.3% at this fill
+
+
+def test_a_request_keeps_its_kind(store: ShardStore) -> None:
+    entry = pb.WalEntry(request_id="rid-d", effects=[pb.Effect(delete=pb.DeleteEffect(key=b"k"))], response=b"r",
+                        leader_unix_ms=5, request_kind=pb.REQUEST_KIND_DELETE)
+    store.apply([(0, entry.SerializeToString())], 1)
+    record = store.request("rid-d")
+    assert record == RequestRecord("rid-d", 0, b"r", 5, pb.REQUEST_KIND_DELETE)
+    assert list(store.requests()) == [record]
