@@ -18,9 +18,17 @@ from wal.errors import (
     WriterFatalError,
 )
 from wal.guard import AppendResult
+from wal.readers import Reader, ReaderList, ReaderRegistry, RegistryError
 from wal.record import AcceptedRecord, WriterIdentity
 from wal.replayer import Replayer, ReplayStats
-from wal.topic import TopicMismatchError, delete_below, ensure_wal_topic, partition_count
+from wal.topic import (
+    TopicMismatchError,
+    delete_below,
+    ensure_readers_topic,
+    ensure_wal_topic,
+    partition_count,
+    readers_topic,
+)
 from wal.writer import ShardWriter, WriterConfig
 
 __all__ = [
@@ -31,6 +39,10 @@ __all__ = [
     "InvalidBatchError",
     "OffsetMismatchError",
     "OffsetOutOfRangeError",
+    "Reader",
+    "ReaderList",
+    "ReaderRegistry",
+    "RegistryError",
     "ReplayStats",
     "Replayer",
     "ShardWriter",
@@ -43,7 +55,9 @@ __all__ = [
     "WriterFatalError",
     "WriterIdentity",
     "delete_below",
+    "ensure_readers_topic",
     "ensure_wal_topic",
     "partition_count",
+    "readers_topic",
     "shard_transactional_id",
 ]

@@ -7,13 +7,18 @@ Two principals, and nobody else anything (the broker denies what no ACL allows):
   ids are what fences a stale leader, so only the store may take them), replays it, creates it
   at the first start, reads its settings (`wal.topic` checks the retention) and runs the
   leadership consumer group;
-- the pipeline's (Spark jobs, `kvstore audit`, ...): reads the WAL, nothing more. It cannot
-  append a record, take a shard's transactional id (and so fence a leader) or delete records.
+- the pipeline's (Spark jobs, `kvstore audit`, ...): reads the WAL, and keeps the registry of
+  who still reads it (`wal.readers`, the topic `<wal topic>.readers`: a change feed creates it,
+  records its position there and reads it back). It cannot append to the WAL, take a shard's
+  transactional id (and so fence a leader) or delete records. Writing the registry only holds
+  truncation back (or, by removing a reader, lets it go further), never changes the WAL.
 
 Not granted to either: deleting records (`kvstore wal truncate`, Kafka DeleteRecords) and
 altering the topic's settings. Those lose data, so they stay with an administrator (a super
-user): a leaked store or pipeline password cannot shorten the WAL. A WAL topic created by hand
-with a finite retention is therefore refused by a node (it may not fix it) instead of repaired.
+user, who also reads the readers registry before truncating): a leaked store or pipeline
+password cannot shorten the WAL. A WAL topic created by hand with a finite retention is
+therefore refused by a node (it may not fix it) instead of repaired. The store needs nothing of
+the readers registry.
 
 What each request needs (Kafka's authorization of its APIs): Produce WRITE on the topic;
 InitProducerId, AddPartitionsToTxn and EndTxn WRITE on the transactional id (which also stands
@@ -22,7 +27,8 @@ ListOffsets READ / DESCRIBE on the topic; Metadata DESCRIBE on the topic; Create
 the topic; DescribeConfigs DESCRIBE_CONFIGS; JoinGroup, SyncGroup, Heartbeat and LeaveGroup READ
 on the group, DescribeGroups DESCRIBE. librdkafka looks up a coordinator for the group id every
 consumer has, even one that only reads assigned partitions (`wal.clients.READER_GROUP_PREFIX`),
-which needs DESCRIBE on that group.
+which needs DESCRIBE on that group. The registry's idempotent producer needs no cluster ACL:
+WRITE on a topic stands in for IDEMPOTENT_WRITE (KIP-679).
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ from confluent_kafka.admin import (
 
 from wal.clients import READER_GROUP_PREFIX, ClientSecurity, client_config, shard_transactional_id_prefix
 from wal.errors import UnavailableError
+from wal.topic import readers_topic
 
 
 class Resource(enum.Enum):
@@ -86,6 +93,7 @@ def wal_grants(topic: str, group: str, store: str, pipeline: str) -> list[Grant]
     the pipeline's principals ("User:<name>"), sorted. Pure: `create_acls` applies them."""
     assert store != pipeline, "the store and the pipeline must be different principals"
     topic_ = (Resource.TOPIC, topic, Pattern.LITERAL)
+    registry = (Resource.TOPIC, readers_topic(topic), Pattern.LITERAL)
     txn = (Resource.TRANSACTIONAL_ID, shard_transactional_id_prefix(topic), Pattern.PREFIXED)
     leaders = (Resource.GROUP, group, Pattern.LITERAL)
     readers = (Resource.GROUP, READER_GROUP_PREFIX, Pattern.PREFIXED)
@@ -95,6 +103,7 @@ def wal_grants(topic: str, group: str, store: str, pipeline: str) -> list[Grant]
         (store, leaders, ("READ", "DESCRIBE")),
         (store, readers, ("DESCRIBE",)),
         (pipeline, topic_, ("READ", "DESCRIBE")),
+        (pipeline, registry, ("READ", "WRITE", "DESCRIBE", "CREATE")),
         (pipeline, readers, ("DESCRIBE",)),
     ]
     grants = (Grant(principal, resource, name, pattern, operation)

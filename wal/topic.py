@@ -10,6 +10,9 @@ LevelDB) and every Spark job replay a partition from offset 0. A broker's defaul
 `ensure_wal_topic` creates the topic or checks an existing one; an existing topic whose
 retention is finite (e.g. created by hand, or by an older version) is altered to keep
 everything, loudly, since leaving it would lose data later.
+
+Next to the WAL, `<wal topic>.readers` holds the registry of who still reads it (`wal.readers`),
+created on first use by `ensure_readers_topic`.
 """
 
 from __future__ import annotations
@@ -114,6 +117,64 @@ def _keep_everything(admin: AdminClient, topic: str, timeout_s: float) -> None:
         ConfigEntry(name, KEEP_FOREVER, incremental_operation=AlterConfigOpType.SET) for name in finite])
     for future in admin.incremental_alter_configs([alter], request_timeout=timeout_s).values():
         future.result(timeout_s)
+
+
+# ---- the readers registry's topic (wal.readers) ----------------------------------------------------
+
+READERS_SUFFIX = ".readers"
+
+
+def readers_topic(wal_topic: str) -> str:
+    """The registry of a WAL's readers sits next to it, named after it: whoever can name the WAL
+    finds it, and two WALs never share one."""
+    assert wal_topic and wal_topic.strip() == wal_topic, f"topic must be non-empty and unpadded: {wal_topic!r}"
+    return f"{wal_topic}{READERS_SUFFIX}"
+
+
+def readers_topic_config(replication_factor: int) -> dict[str, str]:
+    """Compacted, so the last record per reader is kept forever and a tombstone removes one;
+    never deleted by age or size (a quiet reader must not vanish and stop protecting its
+    records); as durable as the WAL."""
+    return {
+        "cleanup.policy": "compact",
+        "retention.ms": KEEP_FOREVER,
+        "retention.bytes": KEEP_FOREVER,
+        "unclean.leader.election.enable": "false",
+        "min.insync.replicas": str(min_insync_replicas(replication_factor)),
+    }
+
+
+def ensure_readers_topic(bootstrap_servers: str, wal_topic: str, timeout_s: float = 30.0, *,
+                         security: ClientSecurity | None = None) -> bool:
+    """Create the readers topic of `wal_topic` (one partition, `readers_topic_config`, the WAL's
+    replication factor) unless it exists; True if it was created here. An existing one is taken
+    as it is: its creator (this function) set it up. Raises UnavailableError when the WAL topic
+    does not exist or the brokers cannot be asked or refuse."""
+    name = readers_topic(wal_topic)
+    admin = AdminClient(client_config(bootstrap_servers, security, **{"client.id": "wal-readers-topic"}))
+    try:
+        meta = admin.list_topics(timeout=timeout_s)
+        existing = meta.topics.get(name)
+        if existing is not None and existing.error is None:
+            return False
+        wal = meta.topics.get(wal_topic)
+        if wal is None or wal.error is not None or not wal.partitions:
+            raise UnavailableError(f"WAL topic {wal_topic}: {wal.error if wal is not None else 'not found'}; its "
+                                   f"readers topic {name} is created next to it")
+        rf = max(len(p.replicas) for p in wal.partitions.values())
+        futures = admin.create_topics([NewTopic(name, 1, replication_factor=rf, config=readers_topic_config(rf))],
+                                      request_timeout=timeout_s)
+        for future in futures.values():
+            try:
+                future.result(timeout_s)
+            except KafkaException as exc:
+                if exc.args[0].code() == KafkaError.TOPIC_ALREADY_EXISTS:
+                    return False  # another reader created it meanwhile
+                raise
+        log.info("created WAL readers topic %s (compacted, replication factor %d)", name, rf)
+        return True
+    except KafkaException as exc:
+        raise UnavailableError(f"WAL readers topic {name}: {exc.args[0]}") from exc
 
 
 def partition_count(bootstrap_servers: str, topic: str, timeout_s: float = 30.0, *,

@@ -12,10 +12,29 @@ Rows are what the store applies, computed from the same W3 column expression as 
 (`wal_source.judged`): one row per effect of an accepted record whose payload is a WalEntry,
 revision = the record's offset (`kvstore.core.state`). Rogue and malformed records give no rows.
 
-Truncation (`kvstore wal truncate`, Kafka delete_records) can remove records a feed has not read
-yet. `failOnDataLoss` stays true: a feed with a hole is worse than a stopped one, and the hole
-cannot be filled later (the records are gone), so the refusal says to start a new table. A *new*
-feed on a truncated WAL starts at each shard's log start, and says that older history is gone.
+Truncation (`kvstore wal truncate`, Kafka delete_records) must not remove records a feed has not
+read yet, so the feed registers itself as a WAL reader (`wal.readers`, name `changes:<checkpoint>`)
+with, per shard, the next offset it may still need, and truncation stops there. That position
+may lag, never lead: it is the start of the micro-batch about to run, i.e. the end offsets of the
+last *committed* batch. Structured Streaming writes `offsets/N` before batch N runs and
+`commits/N` after; a batch planned but not committed is re-run from its start after a crash, so
+its start must stay protected, and it does: the position only moves when a batch's progress is
+reported, which Spark does after `commits/N` is written (`MicroBatchExecution`: runBatch ends
+with markMicroBatchEnd, the commit log, before finishTrigger reports progress). A new feed
+registers its starting offsets (the log starts) before its first batch; a resumed one registers
+the last committed batch's end offsets from its checkpoint before it starts (or, if those cannot
+be read, the log starts: never ahead). Updates come from the driver's wait loop reading
+`query.lastProgress`, not from a StreamingQueryListener (a Python listener runs on Spark's
+listener-bus thread through a py4j callback, where Kafka I/O would stall the bus and an error
+would vanish) nor foreachBatch (it would replace the file sink and its exactly-once log). A
+failed update leaves the older, safe position, and is retried at the next batch. The
+registration stays after a run: the feed continues next time. `kvstore wal readers remove`
+deregisters an abandoned feed.
+
+`failOnDataLoss` stays true: if the WAL was truncated under the feed anyway (`--force`, a feed
+that predates the registry), a feed with a hole is worse than a stopped one, and the hole cannot
+be filled later (the records are gone), so the refusal says to start a new table. A *new* feed on
+a truncated WAL starts at each shard's log start, and says that older history is gone.
 """
 
 from __future__ import annotations
@@ -24,9 +43,11 @@ import argparse
 import contextlib
 import dataclasses
 import json
+import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator, Mapping
 from types import FrameType
 from typing import TYPE_CHECKING, Any
@@ -52,6 +73,8 @@ from kvstore.pipeline.wal_source import accepted, entries, judged, kafka_options
 if TYPE_CHECKING:
     from pyspark.sql.streaming.query import StreamingQuery
 
+    from wal.readers import ReaderRegistry
+
 CHANGES_SCHEMA = StructType([
     StructField("shard", IntegerType()),
     StructField("offset", LongType()),
@@ -74,6 +97,7 @@ TIMESTAMP_TYPE_CONF = "spark.sql.parquet.outputTimestampType"
 STOP_TIMEOUT_CONF = "spark.sql.streaming.stopTimeout"
 STOP_TIMEOUT_MS = 60_000  # Kafka fetches of the running batch are interrupted; this is ample
 WAIT_STEP_S = 1  # how long one wait on the query blocks: Ctrl-C and progress are noticed this often
+READER_KIND = "change-feed"  # the feed's kind in the WAL readers registry (`kvstore wal readers`)
 
 
 def changes_frame(judged_frame: DataFrame) -> DataFrame:
@@ -130,6 +154,112 @@ def checkpoint_of(to: str, checkpoint: str | None) -> str:
     return checkpoint or f"{to.rstrip('/')}/{CHECKPOINT_DIR}"
 
 
+def _absolute(uri: str) -> str:
+    """A local path made absolute (two shells in other directories name the same feed alike);
+    a URI as given."""
+    if "://" in uri or uri.startswith("file:"):
+        return uri.rstrip("/")
+    return os.path.abspath(uri)
+
+
+def reader_name(checkpoint: str) -> str:
+    """The feed's name in the WAL readers registry: its checkpoint, which is what a feed is (its
+    position lives there, and two feeds never share one)."""
+    return f"changes:{_absolute(checkpoint)}"
+
+
+def source_offsets(offsets_json: str | None, topic: str) -> dict[int, int] | None:
+    """Per partition of `topic`, the offsets in the Kafka source's JSON form
+    (`{"<topic>": {"<partition>": <offset>, ...}}`, as in a progress report's endOffset and in
+    the checkpoint's offset log), or None if it holds none for `topic`. Pure."""
+    if not offsets_json:
+        return None
+    try:
+        body = json.loads(offsets_json)
+    except ValueError:
+        return None
+    partitions = body.get(topic) if isinstance(body, dict) else None
+    if not isinstance(partitions, dict) or not partitions:
+        return None
+    out: dict[int, int] = {}
+    for partition, offset in partitions.items():
+        if not (isinstance(partition, str) and partition.isdigit()) or isinstance(offset, bool) \
+                or not isinstance(offset, int) or offset < 0:
+            return None  # -1/-2 (latest/earliest) are not positions
+        out[int(partition)] = offset
+    return out
+
+
+def next_positions(recorded: Mapping[int, int], reported: Mapping[int, int] | None) -> dict[int, int] | None:
+    """The positions to record after a progress report, or None if nothing changes. A shard the
+    report does not mention keeps its recorded position (never dropped: dropping it would stop
+    protecting it). Pure."""
+    if reported is None:
+        return None
+    merged = {s: reported.get(s, o) for s, o in recorded.items()}
+    merged.update({s: o for s, o in reported.items() if s not in merged})
+    return merged if merged != dict(recorded) else None
+
+
+class _Registration:
+    """The feed's entry in the WAL readers registry, kept at the start of the next batch."""
+
+    def __init__(self, target: WalTarget, name: str, where: str, timeout_s: float,
+                 say: Callable[[str], None]) -> None:
+        from wal import ReaderRegistry
+
+        self.name = name
+        self._target = target
+        self._where = where
+        self._say = say
+        self._registry: ReaderRegistry = ReaderRegistry(target.bootstrap_servers, target.topic,
+                                                        security=target.security, timeout_s=timeout_s)
+        self.positions: dict[int, int] = {}
+        self._failing = False
+
+    def start(self, positions: Mapping[int, int]) -> None:
+        """Before the query starts; PipelineError if it cannot be recorded (the feed would be
+        unprotected from its first batch on)."""
+        from wal import RegistryError
+
+        try:
+            self._record(positions)
+        except RegistryError as exc:
+            raise PipelineError(f"cannot register the change feed as a WAL reader, so truncation could delete "
+                                f"what it has not read: {exc}; nothing was run") from exc
+
+    def follow(self, query: StreamingQuery) -> None:
+        """Record the end offsets of the last committed batch, if they moved. A failure leaves
+        the older (safe) position and is said once; the next batch tries again."""
+        from wal import RegistryError
+
+        progress = query.lastProgress
+        if progress is None or not progress.sources:
+            return
+        reported = source_offsets(progress.sources[0].endOffset, self._target.topic)
+        positions = next_positions(self.positions, reported)
+        if positions is None:
+            return
+        try:
+            self._record(positions)
+        except RegistryError as exc:
+            if not self._failing:
+                self._say(f"WARNING: cannot update the feed's WAL reader position (truncation still stops at the "
+                          f"older one): {exc}")
+            self._failing = True
+            return
+        self._failing = False
+
+    def close(self) -> None:
+        self._registry.close()
+
+    def _record(self, positions: Mapping[int, int]) -> None:
+        from wal import Reader
+
+        self._registry.record(Reader(self.name, READER_KIND, self._where, dict(positions), int(time.time() * 1000)))
+        self.positions = dict(positions)
+
+
 def run_feed(spark: SparkSession, target: WalTarget, to: str, *, checkpoint: str | None = None,
              follow: bool = False, interval_s: float = 5.0, timeout_s: float = 30.0,
              notice: Callable[[str], None] | None = None) -> FeedRun:
@@ -164,19 +294,30 @@ def run_feed(spark: SparkSession, target: WalTarget, to: str, *, checkpoint: str
         say(f"the WAL was truncated ({gone}): this new feed starts at the log start; the history before it is "
             "gone (the newest snapshot holds the state as of its cut)")
     before = _sink_files(spark, to) if sink_started else set()
-    with _CtrlC() as ctrl_c:
-        query = _start(spark, target, to, checkpoint, log_starts, follow=follow, interval_s=interval_s)
-        try:
-            _wait(query, ctrl_c, follow=follow, say=say)
-        except StreamingQueryException as exc:
-            raise _failure(exc, target, to, log_starts, resumed, timeout_s) from exc
-        finally:
-            _stop(spark, query)
-        failed = query.exception()  # a failure racing Ctrl-C must not pass for a clean stop
-        if failed is not None:
-            raise _failure(failed, target, to, log_starts, resumed, timeout_s) from failed
-        if ctrl_c.pressed and not follow:
-            raise KeyboardInterrupt
+    registration = _Registration(target, reader_name(checkpoint), _absolute(to), timeout_s, say)
+    try:
+        starting = storage.committed_offsets(checkpoint, target.topic) if resumed else None
+        if resumed and starting is None:
+            say("the checkpoint's last committed offsets cannot be read; registering the log starts as this "
+                "feed's position until its first batch commits")
+        # Every shard listed: one the checkpoint lacks is protected from its log start.
+        registration.start({**log_starts, **(starting or {})})
+        with _CtrlC() as ctrl_c:
+            query = _start(spark, target, to, checkpoint, log_starts, follow=follow, interval_s=interval_s)
+            try:
+                _wait(query, ctrl_c, follow=follow, say=say, registration=registration)
+            except StreamingQueryException as exc:
+                raise _failure(exc, target, to, log_starts, resumed, timeout_s) from exc
+            finally:
+                _stop(spark, query)
+                registration.follow(query)  # the last batch that committed before the stop
+            failed = query.exception()  # a failure racing Ctrl-C must not pass for a clean stop
+            if failed is not None:
+                raise _failure(failed, target, to, log_starts, resumed, timeout_s) from failed
+            if ctrl_c.pressed and not follow:
+                raise KeyboardInterrupt
+    finally:
+        registration.close()
     after = _sink_files(spark, to)
     return FeedRun(_count_rows(spark, after - before), resumed, first_offsets)
 
@@ -224,11 +365,15 @@ def _start(spark: SparkSession, target: WalTarget, to: str, checkpoint: str, log
         return writer.start()
 
 
-def _wait(query: StreamingQuery, ctrl_c: _CtrlC, *, follow: bool, say: Callable[[str], None]) -> None:
+def _wait(query: StreamingQuery, ctrl_c: _CtrlC, *, follow: bool, say: Callable[[str], None],
+          registration: _Registration | None = None) -> None:
     """Until the query ends (availableNow: all done; follow: never by itself) or Ctrl-C, in
-    short waits, so that Ctrl-C is noticed between two calls into the JVM."""
+    short waits, so that Ctrl-C is noticed between two calls into the JVM, and the feed's
+    registered position follows its committed batches."""
     reported = -1
     while not query.awaitTermination(WAIT_STEP_S) and not ctrl_c.pressed:
+        if registration is not None:
+            registration.follow(query)
         if follow:
             progress = query.lastProgress
             if progress is not None and progress.batchId > reported and progress.numInputRows > 0:
@@ -359,6 +504,29 @@ class _Storage:
         assert jvm is not None, "a classic (not Spark Connect) session"
         self._jvm: Any = jvm
         self._conf: Any = context._jsc.hadoopConfiguration()
+
+    def committed_offsets(self, checkpoint: str, topic: str) -> dict[int, int] | None:
+        """The end offsets of the checkpoint's last committed batch (the start of the next one),
+        or None if there is none or it cannot be read. Spark's logs: `commits/<N>` for each
+        committed batch, `offsets/<N>` a version line, a metadata line, then one line per source
+        with its offsets as JSON."""
+        try:
+            commits = self._jvm.org.apache.hadoop.fs.Path(f"{checkpoint.rstrip('/')}/commits")
+            fs = commits.getFileSystem(self._conf)
+            batches = [int(name) for status in fs.listStatus(commits)
+                       if (name := status.getPath().getName()).isdigit()]
+            if not batches:
+                return None
+            path = self._jvm.org.apache.hadoop.fs.Path(f"{checkpoint.rstrip('/')}/offsets/{max(batches)}")
+            stream = fs.open(path)
+            try:
+                text = str(self._jvm.org.apache.commons.io.IOUtils.toString(stream, "UTF-8"))
+            finally:
+                stream.close()
+        except Exception:  # py4j's errors of a missing or unreadable file: the caller falls back
+            return None
+        lines = [line for line in text.splitlines() if line.strip()]
+        return source_offsets(lines[-1], topic) if len(lines) >= 3 else None
 
     def has_entries(self, uri: str) -> bool:
         """Whether the directory exists and holds a file that is not hidden (Spark's logs keep

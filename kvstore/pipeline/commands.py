@@ -1,4 +1,4 @@
-"""The pipeline's commands in the `kvstore` CLI: snapshot, wal truncate, audit, load, changes.
+"""The pipeline's commands in the `kvstore` CLI: snapshot, wal truncate, wal readers, audit, load, changes.
 
 Registered by `kvstore.cli.build_parser`; each command's work lives in the module named after
 it, imported only when that command runs (pyspark takes a second to import, and the client
@@ -32,6 +32,7 @@ _HANDLERS = {
     "snapshot-create": "kvstore.pipeline.snapshot_job:create_command",
     "snapshot-list": "kvstore.pipeline.snapshot_job:list_command",
     "wal-truncate": "kvstore.pipeline.truncate:command",
+    "wal-readers": "kvstore.pipeline.readers:command",
     "audit": "kvstore.pipeline.audit:command",
     "load": "kvstore.pipeline.load:command",
     "changes": "kvstore.pipeline.changes:command",
@@ -75,10 +76,23 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     wal = sub.add_parser("wal", parents=[common], help="operate on the WAL topic")
     wal_sub = wal.add_subparsers(dest="wal_action", metavar="ACTION", required=True)
     p = wal_sub.add_parser("truncate", parents=parents,
-                           help="delete WAL records below the newest snapshot's cut, per shard")
+                           help="verify the newest snapshot, then delete WAL records below its cut - 1, per shard, "
+                                "never past a registered reader's position")
     p.add_argument("--dir", required=True, help="the snapshot directory")
-    p.add_argument("--dry-run", action="store_true", help="say what would be deleted, delete nothing")
+    p.add_argument("--dry-run", action="store_true", help="verify and say what would be deleted, delete nothing")
+    p.add_argument("--force", action="store_true",
+                   help="delete below the cut even where a registered reader still needs the records (it will fail)")
+    p.add_argument("--scratch-dir", default=None,
+                   help="where the snapshot is loaded to be verified, one shard at a time (default: the system's "
+                        "temporary directory; it needs room for the largest shard)")
     p.set_defaults(pipeline="wal-truncate")
+    p = wal_sub.add_parser("readers", parents=parents,
+                           help="the readers that still need the WAL (change feeds, ...), with positions and lag; "
+                                "`readers remove NAME` deregisters an abandoned one")
+    p.add_argument("readers_action", nargs="?", choices=("list", "remove"), default="list", metavar="list|remove",
+                   help="list (default) or remove")
+    p.add_argument("name", nargs="?", default=None, help="with remove: the reader's name, as listed")
+    p.set_defaults(pipeline="wal-readers")
 
     p = sub.add_parser("audit", parents=[*parents, spark_opts],
                        help="check the WAL (W3), the newest snapshot and every live replica; exit 1 on an anomaly")

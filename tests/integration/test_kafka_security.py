@@ -6,9 +6,10 @@ with the ACLs of `wal.acl` for the node's cluster. Three more logins: the pipeli
 
 What is held here: the broker refuses whoever lacks the store's credentials everything that
 could touch the WAL's content (appending, taking a shard's transactional id, deleting records),
-the pipeline may read and nothing more, the node works as usual; and a principal that may write
-(the store's, used around the guard) still cannot make a record count: W3 skips records with a
-wrong expected offset or without the header, at the node and in `kvstore audit`.
+the pipeline may read the WAL and keep its readers registry and nothing more, the node works as
+usual; and a principal that may write (the store's, used around the guard) still cannot make a
+record count: W3 skips records with a wrong expected offset or without the header, at the node
+and in `kvstore audit`.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from kvstore.v1 import cluster_pb2
 from tests.conftest import unique
 from tests.integration.store_process import REPO, StoreProcess
 from tests.waiting import NotYet, wait_until
-from wal import Replayer, UnavailableError, delete_below
+from wal import Reader, ReaderRegistry, RegistryError, Replayer, UnavailableError, delete_below
 from wal.acl import create_acls, wal_grants
 from wal.broker import LocalKafka
 from wal.clients import ClientSecurity, PartitionEnds, client_config, shard_transactional_id
@@ -215,6 +216,32 @@ def test_the_pipeline_reads_the_wal_and_nothing_more(secure: Secure, node: Store
     # Deleting records is an administrator's (wal.acl): neither the pipeline nor the store may.
     assert "TOPIC_AUTHORIZATION_FAILED" in deletion_refusal(secure, PIPELINE)
     assert "TOPIC_AUTHORIZATION_FAILED" in deletion_refusal(secure, STORE)
+
+
+def test_the_pipeline_keeps_the_readers_registry_the_admin_reads_it_and_nobody_else(secure: Secure,
+                                                                                   node: StoreProcess) -> None:
+    """The registry of who still reads the WAL (`wal.readers`): the pipeline creates it, records
+    and removes its readers; the admin (who truncates) reads it; the store and a rogue principal
+    may neither write nor read it, and not being allowed to read it is an error, never "no
+    readers" (which would let a truncation delete what a feed still needs)."""
+    feed = Reader("changes:/feed/_checkpoint", "change-feed", "/feed", {0: 3, 1: 4}, 1)
+    with ReaderRegistry(secure.bootstrap, secure.topic, security=secure.login(PIPELINE), timeout_s=TIMEOUT_S) as mine:
+        mine.record(feed)
+        mine.record(Reader("abandoned", "job", "/old", {0: 0}, 1))
+        mine.remove("abandoned")
+        assert mine.list().readers == (feed,)
+    with ReaderRegistry(secure.bootstrap, secure.topic, security=secure.kafka.credentials(),
+                        timeout_s=TIMEOUT_S) as admin:
+        assert admin.list().readers == (feed,)
+    for user in (STORE, ROGUE):
+        with ReaderRegistry(secure.bootstrap, secure.topic, security=secure.login(user), timeout_s=5) as other:
+            with pytest.raises(RegistryError, match="AUTHORIZATION_FAILED"):
+                other.list()
+            with pytest.raises(RegistryError):
+                other.record(Reader("changes:/forged", "change-feed", "/forged", {0: 10**9}, 1))
+    with ReaderRegistry(secure.bootstrap, secure.topic, security=secure.kafka.credentials(),
+                        timeout_s=TIMEOUT_S) as admin:
+        assert admin.list().readers == (feed,)
 
 
 def test_a_store_node_serves_on_the_secure_broker(secure: Secure, node: StoreProcess) -> None:

@@ -31,6 +31,10 @@ EXPECTED = {
     ("User:p", G, "wal-reader-", PRE, "DESCRIBE"),
     ("User:p", T, "c.wal", LIT, "DESCRIBE"),
     ("User:p", T, "c.wal", LIT, "READ"),
+    ("User:p", T, "c.wal.readers", LIT, "CREATE"),
+    ("User:p", T, "c.wal.readers", LIT, "DESCRIBE"),
+    ("User:p", T, "c.wal.readers", LIT, "READ"),
+    ("User:p", T, "c.wal.readers", LIT, "WRITE"),
     ("User:s", G, "c.leaders", LIT, "DESCRIBE"),
     ("User:s", G, "c.leaders", LIT, "READ"),
     ("User:s", G, "wal-reader-", PRE, "DESCRIBE"),
@@ -53,8 +57,11 @@ def test_the_acl_table() -> None:
 
 def test_only_the_store_writes_or_takes_transactional_ids_and_nobody_deletes() -> None:
     grants = wal_grants("c.wal", "c.leaders", "User:s", "User:p")
-    writers = {g.principal for g in grants if g.operation == "WRITE" or g.resource is X}
+    writers = {g.principal for g in grants if (g.operation == "WRITE" and g.name == "c.wal") or g.resource is X}
     assert writers == {"User:s"}
+    # The pipeline keeps the readers registry (change feeds record their positions); the store has no part in it.
+    registry = {(g.principal, g.operation) for g in grants if g.name == "c.wal.readers"}
+    assert registry == {("User:p", op) for op in ("READ", "WRITE", "DESCRIBE", "CREATE")}
     assert {g.principal for g in grants} == {"User:s", "User:p"}  # nobody else anything
     assert not [g for g in grants if g.operation in ("DELETE", "ALTER", "ALTER_CONFIGS", "ALL")]
 
