@@ -86,17 +86,19 @@ def build_states(spark: SparkSession, target: WalTarget, root: str, base: snapsh
         accepted = wal_source.accepted(wal_source.judged(raw))
         frames.append(accepted.select("shard", F.lit("wal").alias("kind"), "offset", "payload"))
     if base is not None:
+        # Read with the format's schemas, never inferred: a table Spark wrote without rows (a
+        # directory holding only _SUCCESS, e.g. no request ids yet) has no file to infer from, and
+        # a format-1 base has no request kinds (read as NULL: unknown, 0, as a migrated replica).
         uri = snapshot.snapshot_uri(root, base.name)
         if snapshot.has_table(root, base.name, "keys"):
-            frames.append(spark.read.parquet(f"{uri}/keys").select(
+            frames.append(spark.read.schema(_ddl(snapshot.KEYS_SCHEMA)).parquet(f"{uri}/keys").select(
                 F.col("shard").cast("int"), F.lit("key").alias("kind"), "key", "value", "version", "mod_revision",
                 "create_revision"))
         if snapshot.has_table(root, base.name, "requests"):
-            # A format-1 base has no request kinds: unknown (0), as a replica migrated in place.
-            request_kind = F.col("request_kind") if base.format >= 2 else F.lit(0)
-            frames.append(spark.read.parquet(f"{uri}/requests").select(
+            frames.append(spark.read.schema(_ddl(snapshot.REQUESTS_SCHEMA)).parquet(f"{uri}/requests").select(
                 F.col("shard").cast("int"), F.lit("request").alias("kind"), "request_id", "revision",
-                "leader_unix_ms", "response", request_kind.cast("int").alias("request_kind")))
+                "leader_unix_ms", "response", F.coalesce(F.col("request_kind"), F.lit(0)).cast("int")
+                .alias("request_kind")))
     rows = functools.reduce(lambda a, b: a.unionByName(b), [_as_fold_input(f) for f in frames])
     topic = target.topic
     # A lambda, not functools.partial: pyspark infers applyInArrow's flavour from the function's
@@ -105,6 +107,14 @@ def build_states(spark: SparkSession, target: WalTarget, root: str, base: snapsh
         lambda table: fold.fold(table, topic=topic, max_request_ids=MAX_REQUEST_IDS,
                                 request_id_horizon_ms=REQUEST_ID_HORIZON_MS, emit_state=emit_state),
         fold.FOLD_OUTPUT_DDL)
+
+
+_SPARK_TYPES = {"binary": "binary", "string": "string", "int64": "bigint", "int32": "int"}
+
+
+def _ddl(schema: Any) -> str:
+    """A snapshot table's pyarrow schema as Spark DDL, with its partition column `shard`."""
+    return ", ".join([*(f"{f.name} {_SPARK_TYPES[str(f.type)]}" for f in schema), "shard int"])
 
 
 def _as_fold_input(frame: DataFrame) -> DataFrame:

@@ -123,3 +123,23 @@ def test_snapshot_equals_the_live_state_and_builds_on_the_previous_one(
     err = capsys.readouterr().err
     assert "does not reproduce its own manifest" in err and "request ids" in err, err
     assert [m.name for m, _ in snapshot.list_snapshots(root)] == [manifest2.name, name]
+
+
+def test_a_snapshot_builds_on_a_base_without_request_ids(
+        node: StoreProcess, kafka: LocalKafka, tmp_path: Path, spark: SparkSession,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """A base whose request-id table is empty (Spark wrote `requests/` with no file but _SUCCESS)
+    is read with the format's schema, not inferred (it has no file to infer from)."""
+    root = str(tmp_path / "snaps")
+    common = ["--endpoints", node.address, "--output", "json"]
+    wal_args = ["--kafka", kafka.bootstrap_servers, "--topic", f"{node.cluster}.wal", "--master", "local[2]"]
+    for i in range(5):  # no request ids: the raw stub, not the client (which always sends one)
+        node.kv.Put(kv_pb2.PutRequest(key=f"plain{i}".encode(), value=b"v"), timeout=20)
+    first = cli_json(capsys, *common, "snapshot", "create", "--dir", root, *wal_args)
+    assert sum(s["requests"] for s in first["shards"]) == 0  # type: ignore[attr-defined]
+    node.kv.Put(kv_pb2.PutRequest(key=b"plain-after", value=b"v"), timeout=20)
+    second = cli_json(capsys, *common, "snapshot", "create", "--dir", root, *wal_args)
+    assert second["created"] is True and second["name"] != first["name"]
+    live = digests(node)
+    for s in snapshot.read_manifest(root, str(second["name"])).shards:
+        assert (s.offset, s.digest, s.keys) == live[s.shard]
