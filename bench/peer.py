@@ -21,6 +21,22 @@ broker and load generator is sampled per series.
     python bench/peer.py --quick    # ~2 min: prints one JSON line with the headline ratios
     python bench/peer.py            # full run, ~7 min
     python bench/peer.py --render bench/results/peer-latest-full.json   # the README tables and the plot again
+
+To reproduce one point (e.g. the node's group membership at saturation, issue 18):
+
+    python bench/peer.py --only get@256 --seconds 120 --systems store --keep-logs /tmp/peer-logs
+
+`--only OP@CLIENTS` (repeatable) runs just those points of the profile's loads (seeding, verification
+and the global warm-up still run; the WAL phase does not); `--seconds` sets every point's window;
+`--systems` picks the targets (the store always runs); `--keep-logs DIR` copies the node's, the
+broker's and etcd's logs there before the temporary directory goes. Such a partial run writes
+`bench/results/peer-only-<UTC>.json` and leaves the `peer-latest-*` files and the plot alone.
+`WAL_GROUP_DEBUG=cgrp` in the environment reaches the node (librdkafka's group debug log in node.log).
+
+The node's group membership is watched in every run: `node.membership_losses` (partitions the node
+gave up, "lost" or "revoked", before it was stopped: a false failover), `node.session_timeouts`
+(librdkafka's own "session timed out" verdicts) and `node.losses_held` (those the node rode out
+without giving anything up, wal/membership.py) are in the JSON and in the headline.
 """
 
 from __future__ import annotations
@@ -431,9 +447,11 @@ async def load_phase(targets: list[Target], profile: dict[str, Any], etcd: types
         for target in targets:  # JIT the broker, grow etcd's and gRPC's pools: not measured
             for op, share in (("put", 0.5), ("batch", 0.25), ("get", 0.25)):
                 await run_series(target, op, 16, profile["global_warmup"] * share, 0)
-        results, turn = [], 0
+        results, turn, only = [], 0, profile.get("only")
         for clients_n in profile["clients"]:
             for op in OPS:
+                if only and (op, clients_n) not in only:
+                    continue
                 for target in targets[turn % len(targets):] + targets[:turn % len(targets)]:
                     results.append(row := await run_series(target, op, clients_n, profile["seconds"],
                                                            profile["warmup"]))
@@ -463,18 +481,21 @@ def processes() -> Iterator[list[Proc]]:
             kvbench.stop_proc(proc)
 
 
-def run(tmp: Path, profile: dict[str, Any], etcd_binary: str | None) -> Row:
-    etcd = etcd_messages(tmp / "etcd_pb") if etcd_binary else None
+def run(tmp: Path, profile: dict[str, Any], etcd_binary: str | None, systems: Sequence[str] = SYSTEMS) -> Row:
+    etcd = etcd_messages(tmp / "etcd_pb") if etcd_binary and "etcd" in systems else None
     with kvbench.broker(tmp) as (bootstrap, broker_pid), processes() as procs:
         started = time.perf_counter()
         metrics_port = free_port()
         node, node_address = kvbench.start_node(bootstrap, tmp / "node", f"peer{uuid.uuid4().hex[:8]}", SHARDS,
                                                 tmp / "node.log", metrics_port)
         procs.append(node)
-        empty_address = f"127.0.0.1:{free_port()}"
-        procs.append(empty := subprocess.Popen([sys.executable, __file__, "--serve-empty", empty_address], cwd=REPO))
         targets = [Target("store", node_address, Codec("store", None),
                           {"server": node.pid, "broker": broker_pid, "loadgen": os.getpid()}, metrics_port)]
+        empty = None
+        if "empty" in systems:
+            empty_address = f"127.0.0.1:{free_port()}"
+            procs.append(empty := subprocess.Popen([sys.executable, __file__, "--serve-empty", empty_address],
+                                                   cwd=REPO))
         if etcd_binary and etcd is not None:
             (tmp / "etcd").mkdir()
             etcd_proc, etcd_address = start_etcd(etcd_binary, tmp / "etcd" / "data", tmp / "etcd.log")
@@ -482,28 +503,65 @@ def run(tmp: Path, profile: dict[str, Any], etcd_binary: str | None) -> Row:
             wait_etcd(etcd_proc, etcd_address, etcd, START_TIMEOUT_S)
             targets.append(Target("etcd", etcd_address, Codec("etcd", etcd),
                                   {"server": etcd_proc.pid, "loadgen": os.getpid()}))
-        wait_channel(empty, empty_address, START_TIMEOUT_S)
-        targets.append(Target("empty", empty_address, Codec("empty", None),
-                              {"server": empty.pid, "loadgen": os.getpid()}))
+        if empty is not None:
+            wait_channel(empty, empty_address, START_TIMEOUT_S)
+            targets.append(Target("empty", empty_address, Codec("empty", None),
+                                  {"server": empty.pid, "loadgen": os.getpid()}))
         kvbench.wait_serving(node, node_address, START_TIMEOUT_S)
         log(f"targets up after {time.perf_counter() - started:.1f}s: "
             + ", ".join(f"{t.system} {t.address}" for t in targets))
         results, checks = asyncio.run(load_phase(targets, profile, etcd))
+        node_stopped_utc = datetime.datetime.now(datetime.UTC)
         kvbench.stop_proc(node)  # the rest measures the WAL paths alone, on the same broker
-        wal = wal_phase(bootstrap, tmp, profile)
+        wal = {} if profile.get("only") else wal_phase(bootstrap, tmp, profile)
     node_problems = kvbench.log_problems(tmp / "node.log")
     node_log = (tmp / "node.log").read_text(errors="replace") if (tmp / "node.log").exists() else ""
-    # Leadership changes of the one node (group assignments, takeovers): more than the first
-    # "assigned" and one "leading at" per shard means the node lost and re-took shards under load.
-    node_events = [line for line in node_log.splitlines() if any(
-        word in line for word in (" assigned [", " revoked [", " leading at offset ", " lost "))]
     etcd_problems = etcd_log_problems(tmp / "etcd.log")
+    broker_log = "\n".join(p.read_text(errors="replace") for p in sorted((tmp / "kafka").glob("node-*/broker.log")))
+    # The coordinator's side (wal/broker.py logs the group coordinator at INFO): members it removed
+    # on session expiry; and the controller falling behind (its own broker's heartbeats).
+    removals = [line for line in broker_log.splitlines() if "has failed, removing it from the group" in line]
+    overloaded = [line for line in broker_log.splitlines() if "Fencing broker" in line or "overloaded" in line]
     return {"results": results, "verify": checks, **wal,
             "node": {"log_problems": len(node_problems), "first_log_problems": node_problems[:5],
-                     "leadership_events": len(node_events), "first_leadership_events": node_events[:20]},
+                     **membership_events(node_log, node_stopped_utc),
+                     "coordinator_removals": len(removals), "first_coordinator_removals": removals[:5],
+                     "controller_overloaded": len(overloaded), "first_controller_overloaded": overloaded[:5]},
             "etcd_log": {"warnings": len(etcd_problems),
                          "took_too_long": sum("took too long" in p for p in etcd_problems),
                          "first_warnings": [p[:300] for p in etcd_problems[:5]]}}
+
+
+LEADERSHIP_WORDS = (" assigned [", " revoked [", " leading at offset ", " lost [", "librdkafka dropped [",
+                    " back in generation ", "assigned again while leading")
+SESSION_TIMEOUT_WORDS = ("SESSTMOUT", "session timed out")
+
+
+def membership_events(node_log: str, stopped_utc: datetime.datetime) -> Row:
+    """The node's group membership from its log. One node leads every shard from its first
+    assignment to its stop: any partition it gave up before `stopped_utc` ("lost", or "revoked" in
+    a rebalance) is a false failover (issue 18). librdkafka's own session timeouts are counted
+    apart, with those the node rode out without giving anything up. The node logs in local time
+    (logging's asctime)."""
+    stopped = stopped_utc.astimezone().replace(tzinfo=None)
+    events = [line for line in node_log.splitlines() if any(word in line for word in LEADERSHIP_WORDS)]
+
+    def before_stop(line: str) -> bool:
+        with contextlib.suppress(ValueError):
+            return datetime.datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f") < stopped
+        return True  # no timestamp: count it
+
+    losses = [line for line in events if (" lost [" in line or " revoked [" in line) and before_stop(line)]
+    timeouts = [line for line in node_log.splitlines() if any(word in line for word in SESSION_TIMEOUT_WORDS)]
+    held = [line for line in events if " back in generation " in line]
+    return {"membership_losses": len(losses), "session_timeouts": len(timeouts),
+            # librdkafka's own session timeouts the node rode out (wal.membership.settle): kept, the
+            # coordinator never removed it; regained, it did and gave everything back at once.
+            "losses_held": len(held), "losses_held_kept": sum(" led throughout" in line for line in held),
+            "first_losses": losses[:10], "first_session_timeouts": [t[:400] for t in timeouts[:5]],
+            # Leadership changes: more than the first "assigned" and one "leading at" per shard means
+            # the node lost and re-took shards under load.
+            "leadership_events": len(events), "first_leadership_events": events[:20]}
 
 
 def wal_phase(bootstrap: str, tmp: Path, profile: dict[str, Any]) -> Row:
@@ -555,6 +613,9 @@ def headline(report: Row) -> Row:
             "at64_per_s": at64,
             "errors": {s: sum(sum(r["errors"].values()) for r in rows if r["system"] == s) for s in SYSTEMS},
             "wrong_answers": {s: sum(r["wrong_answers"] for r in rows if r["system"] == s) for s in SYSTEMS},
+            "membership_losses": report["node"].get("membership_losses"),
+            "session_timeouts": report["node"].get("session_timeouts"),
+            "losses_held": report["node"].get("losses_held"),
             "etcd": report["etcd"]["version"], "wall_seconds": report["wall_seconds"]}
     out["goals"] = {key: {"value": out.get(key), "at_least": target, "met": out.get(key) is not None
                           and out[key] >= target, "what": what} for key, target, what in GOALS}
@@ -568,6 +629,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--serve-empty", metavar="HOST:PORT", help=argparse.SUPPRESS)
     parser.add_argument("--render", metavar="JSON", type=Path,
                         help="only print the README tables and redraw the plot of a recorded run")
+    parser.add_argument("--only", metavar="OP@CLIENTS", action="append", type=point,
+                        help=f"run only this point (repeatable; OP one of {', '.join(OPS)}), no WAL phase")
+    parser.add_argument("--seconds", type=float, help="window of every point (default: the profile's)")
+    parser.add_argument("--systems", type=systems_arg, default=SYSTEMS,
+                        help="comma-separated targets among store, etcd, empty (the store always runs)")
+    parser.add_argument("--keep-logs", metavar="DIR", type=Path,
+                        help="copy the node's, the broker's and etcd's logs into DIR")
     args = parser.parse_args(argv)
     if args.serve_empty:
         asyncio.run(kvbench.serve_empty(args.serve_empty, EmptyKV()))
@@ -579,14 +647,25 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind through the finally blocks
     profile_name = "quick" if args.quick else "full"
-    profile, wall = PROFILES[profile_name], time.monotonic()
+    profile, wall = dict(PROFILES[profile_name]), time.monotonic()
+    if args.only:
+        profile.update(only=frozenset(args.only), clients=tuple(sorted({c for _, c in args.only})))
+    if args.seconds is not None:
+        profile["seconds"] = args.seconds
     stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%dT%H%M%SZ")
-    binary, how = (None, "skipped (--no-etcd)") if args.no_etcd else ensure_etcd()
+    skip_etcd = args.no_etcd or "etcd" not in args.systems
+    binary, how = (None, "skipped (--no-etcd / --systems)") if skip_etcd else ensure_etcd()
     info = {"nproc": len(os.sched_getaffinity(0)), "loadavg_at_start": [round(x, 2) for x in os.getloadavg()],
             "python": platform.python_version(), "platform": platform.platform(), "grpc": grpc.__version__,
             "protobuf_impl": api_implementation.Type(), "kafka": KAFKA_VERSION}
     with tempfile.TemporaryDirectory(prefix="bench-peer-") as tmp_name:
-        measured = run(Path(tmp_name), profile, binary)
+        try:
+            measured = run(Path(tmp_name), profile, binary, args.systems)
+        finally:
+            if args.keep_logs:
+                keep_logs(Path(tmp_name), args.keep_logs)
+    if args.only:
+        profile_name = "only"
     report = {"bench": "peer", "profile": profile_name, "utc": stamp, "wall_seconds": round(time.monotonic() - wall, 1),
               "series_seconds": profile["seconds"], "warmup_seconds": profile["warmup"], "clients": profile["clients"],
               "shards": SHARDS, "value_bytes": VALUE_BYTES, "batch": BATCH, "machine": info,
@@ -594,11 +673,38 @@ def main(argv: list[str] | None = None) -> int:
     summary = headline(report)
     report = {**summary, **report}
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    for name in (f"peer-{profile_name}-{stamp}.json", f"peer-latest-{profile_name}.json"):
+    names = [f"peer-{profile_name}-{stamp}.json"] + ([] if args.only else [f"peer-latest-{profile_name}.json"])
+    for name in names:
         (RESULTS_DIR / name).write_text(json.dumps(report, indent=2) + "\n")
-    plot(report)
+    if not args.only:
+        plot(report)
     print(json.dumps(summary))
     return 0
+
+
+def point(raw: str) -> tuple[str, int]:
+    """`--only get@256` -> ("get", 256)."""
+    op, sep, clients = raw.partition("@")
+    if not sep or op not in OPS or not clients.isdigit() or int(clients) < 1:
+        raise argparse.ArgumentTypeError(f"{raw!r}: expected OP@CLIENTS, OP one of {', '.join(OPS)}")
+    return op, int(clients)
+
+
+def systems_arg(raw: str) -> tuple[str, ...]:
+    names = tuple(dict.fromkeys(["store", *(n.strip() for n in raw.split(",") if n.strip())]))
+    if unknown := [n for n in names if n not in SYSTEMS]:
+        raise argparse.ArgumentTypeError(f"unknown targets {unknown}: choose among {', '.join(SYSTEMS)}")
+    return names
+
+
+def keep_logs(tmp: Path, out: Path) -> None:
+    """The logs worth reading after a run: the node's, the broker's (the group coordinator and the
+    controller say there why a member or a broker was removed) and etcd's."""
+    out.mkdir(parents=True, exist_ok=True)
+    for path in (tmp / "node.log", tmp / "etcd.log", *sorted((tmp / "kafka").glob("node-*/broker.log"))):
+        if path.exists():
+            shutil.copy(path, out / (f"broker-{path.parent.name}.log" if path.name == "broker.log" else path.name))
+    log(f"logs kept in {out}")
 
 
 # ---- output ----------------------------------------------------------------------------------------------
@@ -686,8 +792,14 @@ def markdown(report: Row) -> str:
                        f"{cpu(r['store'])} | {cpu(r['etcd'])} | {cpu(r['empty'])} |")
     wal = [f"{r['op']}@{r['clients']}: {r['mean_batch_records']} records / {r['mean_commit_ms']} ms"
            for r in rows if r["system"] == "store" and "wal_batches" in r]
+    node = report.get("node", {})
+    membership = (f"Node group membership: {node.get('membership_losses', '-')} losses (partitions given up "
+                  f"before the stop), {node.get('session_timeouts', '-')} session timeouts of librdkafka's own, "
+                  f"{node.get('losses_held', '-')} of them ridden out (kept in the same generation: "
+                  f"{node.get('losses_held_kept', '-')}); errors: "
+                  + ", ".join(f"{s} {n:,}" for s, n in report.get("errors", {}).items()) + ".")
     return "\n".join([*out, "", "Store WAL transactions (mean records per transaction / mean append+commit): "
-                      + "; ".join(wal) + "."])
+                      + "; ".join(wal) + ".", "", membership])
 
 
 if __name__ == "__main__":

@@ -65,9 +65,8 @@ BROKER_SETTINGS: Mapping[str, str] = {
     # How often the coordinator looks for transactions open past their timeout and aborts them
     # (fencing the stalled producer). Default 10 s; 1 s keeps "stalled leader" tests short.
     "transaction.abort.timed.out.transaction.cleanup.interval.ms": "1000",
-    # How fast the controller declares a silent broker dead and moves its partition leaders
-    # (defaults 9 s / 2 s). Local clusters fail over in ~3 s instead.
-    "broker.session.timeout.ms": "3000",
+    # How often a broker heartbeats its controller (default 2 s); the session is per node count
+    # (`_replication_settings`).
     "broker.heartbeat.interval.ms": "500",
     # Lowest consumer-group session timeout a node may ask for (failure detection speed).
     "group.min.session.timeout.ms": "1000",
@@ -99,10 +98,22 @@ def _replication_settings(nodes: int) -> dict[str, str]:
         "transaction.state.log.min.isr": min_isr,
         "default.replication.factor": rf,
         "min.insync.replicas": min_isr,
+        # How long the controller waits for a silent broker before fencing it and moving its
+        # partition leaders. Three nodes: 3 s, so a local cluster fails over in ~3 s instead of
+        # Kafka's default 9 s. One node has nowhere to move them: its controller fencing its own
+        # broker after a stall (a JVM starved of CPU for 3-5 s on 2 shared cores) only leaves
+        # every partition, the group coordinator's among them, without a leader, and turned a 5 s
+        # stall into 17 s without leadership (issue 18, bench/README.md). Kafka's default there; the
+        # price is a restart after SIGKILL, which waits out the dead incarnation's session
+        # (measured 14.6 s instead of 11.6 s).
+        "broker.session.timeout.ms": "3000" if nodes >= 3 else "9000",
     }
 
 
 # The authorizer logs every denied request at INFO (secure mode): "why was my client refused".
+# The group coordinator logs at INFO why the leadership group changed (a member removed on
+# session expiry, a LeaveGroup, a static member rejoining), a few lines per event: "why did this
+# node lose its shards" (issue 18).
 _LOG4J2 = """\
 rootLogger.level=WARN
 rootLogger.appenderRef.out.ref=OUT
@@ -116,6 +127,8 @@ logger.started.name=kafka.server.KafkaRaftServer
 logger.started.level=INFO
 logger.authorizer.name=kafka.authorizer.logger
 logger.authorizer.level=INFO
+logger.group.name=org.apache.kafka.coordinator.group.GroupMetadataManager
+logger.group.level=INFO
 """
 
 

@@ -18,6 +18,18 @@ Choices, each for a reason:
   fetched through it and no offset is ever committed.
 * `client.id` carries the member's advertised address, so any member (or an admin tool) can
   map partitions to addresses with DescribeConsumerGroups, without a side channel.
+* a loss librdkafka declares by itself is held until the group confirms it (`settle`). Besides
+  the coordinator, librdkafka keeps a session timer of its own: no heartbeat *answer* for
+  session.timeout.ms and it drops the assignment ("lost"), resets its member id and joins
+  again. A broker starved of CPU for longer than the session timeout answers that late, often
+  without having removed the member (issue 18, bench/README.md: heartbeat round trips of 1.5 s
+  at a run queue of ~300 on 2 cores); the static member's new join then gets its assignment
+  back in the same generation, without a rebalance, so nobody else can have been assigned those
+  partitions meanwhile: the owner keeps leading them throughout instead of resigning and fencing
+  again (a false failover). Back in a new generation they are told as a gain again (the owner
+  checks its writers: someone may have fenced it meanwhile); not back within the rebalance
+  timeout (`rebalance_timeout_ms`, 30 s), they are given up as before. Safety never rested on the
+  group (W4, W2): holding only decides who keeps serving while the group makes up its mind.
 
 The member's callbacks run on its own thread; `on_revoked` blocks the rebalance until it
 returns (bounded by the caller), so a clean handover lets the old owner finish its batch
@@ -29,6 +41,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import struct
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -43,6 +56,12 @@ log = logging.getLogger(__name__)
 ADDRESS_SEPARATOR = "@"
 POLL_INTERVAL_S = 0.05  # also the heartbeat cadence (see _membership) and the delay of a leave
 LEAVE_TIMEOUT_S = 5.0
+# Polls further apart than this share of the session timeout are logged: heartbeats then go out
+# only on librdkafka's own wake-ups (see _membership), and a stall that long is worth knowing.
+POLL_GAP_WARN_SHARE = 1 / 3
+# rd_kafka_consumer_group_metadata_write (librdkafka src/rdkafka_cgrp.c): this magic, the
+# generation id (int32, host byte order), then the group id, NUL-terminated, then the rest.
+CGMD_MAGIC = b"CGMDv2:"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,6 +101,66 @@ def owners(members: Iterable[Member]) -> dict[int, Member]:
     return seen
 
 
+def generation_of(metadata: bytes, group: str) -> int | None:
+    """The generation id in librdkafka's serialized consumer group metadata (the bytes
+    `Consumer.consumer_group_metadata()` returns), or None when the bytes are not that format for
+    `group`: then no loss is held (a loss is a loss), never a guessed generation."""
+    head = len(CGMD_MAGIC)
+    if not metadata.startswith(CGMD_MAGIC) or len(metadata) < head + 5:
+        return None
+    (generation,) = struct.unpack_from("=i", metadata, head)
+    group_id, terminated, _ = metadata[head + 4:].partition(b"\0")
+    if not terminated or group_id != group.encode():
+        return None
+    return int(generation) if generation >= 0 else None
+
+
+@dataclasses.dataclass(frozen=True)
+class Hold:
+    """Partitions librdkafka dropped without a rebalance, still led until the group says."""
+
+    partitions: frozenset[int]
+    generation: int  # the generation they were assigned in
+    deadline: float  # monotonic; no verdict by then and they are given up
+
+
+@dataclasses.dataclass(frozen=True)
+class Settled:
+    """What a hold comes to once the group assigned again (`settle`)."""
+
+    kept: frozenset[int]  # back in the same generation: led throughout, nobody hears of it
+    regained: frozenset[int]  # back in a new generation: a gain again (someone may have led them)
+    released: frozenset[int]  # not back: lost after all
+
+
+def settle(hold: Hold, assigned: frozenset[int], generation: int | None) -> Settled:
+    """The verdict on held partitions, from the next assignment (`assigned`, in `generation`).
+
+    The classic protocol assigns partitions only in a rebalance, and every rebalance starts a new
+    generation. So held partitions assigned again in the very generation they were held in were
+    never anyone else's: kept, as if nothing happened. Assigned again in a new (or unknown)
+    generation, someone else may have been given them and fenced their writer meanwhile:
+    regained, told as a gain, so the owner checks it is still the only writer. Not assigned again:
+    released, lost after all."""
+    back = hold.partitions & assigned
+    same = generation is not None and generation == hold.generation
+    return Settled(kept=back if same else frozenset(), regained=frozenset() if same else back,
+                   released=hold.partitions - back)
+
+
+def rebalance_timeout_ms(session_timeout_ms: int) -> int:
+    """max.poll.interval.ms, which librdkafka also sends as the group's rebalance timeout. We poll
+    every POLL_INTERVAL_S on a dedicated thread; this only catches a wedged thread.
+
+    It also bounds how long a lost assignment is held (module docstring). The join that brings it
+    back goes to the very coordinator whose slowness caused the loss, so the bound must outlast
+    such a stall: broker JVMs starved for ~5 s on 2 shared cores, a coordinator answering nothing
+    for 13 s after another broker of three died (bench/README.md, test_three_brokers.py). While
+    the coordinator answers no one it assigns nothing to anyone either, and once it answers, a
+    rebalance ends within this timeout."""
+    return max(30_000, session_timeout_ms)
+
+
 def group_config(bootstrap_servers: str, group: str, member_id: str, address: str,
                  session_timeout_ms: int, security: ClientSecurity | None = None) -> dict[str, object]:
     # The remaining members learn of a rebalance (a node left or died) at their next heartbeat,
@@ -97,8 +176,7 @@ def group_config(bootstrap_servers: str, group: str, member_id: str, address: st
         "partition.assignment.strategy": "cooperative-sticky",
         "session.timeout.ms": session_timeout_ms,
         "heartbeat.interval.ms": heartbeat_ms,
-        # We poll every POLL_INTERVAL_S on a dedicated thread; this only catches a wedged thread.
-        "max.poll.interval.ms": max(30_000, session_timeout_ms),
+        "max.poll.interval.ms": rebalance_timeout_ms(session_timeout_ms),
         "enable.auto.commit": False,
         "enable.auto.offset.store": False,
         "enable.partition.eof": False,
@@ -114,7 +192,11 @@ class GroupMember:
     (`lost`: the group already gave them away, e.g. after our session expired, so there is
     nothing to hand over cleanly); `on_rebalanced()` the end of every rebalance this member
     took part in, also one that changed nothing of its own (the others' assignments may have
-    changed). All run on the member's thread.
+    changed). All run on the member's thread. A loss librdkafka declares by itself reaches
+    `on_revoked` only once the group confirmed it (`settle`); until then the partitions stay in
+    `owned`. Given back in the same generation, no callback hears of it; given back in a new one,
+    `on_assigned` is told again without an `on_revoked` before: the owner still leads them, but
+    someone else may have been given them meanwhile, so it should check its writers.
     """
 
     def __init__(self, *, bootstrap_servers: str, group: str, topic: str, member_id: str, address: str,
@@ -140,6 +222,12 @@ class GroupMember:
         self._joined = threading.Event()  # a first assignment arrived (possibly empty)
         self._thread = threading.Thread(target=self._run, name=f"group-{member_id}", daemon=True)
         self._admin: AdminClient | None = None
+        self._session_timeout_s = session_timeout_ms / 1000
+        self._hold_s = rebalance_timeout_ms(session_timeout_ms) / 1000
+        # Member thread only: the generation of the current assignment, and a lost one on hold.
+        self._generation: int | None = None
+        self._hold: Hold | None = None
+        self.losses_held = 0  # losses librdkafka declared that the group gave back (kept or regained)
 
     def start(self) -> None:
         self._thread.start()
@@ -148,6 +236,11 @@ class GroupMember:
     def joined(self) -> bool:
         """True once the group gave this member its first assignment (which may be empty)."""
         return self._joined.is_set()
+
+    @property
+    def generation(self) -> int | None:
+        """The group generation of the current assignment, as librdkafka last reported it."""
+        return self._generation
 
     @property
     def owned(self) -> frozenset[int]:
@@ -217,8 +310,17 @@ class GroupMember:
         try:
             consumer.subscribe([self.topic], on_assign=self._assigned, on_revoke=self._revoked,
                                on_lost=self._lost)
+            last, gap_warn_s = time.monotonic(), self._session_timeout_s * POLL_GAP_WARN_SHARE
             while not self._stop.is_set() and not self._away.is_set():
                 message = consumer.poll(POLL_INTERVAL_S)
+                now = time.monotonic()
+                if now - last > gap_warn_s:  # e.g. the GIL held elsewhere that long
+                    log.warning("group member %s: %d ms between two polls (asked %d ms, session timeout %d ms)",
+                                self.member_id, (now - last) * 1000, POLL_INTERVAL_S * 1000,
+                                self._session_timeout_s * 1000)
+                last = now
+                if self._hold is not None and now > self._hold.deadline:
+                    self._release_hold(f"the group did not assign them again within {self._hold_s:.1f}s")
                 if message is not None and message.error() is not None:
                     log.debug("group member %s: %s", self.member_id, message.error())
                 # librdkafka serves its consumer group (heartbeats included) only when its main
@@ -240,6 +342,7 @@ class GroupMember:
             # before that ends the consumer without a LeaveGroup, and the others wait out the
             # session timeout (seen: 1.6 s instead of 0.1 s when a slow revocation lost that race).
             leaving = time.monotonic()
+            self._release_hold("leaving the group")
             consumer.unsubscribe()
             deadline = leaving + LEAVE_TIMEOUT_S
             while (self.owned or consumer.memberid()) and time.monotonic() < deadline:
@@ -260,7 +363,27 @@ class GroupMember:
         consumer.incremental_assign(partitions)
         if partitions:
             consumer.pause(partitions)  # assignment only: never fetch through the group
-        gained = sorted(p.partition for p in partitions if p.topic == self.topic)
+        assigned = frozenset(p.partition for p in partitions if p.topic == self.topic)
+        self._generation = self._current_generation(consumer)
+        gained = sorted(assigned)
+        if self._hold is not None:
+            hold, self._hold = self._hold, None
+            verdict = settle(hold, assigned, self._generation)
+            if verdict.released:
+                self._give_up_owned(sorted(verdict.released), lost=True,
+                                    why=f"not assigned again after librdkafka dropped them (generation "
+                                        f"{hold.generation} -> {self._generation})")
+            if verdict.kept:
+                self.losses_held += 1
+                log.info("group member %s: the group gave %s back in generation %d: librdkafka's session "
+                         "timeout was its own, the coordinator never removed this member; led throughout",
+                         self.member_id, sorted(verdict.kept), hold.generation)
+            if verdict.regained:
+                self.losses_held += 1
+                log.info("group member %s: the group gave %s back in generation %s (held in %d): still "
+                         "leading them, told as a gain so that their writers are checked", self.member_id,
+                         sorted(verdict.regained), self._generation, hold.generation)
+            gained = sorted(assigned - verdict.kept)
         with self._lock:
             self._owned.update(gained)
         self._joined.set()
@@ -274,7 +397,41 @@ class GroupMember:
         self._give_up(consumer, partitions, lost=False)
 
     def _lost(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
-        self._give_up(consumer, partitions, lost=True)
+        """librdkafka dropped the assignment without a rebalance: its own session timer expired,
+        or the coordinator said our member or generation is unknown. Which one only the next
+        assignment's generation tells (`settle`), so the partitions are held until then."""
+        gone = frozenset(p.partition for p in partitions if p.topic == self.topic)
+        if not gone or self._generation is None or self._stop.is_set() or self._away.is_set():
+            self._give_up(consumer, partitions, lost=True)
+            return
+        held = gone | (self._hold.partitions if self._hold is not None else frozenset())
+        deadline = time.monotonic() + self._hold_s
+        self._hold = Hold(held, self._generation, deadline)
+        log.info("group member %s: librdkafka dropped %s (generation %d); still leading them until the group "
+                 "assigns them again, at most %.1fs", self.member_id, sorted(gone), self._generation,
+                 deadline - time.monotonic())
+        try:
+            consumer.incremental_unassign(partitions)
+        except KafkaException as exc:
+            log.debug("incremental_unassign: %s", exc)
+
+    def _current_generation(self, consumer: Consumer) -> int | None:
+        try:
+            return generation_of(consumer.consumer_group_metadata(), self.group)
+        except (KafkaException, RuntimeError, TypeError) as exc:
+            log.debug("group member %s: no consumer group metadata: %s", self.member_id, exc)
+            return None
+
+    def _release_hold(self, why: str) -> None:
+        if self._hold is not None:
+            hold, self._hold = self._hold, None
+            self._give_up_owned(sorted(hold.partitions), lost=True, why=why)
+
+    def _give_up_owned(self, gone: list[int], lost: bool, why: str) -> None:
+        with self._lock:
+            self._owned.difference_update(gone)
+        log.info("group member %s: %s %s (%s)", self.member_id, "lost" if lost else "revoked", gone, why)
+        self._on_revoked(gone, lost)
 
     def _give_up(self, consumer: Consumer, partitions: list[TopicPartition], lost: bool) -> None:
         gone = sorted(p.partition for p in partitions if p.topic == self.topic)
@@ -289,6 +446,8 @@ class GroupMember:
             log.debug("incremental_unassign: %s", exc)
 
     def _give_up_all(self, lost: bool) -> None:
+        self._hold = None  # the held partitions are in _owned: given up with the rest
+        self._generation = None
         with self._lock:
             gone = sorted(self._owned)
             self._owned.clear()

@@ -134,6 +134,12 @@ class Leadership:
             if replica is None:
                 log.error("assigned partition %d but the node has no such shard", shard)
                 continue
+            if replica.role is Role.LEADING and replica.check_fenced():
+                # Assigned a shard it leads: the member held it through a loss librdkafka declared
+                # and the group gave it back in a new generation (wal.membership.settle), so
+                # someone else may have fenced us meanwhile. The probe tells; fenced, the replica
+                # steps down and, still assigned, takes the shard back (DESIGN.md W4).
+                log.info("shard %d: assigned again while leading it: probing the writer", shard)
             replica.set_lead(True)
 
     async def _resign(self, shards: list[int]) -> None:
