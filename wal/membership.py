@@ -294,19 +294,29 @@ class GroupMember:
             if self._away.is_set():
                 self._stop.wait(0.1)
                 continue
+            if self._hold is not None and time.monotonic() > self._hold.deadline:
+                self._release_hold(f"the group did not assign them again within {self._hold_s:.1f}s")
             try:
                 self._membership()
             except KafkaException as exc:
-                log.warning("group member %s: %s; rejoining in 1s", self.member_id, exc)
-                self._give_up_all(lost=True)
+                # The consumer is dead (e.g. FENCED_INSTANCE_ID: librdkafka's rejoin after its own
+                # session timeout raced its earlier registration), not necessarily the membership:
+                # `_membership` held what it owned, and the next consumer's assignment settles it.
+                log.warning("group member %s: %s; rejoining in 1s%s", self.member_id, exc,
+                            "" if self._hold is None else f" (still leading {sorted(self._hold.partitions)} "
+                                                          "until the group answers)")
+                if self._hold is None:
+                    self._give_up_all(lost=True)
                 self._stop.wait(1.0)
             except Exception:
                 log.exception("group member %s failed; rejoining in 1s", self.member_id)
+                self._release_hold("the member failed")  # a bug: nothing is held through it
                 self._give_up_all(lost=True)
                 self._stop.wait(1.0)
 
     def _membership(self) -> None:
         consumer = Consumer(self._config)
+        left = False  # left the group on purpose (stop, step_aside), as opposed to a dead consumer
         try:
             consumer.subscribe([self.topic], on_assign=self._assigned, on_revoke=self._revoked,
                                on_lost=self._lost)
@@ -348,9 +358,14 @@ class GroupMember:
             while (self.owned or consumer.memberid()) and time.monotonic() < deadline:
                 consumer.poll(0.01)  # short: the revocation callback runs inside, then we go
             log.info("group member %s: left the group in %d ms", self.member_id, (time.monotonic() - leaving) * 1000)
+            left = True
         finally:
-            self._give_up_all(lost=False)
-            consumer.close()
+            if left or not self._hold_all():
+                self._give_up_all(lost=False)
+            try:
+                consumer.close()
+            except KafkaException as exc:  # a consumer that hit a fatal error may refuse to close cleanly
+                log.debug("group member %s: close: %s", self.member_id, exc)
 
     def _on_error(self, error: KafkaError) -> None:
         """librdkafka reports fatal consumer errors here (not through poll)."""
@@ -421,6 +436,25 @@ class GroupMember:
         except (KafkaException, RuntimeError, TypeError) as exc:
             log.debug("group member %s: no consumer group metadata: %s", self.member_id, exc)
             return None
+
+    def _hold_all(self) -> bool:
+        """A consumer died under us (not a leave): hold what it owned, as a loss librdkafka
+        declared by itself is held (`_lost`), so that the next consumer's first assignment settles
+        it. True if something is held now; False when nothing can be (stopping, stepping aside,
+        no known generation, nothing owned)."""
+        if self._stop.is_set() or self._away.is_set():
+            return False
+        owned = self.owned
+        previous = self._hold
+        if previous is not None:  # already held (librdkafka's own timeout came first): keep its generation
+            self._hold = Hold(previous.partitions | owned, previous.generation, previous.deadline)
+            return True
+        if not owned or self._generation is None:
+            return False
+        self._hold = Hold(owned, self._generation, time.monotonic() + self._hold_s)
+        log.info("group member %s: its consumer failed; still leading %s until a new one is assigned them again, "
+                 "at most %.1fs", self.member_id, sorted(owned), self._hold_s)
+        return True
 
     def _release_hold(self, why: str) -> None:
         if self._hold is not None:

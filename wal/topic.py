@@ -135,13 +135,7 @@ def readers_topic_config(replication_factor: int) -> dict[str, str]:
     """Compacted, so the last record per reader is kept forever and a tombstone removes one;
     never deleted by age or size (a quiet reader must not vanish and stop protecting its
     records); as durable as the WAL."""
-    return {
-        "cleanup.policy": "compact",
-        "retention.ms": KEEP_FOREVER,
-        "retention.bytes": KEEP_FOREVER,
-        "unclean.leader.election.enable": "false",
-        "min.insync.replicas": str(min_insync_replicas(replication_factor)),
-    }
+    return {**wal_topic_config(replication_factor), "cleanup.policy": "compact"}
 
 
 def ensure_readers_topic(bootstrap_servers: str, wal_topic: str, timeout_s: float = 30.0, *,

@@ -70,3 +70,115 @@ def test_a_hold_lasts_one_rebalance_timeout(session_ms: int, expected_ms: int) -
     max.poll.interval.ms for it): once the coordinator answers, a rebalance ends within it."""
     assert rebalance_timeout_ms(session_ms) == expected_ms
     assert group_config("b:9092", "g", "n1", "h:1", session_ms)["max.poll.interval.ms"] == expected_ms
+
+
+# ---- the shell: a consumer that dies under the member -------------------------------------------------
+
+class ScriptedConsumer:
+    """One librdkafka consumer's life, scripted: on its first poll the group assigns `assign`
+    in `generation`; with `fatal`, the next poll reports a fatal error (through error_cb, as
+    librdkafka does: e.g. FENCED_INSTANCE_ID after its own session timeout)."""
+
+    scripts: list[tuple[frozenset[int], int, bool]] = []
+    made = 0
+
+    def __init__(self, config: dict[str, object]) -> None:
+        self.config = config
+        self.assign, self.generation, self.fatal = ScriptedConsumer.scripts.pop(0)
+        ScriptedConsumer.made += 1
+        self.polls = 0
+        self.on_assign: object = None
+        self.on_revoke: object = None
+
+    def subscribe(self, topics: list[str], on_assign: object, on_revoke: object, on_lost: object) -> None:
+        self.on_assign, self.on_revoke = on_assign, on_revoke
+
+    def poll(self, timeout: float) -> None:
+        from confluent_kafka import KafkaError
+
+        self.polls += 1
+        if self.polls == 1:
+            from confluent_kafka import TopicPartition
+
+            self.on_assign(self, [TopicPartition("t", p) for p in sorted(self.assign)])  # type: ignore[operator]
+        elif self.polls == 2 and self.fatal:
+            error_cb = self.config["error_cb"]
+            error_cb(KafkaError(KafkaError.FENCED_INSTANCE_ID, "fenced by a consumer with the same instance id",  # type: ignore[operator]
+                                fatal=True))
+        else:
+            import time
+
+            time.sleep(min(timeout, 0.01))
+
+    def assignment(self) -> list[object]:
+        return []
+
+    def incremental_assign(self, partitions: list[object]) -> None:
+        pass
+
+    def incremental_unassign(self, partitions: list[object]) -> None:
+        pass
+
+    def pause(self, partitions: list[object]) -> None:
+        pass
+
+    def consumer_group_metadata(self) -> bytes:
+        return metadata(self.generation, group="g")
+
+    def unsubscribe(self) -> None:  # a leave: the revocation callback runs (in librdkafka: in the next poll)
+        from confluent_kafka import TopicPartition
+
+        self.on_revoke(self, [TopicPartition("t", p) for p in sorted(self.assign)])  # type: ignore[operator]
+
+    def memberid(self) -> str:
+        return ""
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize(("after", "told"), [
+    # The new consumer gets the same partitions in the same generation: nobody hears of anything.
+    ((ALL, 5), []),
+    # A new generation: told as a gain again (the owner probes its writers), never as a loss.
+    ((ALL, 6), [("assigned", [0, 1, 2, 3])]),
+    # Some went elsewhere: those are lost after all, the rest told again.
+    ((frozenset({0, 1}), 6), [("lost", [2, 3]), ("assigned", [0, 1])]),
+])
+def test_a_consumer_that_dies_under_the_member_is_held_until_the_next_one_is_assigned(
+        monkeypatch: pytest.MonkeyPatch, after: tuple[frozenset[int], int], told: list[tuple[str, list[int]]]) -> None:
+    """Issue 18: after a broker stall librdkafka's rejoin can race its own registration and die
+    (FENCED_INSTANCE_ID, fatal). The member starts a new consumer; what the old one owned is held
+    through it, as a loss librdkafka declares by itself is, and settled by the new assignment."""
+    import threading
+
+    from tests.waiting import wait_until
+    from wal import membership
+
+    ScriptedConsumer.scripts = [(ALL, 5, True), (after[0], after[1], False)]
+    ScriptedConsumer.made = 0
+    monkeypatch.setattr(membership, "Consumer", ScriptedConsumer)
+    events: list[tuple[str, list[int]]] = []
+    lock = threading.Lock()
+
+    def record(what: str, partitions: list[int]) -> None:
+        with lock:
+            events.append((what, list(partitions)))
+
+    member = membership.GroupMember(bootstrap_servers="unused:9092", group="g", topic="t", member_id="n1",
+                                    address="n1:1", session_timeout_ms=1_500,
+                                    on_assigned=lambda p: record("assigned", p),
+                                    on_revoked=lambda p, lost: record("lost" if lost else "revoked", p))
+    monkeypatch.setattr(member, "_stop", threading.Event())
+    member.start()
+    try:
+        wait_until(lambda: ScriptedConsumer.made == 2 and member.generation == after[1] and not member._hold, 10,
+                   what="the second consumer's assignment settled")
+        with lock:
+            assert events[0] == ("assigned", [0, 1, 2, 3])
+            assert events[1:] == told
+        assert member.owned == after[0]
+    finally:
+        member._stop.set()
+        member._thread.join(10)
+        assert not member._thread.is_alive(), "the member thread did not stop"
