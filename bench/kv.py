@@ -48,6 +48,7 @@ from google.protobuf.internal import api_implementation
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import wal
+from kvstore import limits
 from kvstore.core.evaluate import evaluate_put
 from kvstore.core.sharding import shard_of
 from kvstore.server.storage import ShardStore
@@ -367,7 +368,8 @@ def fill_topic(bootstrap: str, cluster: str, records: int, value: bytes) -> int:
     """`records` Put entries into shard 0 through the guarded writer, in big batches; returns the end."""
     topic = f"{cluster}.wal"
     writer = wal.ShardWriter(wal.WriterConfig(bootstrap, topic, 0, wal.shard_transactional_id(topic, 0),
-                                              wal.WriterIdentity("bench")))
+                                              wal.WriterIdentity("bench"), max_batch_records=WRITE_BATCH,
+                                              max_batch_bytes=64 << 20, max_record_bytes=limits.MAX_WAL_RECORD_BYTES))
     try:
         upcoming = writer.fence()
         for first in range(0, records, WRITE_BATCH):

@@ -42,6 +42,7 @@ from typing import Any
 from confluent_kafka import Consumer, TopicPartition
 
 import wal
+from kvstore import limits
 from kvstore.core.sharding import shard_of
 from kvstore.internal.v1 import wal_entry_pb2 as pb
 from kvstore.pipeline import snapshot_job, wal_source
@@ -81,7 +82,8 @@ def fill(bootstrap: str, topic: str, first: int, count: int) -> float:
     def write(shard: int) -> None:
         config = wal.WriterConfig(bootstrap_servers=bootstrap, topic=topic, partition=shard,
                                   transactional_id=wal.shard_transactional_id(topic, shard),
-                                  writer=wal.WriterIdentity("bench", 1))
+                                  writer=wal.WriterIdentity("bench", 1), max_batch_records=limits.MAX_BATCH_RECORDS,
+                                  max_batch_bytes=limits.MAX_BATCH_BYTES, max_record_bytes=limits.MAX_WAL_RECORD_BYTES)
         now_ms = int(time.time() * 1000)
         with wal.ShardWriter(config) as writer:
             ids = by_shard[shard]

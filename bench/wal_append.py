@@ -1,6 +1,6 @@
 """WAL append throughput and commit latency: the guarded ShardWriter against two raw baselines.
 
-What the single-writer guard (DESIGN.md §3, W1/W2) costs is only visible next to a producer that
+What the single-writer guard (docs/design.md §4, W1/W2) costs is only visible next to a producer that
 does the same Kafka work without it, measured in the same run on the same broker. Three modes:
 
 * ``guard``    - ``wal.ShardWriter.append``: expected-offset header + protobuf envelope per record,
@@ -42,6 +42,7 @@ from confluent_kafka import KafkaException, Producer
 from confluent_kafka.admin import AdminClient, NewTopic
 
 import wal
+from kvstore import limits
 from wal import clients, record
 from wal.broker import KAFKA_VERSION, LocalKafka
 
@@ -90,7 +91,10 @@ class Runner:
 
 def make_guard(bootstrap: str, topic: str, txn_id: str, payloads: Sequence[bytes]) -> Runner:
     """The path under test, exactly as the store uses it: fence() once, then append() per batch."""
-    writer = wal.ShardWriter(wal.WriterConfig(bootstrap, topic, 0, txn_id, wal.WriterIdentity("bench")))
+    writer = wal.ShardWriter(wal.WriterConfig(bootstrap, topic, 0, txn_id, wal.WriterIdentity("bench"),
+                                              max_batch_records=limits.MAX_BATCH_RECORDS,
+                                              max_batch_bytes=limits.MAX_BATCH_BYTES,
+                                              max_record_bytes=limits.MAX_WAL_RECORD_BYTES))
     writer.fence()
 
     def batch() -> None:

@@ -18,8 +18,13 @@ MAX_BATCH_MUTATIONS = 10_000
 DEFAULT_SCAN_LIMIT = 100
 MAX_SCAN_LIMIT = 1_000
 MAX_PENDING_WRITES_PER_SHARD = 10_000  # the group-commit queue; beyond it: RESOURCE_EXHAUSTED
-MAX_BATCH_RECORDS = 1_000  # one WAL transaction
+# One WAL transaction (a group commit), the one source of these bounds: the planner
+# (kvstore.core.batch) cuts batches by them and the WAL writer is configured with them.
+MAX_BATCH_RECORDS = 1_000
 MAX_BATCH_BYTES = 4 * 1024 * 1024
+# One WAL record: Kafka's default message.max.bytes is 1 MiB per record batch; room is left for
+# the envelope (wal.record) around the store's entry.
+MAX_WAL_RECORD_BYTES = 1_000_000 - 1024
 BATCH_LINGER_MS = 2
 MAX_WATCHERS = 1_024
 WATCH_QUEUE_EVENTS = 10_000  # per watcher; a watcher that falls this far behind is cut off

@@ -37,6 +37,7 @@ from wal.errors import (
     WalError,
     WriterFatalError,
 )
+from wal.offsets import marker_slot, upcoming_after
 
 
 class Phase(enum.Enum):
@@ -158,6 +159,11 @@ class AppendResult:
     offsets: tuple[int, ...]
     upcoming_offset: int
 
+    @property
+    def marker_slot(self) -> int:
+        """Where this batch's commit marker went: assumed from the last record, never read."""
+        return marker_slot(self.offsets[-1])
+
 
 @dataclasses.dataclass(frozen=True)
 class Complete:
@@ -244,8 +250,7 @@ class Guard:
             assert self._batch is not None
             offsets = self._delivered  # where the records landed, each checked against its own slot (W2)
             assert offsets == tuple(range(self._batch.first_offset, self._batch.first_offset + self._batch.count))
-            # W1: the commit marker takes one offset after the batch's last record.
-            self.upcoming_offset = offsets[-1] + 2
+            self.upcoming_offset = upcoming_after(offsets[-1])  # W1: records, then the marker
             self.stats.commits += 1
             return self._complete(AppendResult(offsets, self.upcoming_offset))
         if isinstance(event, Aborted):
@@ -438,7 +443,7 @@ class Guard:
         assert self.phase is phase, f"{event!r} arrived in phase {self.phase.value}, expected {phase.value}"
 
     @staticmethod
-    def batch_bounds_ok(sizes: Sequence[int], max_records: int, max_bytes: int) -> str | None:
+    def batch_out_of_bounds(sizes: Sequence[int], max_records: int, max_bytes: int) -> str | None:
         """Why a batch breaks its bounds, or None. Kept here so the rule is testable without I/O."""
         if not sizes:
             return "a batch needs at least one record"

@@ -52,29 +52,28 @@ from wal.guard import (
 
 log = logging.getLogger(__name__)
 
-# Kafka's default message.max.bytes is 1 MiB per record batch; leave room for the envelope.
-MAX_RECORD_BYTES_DEFAULT = 1_000_000 - 1024
-MAX_BATCH_RECORDS_DEFAULT = 10_000
-MAX_BATCH_BYTES_DEFAULT = 16 * 1024 * 1024
-
 
 @dataclasses.dataclass(frozen=True)
 class WriterConfig:
-    """Where and how one shard writer writes. Every bound has a default and a name."""
+    """Where and how one shard writer writes. Every bound has a name; the batch bounds have no
+    default here: they are the caller's (the store's come from `kvstore.limits` through its
+    configuration, where its planner cuts batches by the same numbers), so two sets of limits
+    cannot drift apart. The writer only checks a batch against them before it writes anything."""
 
     bootstrap_servers: str
     topic: str
     partition: int
     transactional_id: str
     writer: record.WriterIdentity
+    _: dataclasses.KW_ONLY
+    max_batch_records: int
+    max_batch_bytes: int
+    max_record_bytes: int  # below the brokers' message.max.bytes, with room for the envelope
     transaction_timeout_ms: int = 60_000
     # Upper bound for each blocking librdkafka call (init, flush, commit, abort, watermark).
     call_timeout_s: float = 10.0
     # How often a retriable failure of the same call is repeated before giving up.
     retry_limit: int = 5
-    max_batch_records: int = MAX_BATCH_RECORDS_DEFAULT
-    max_batch_bytes: int = MAX_BATCH_BYTES_DEFAULT
-    max_record_bytes: int = MAX_RECORD_BYTES_DEFAULT
     producer_overrides: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     # Pause between the end of one transaction and the start of the next. The broker writes the
     # commit markers after answering EndTxn; an AddPartitionsToTxn arriving before they are
@@ -152,7 +151,7 @@ class ShardWriter:
         publish); without it, at the writer's own upcoming offset, read from the partition
         when unknown. Returns the offsets the records landed at and the new upcoming offset.
         """
-        why = Guard.batch_bounds_ok(
+        why = Guard.batch_out_of_bounds(
             [len(p) for p in payloads], self.config.max_batch_records, self.config.max_batch_bytes
         )
         if why is not None:

@@ -46,6 +46,7 @@ from kvstore.core.evaluate import (
 from kvstore.core.state import KeyState, Lookup, RequestRecord, effect_key, next_key_state
 from kvstore.internal.v1 import wal_entry_pb2
 from kvstore.v1 import kv_pb2
+from wal.offsets import batch_end
 
 Build = Callable[[Lookup, int], Evaluation]
 
@@ -101,7 +102,7 @@ class Plan:
     def upcoming_if_committed(self) -> int:
         """The partition's upcoming offset once this batch committed: records + the marker (W1)."""
         assert self.payloads, "a batch without records appends nothing"
-        return self.revision + len(self.payloads) + 1
+        return batch_end(self.revision, len(self.payloads))
 
 
 ClientWrite = kv_pb2.PutRequest | kv_pb2.DeleteRequest | kv_pb2.TxnRequest | kv_pb2.ShardMutations

@@ -35,6 +35,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 from kvstore import limits
 from kvstore.core.state import Applied, KeyState, RequestRecord, apply_entries
+from wal.offsets import past_marker
 
 StoredRow = tuple[int, str, int]  # (revision, request id, leader unix ms) of an id kept before this apply
 
@@ -154,7 +155,7 @@ class MemoryShard:
 
     def rewind_unverified(self) -> bool:
         """`ShardStore.rewind_unverified`: move the checkpoint back over the assumed marker slot."""
-        if self.unverified is None or self.applied_offset != self.unverified + 1:
+        if self.unverified is None or not past_marker(self.applied_offset, self.unverified):
             return False
         self.applied_offset, self.unverified = self.unverified, None
         return True

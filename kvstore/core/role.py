@@ -8,7 +8,7 @@ style) and checked: an impossible report is a bug, never silently absorbed.
 
 Life of a leadership (DESIGN.md §3-5)::
 
-    FOLLOWER --begin_fencing--> FENCING --fenced(end)--> CATCHING_UP --caught_up(end)--> LEADING
+    FOLLOWER --begin_fencing--> FENCING --fenced(end)--> CATCHING_UP --replayed_to(end)--> LEADING
     LEADING --append failed--> FENCING (unknown outcome: fence again, which settles it)
                            --> CATCHING_UP (aborted: read the settled end, replay, lead again)
                            --> STEPPING_DOWN (fenced, writer fatal, crashed)
@@ -25,6 +25,7 @@ import enum
 from collections.abc import Sequence
 
 from kvstore import errors
+from wal.offsets import batch_end
 
 
 class Role(enum.Enum):
@@ -204,7 +205,7 @@ class RoleMachine:
         self._to(Role.CATCHING_UP)
         return True
 
-    def caught_up(self, end: int) -> bool:
+    def replayed_to(self, end: int) -> bool:
         """Everything below `end` is applied: True to lead from `end` (W6), False to step down."""
         assert self.role is Role.CATCHING_UP, self.role
         if not self.keeps_leading:
@@ -222,7 +223,7 @@ class RoleMachine:
         assert self.written_end is None, f"one batch in flight at most: one ends at {self.written_end}"
         assert revision == self.upcoming, f"batch at {revision}, upcoming offset {self.upcoming} (W1)"
         assert records > 0
-        self.written_end = revision + records + 1
+        self.written_end = batch_end(revision, records)
 
     def batch_committed(self, offsets: Sequence[int], upcoming: int) -> None:
         """W2 held (the guard checked every offset before commit); the paired check is here."""

@@ -76,12 +76,11 @@ from typing import Any, TextIO
 from kvstore import limits
 from kvstore.pipeline.errors import PipelineError
 from kvstore.pipeline.target import WalTarget
-from wal.writer import MAX_RECORD_BYTES_DEFAULT
 
 # A batch's byte budget, counted as key + value + OP_OVERHEAD_BYTES per op: below the request
 # limit and below the WAL's record limit (the entry also holds the request id, the leader time
 # and a stored answer of a few bytes), with room to spare.
-BATCH_BYTES_BUDGET = min(limits.MAX_REQUEST_BYTES, MAX_RECORD_BYTES_DEFAULT) - 32 * 1024
+BATCH_BYTES_BUDGET = min(limits.MAX_REQUEST_BYTES, limits.MAX_WAL_RECORD_BYTES) - 32 * 1024
 OP_OVERHEAD_BYTES = 16  # protobuf tags and lengths of a mutation around its key and value, rounded up
 assert limits.MAX_KEY_BYTES + limits.MAX_VALUE_BYTES + OP_OVERHEAD_BYTES <= BATCH_BYTES_BUDGET, \
     "the largest row must fit a batch alone"

@@ -69,11 +69,6 @@ class KVService(kv_pb2_grpc.KVServiceServicer):
         self.peers = peers
         self.forwarder = forward.Forwarder(peers, node.config.node_id)
 
-    def _leader(self, shard: int) -> ShardReplica:
-        replica = self.node.replica(shard)
-        replica.require_leader()
-        return replica
-
     async def _read_ready(self, shard: int, consistency: int, min_revision: int | None,
                           context: grpc.aio.ServicerContext[Any, Any]) -> ShardReplica:
         """The replica to read `shard` from, once it may be read at `consistency`; a stale read
@@ -126,7 +121,8 @@ class KVService(kv_pb2_grpc.KVServiceServicer):
 
     async def _write(self, method: str, request: Any, shard: int, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
         try:
-            return await self._leader(shard).write(write_of(request, shard), request.ByteSize())
+            # `write` is the one leadership check of a write (RoleMachine.write_refusal).
+            return await self.node.replica(shard).write(write_of(request, shard), request.ByteSize())
         except errors.NotLeaderError as refusal:  # definite: nothing was queued here
             return await self._forward(refusal, method, request, context, write=True)
 
@@ -163,7 +159,7 @@ class KVService(kv_pb2_grpc.KVServiceServicer):
         shard = part.shard
         try:
             try:
-                response = await self._leader(shard).write(write_of(part, shard), part.ByteSize())
+                response = await self.node.replica(shard).write(write_of(part, shard), part.ByteSize())
             except errors.NotLeaderError as refusal:
                 response = await self._forward_part(refusal, part, context)
         except errors.StoreError as exc:
@@ -519,7 +515,7 @@ async def _health_loop(node: Node, servicer: health.HealthServicer, stop: asynci
 async def serve(config: NodeConfig, ready: Callable[[str], None] | None = None) -> None:
     """Run a node until SIGTERM/SIGINT."""
     try:
-        security = auth.load(config)  # TLS, who may call what, how to call the peers (README "Security")
+        security = auth.load(config)  # TLS, who may call what, how to call the peers (docs/security.md)
     except ValueError as exc:
         raise SystemExit(f"kvstore serve: {exc}") from exc
     node = Node(config)

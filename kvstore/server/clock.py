@@ -5,6 +5,7 @@ instead of sleeping or racing the real one. The pure core never reads a clock: i
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Protocol
 
@@ -18,6 +19,10 @@ class Clock(Protocol):
         """Seconds on a clock that never goes back: deadlines and bounded waits."""
         ...
 
+    async def sleep(self, seconds: float) -> None:
+        """Wait `seconds` of this clock's time (a pause, a backoff, a linger)."""
+        ...
+
 
 class SystemClock:
     def unix_ms(self) -> int:
@@ -25,6 +30,9 @@ class SystemClock:
 
     def monotonic(self) -> float:
         return time.monotonic()
+
+    async def sleep(self, seconds: float) -> None:
+        await asyncio.sleep(seconds)
 
 
 SYSTEM_CLOCK: Clock = SystemClock()

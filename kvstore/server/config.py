@@ -112,14 +112,14 @@ class NodeConfig(BaseSettings):
     group: str = Field("", description="the leadership consumer group (default <cluster>.leaders)")
     snapshot_dir: str = Field("", description="snapshots (`kvstore snapshot create --dir`) to bootstrap an empty, "
                                               "suspect or truncated-below replica from")
-    # How the node logs in to Kafka (all of its clients, as one principal: README "Kafka security").
+    # How the node logs in to Kafka (all of its clients, as one principal: docs/security.md, "Kafka security").
     kafka_security_protocol: str = Field("", description="PLAINTEXT (default), or SASL_PLAINTEXT with a username, "
                                                          "SASL_SSL, SSL")
     kafka_sasl_mechanism: str = Field("", description="SASL mechanism (default SCRAM-SHA-512)")
     kafka_username: str = Field("", description="the store's Kafka principal")
     kafka_password: str = Field("", repr=False, description="its password (environment or file only, never a flag)")
     kafka_password_file: str = Field("", description="a file holding the Kafka password")
-    # gRPC security (README "Security"; kvstore.server.auth checks the combination). No
+    # gRPC security (docs/security.md; kvstore.server.auth checks the combination). No
     # certificate: plaintext, no authentication, and a loud warning at startup.
     tls_cert: str = Field("", description="this node's certificate chain, PEM; with --tls-key the port speaks "
                                           "TLS only. Without: plaintext, no authentication")
@@ -313,7 +313,7 @@ def from_args(args: argparse.Namespace) -> NodeConfig:
 
 
 def describe() -> Iterator[tuple[str, str, str, str]]:
-    """(setting, flag, environment variable, help) of every setting, for the README's table."""
+    """(setting, flag, environment variable, help) of every setting, for tables of them (docs/operations.md, "Running a node")."""
     for name, field in NodeConfig.model_fields.items():
         yield name, flag_of(name), NodeConfig.env_name(name), str(field.description)
 
@@ -332,7 +332,7 @@ class ReplicaConfig:
     linger_ms: float = limits.BATCH_LINGER_MS
     max_batch_records: int = limits.MAX_BATCH_RECORDS
     max_batch_bytes: int = limits.MAX_BATCH_BYTES
-    max_record_bytes: int = wal.writer.MAX_RECORD_BYTES_DEFAULT
+    max_record_bytes: int = limits.MAX_WAL_RECORD_BYTES
     max_pending_writes: int = limits.MAX_PENDING_WRITES_PER_SHARD
     barrier_timeout_s: float = 10.0
     # Snapshots to load when this replica is empty or below the WAL's log start (None: replay only).

@@ -37,7 +37,6 @@ import dataclasses
 import logging
 import os
 import shutil
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -264,7 +263,7 @@ class ShardReplica:
                     # believe they lead do not fence each other in a tight loop.
                     pause_until = self.clock.monotonic() + REFENCE_PAUSE_S
                     while self._want_lead and not self._stopping and self.clock.monotonic() < pause_until:
-                        await asyncio.sleep(0.05)
+                        await self.clock.sleep(0.05)
                 elif activity is Activity.FOLLOW:
                     await self._follow()
                 else:
@@ -275,11 +274,11 @@ class ShardReplica:
                 raise
             except (wal.WalError, errors.StoreError) as exc:  # expected now and then: say it in a line
                 log.warning("shard %d: %s; retrying in %.1fs", self.shard, exc, backoff)
-                await asyncio.sleep(backoff)
+                await self.clock.sleep(backoff)
                 backoff = min(backoff * 2, 5.0)
             except Exception:
                 log.exception("shard %d: replica loop failed; retrying in %.1fs", self.shard, backoff)
-                await asyncio.sleep(backoff)
+                await self.clock.sleep(backoff)
                 backoff = min(backoff * 2, 5.0)
 
     async def _start_rebuild(self) -> None:
@@ -406,14 +405,14 @@ class ShardReplica:
             manifest, cut = manifests[offer.name], offer.cut
             log.info("shard %d: %s: loading snapshot %s (cut %d, %d keys)", self.shard, why, manifest.name, cut,
                      manifest.shard(self.shard).keys)
-            started = time.monotonic()
+            started = self.clock.monotonic()
             try:
                 loaded = await asyncio.to_thread(self._load_snapshot, root, manifest)
             except (snapshot.SnapshotFormatError, OSError, StorageError) as exc:
                 log.warning("shard %d: snapshot %s is unusable: %s", self.shard, manifest.name, exc)
                 continue
             self._swap_in(loaded)
-            elapsed = time.monotonic() - started
+            elapsed = self.clock.monotonic() - started
             keys = manifest.shard(self.shard).keys
             log.info("shard %d: loaded snapshot %s: %d keys in %.1fs (%.0f keys/s); replaying the WAL from %d",
                      self.shard, manifest.name, keys, elapsed, keys / max(elapsed, 1e-6), cut)
@@ -430,11 +429,11 @@ class ShardReplica:
         shutil.rmtree(path, ignore_errors=True)
         scratch = ShardStore(path, topic=self.config.topic, shard=self.shard)
         total = manifest.shard(self.shard).keys
-        last_log = [time.monotonic()]
+        last_log = [self.clock.monotonic()]
 
         def progress(keys: int, requests: int) -> None:
-            if time.monotonic() - last_log[0] >= PROGRESS_LOG_S:
-                last_log[0] = time.monotonic()
+            if self.clock.monotonic() - last_log[0] >= PROGRESS_LOG_S:
+                last_log[0] = self.clock.monotonic()
                 log.info("shard %d: loading snapshot %s: %d of %d keys, %d request ids", self.shard, manifest.name,
                          keys, total, requests)
 
@@ -527,20 +526,20 @@ class ShardReplica:
         machine.begin_fencing()
         writer, self._spare = self._spare or wal.ShardWriter(self.writer_config()), None
         self._writer = writer
-        started = time.monotonic()
+        started = self.clock.monotonic()
         try:
             end = await asyncio.to_thread(writer.fence)  # W4
-            fenced = time.monotonic()
+            fenced = self.clock.monotonic()
             if not machine.fenced(end):
                 return  # resigned while fencing: the next owner fences us in turn
             self.metrics.leader_changes.labels(shard=str(self.shard)).inc()
             writer.identity = wal.WriterIdentity(self.config.node_id, machine.term)
             await self._catch_up(end)  # W6
-            if not machine.caught_up(end):
+            if not machine.replayed_to(end):
                 return
             self.caught_up = True
             log.info("shard %d: leading at offset %d (term %d) after fencing %d ms, bootstrap %d ms", self.shard,
-                     end, machine.term, (fenced - started) * 1000, (time.monotonic() - fenced) * 1000)
+                     end, machine.term, (fenced - started) * 1000, (self.clock.monotonic() - fenced) * 1000)
             await self._commit_loop(writer)
         finally:
             machine.step_down()
@@ -606,7 +605,7 @@ class ShardReplica:
         deadline = self.clock.monotonic() + BEYOND_END_GRACE_S
         fresh = True  # the end in hand was read by the last attempt, not kept from an earlier one
         while self.store.applied_offset > end and self.clock.monotonic() < deadline and not self._stopping:
-            await asyncio.sleep(0.5)
+            await self.clock.sleep(0.5)
             try:
                 end = await asyncio.to_thread(read_end)
                 fresh = True
@@ -645,7 +644,7 @@ class ShardReplica:
             size = sum(item.size for item in batch)
             try:
                 if self.config.linger_ms > 0 and self._queue.empty() and not self._carry:
-                    await asyncio.sleep(self.config.linger_ms / 1000)
+                    await self.clock.sleep(self.config.linger_ms / 1000)
                 while (len(batch) < self.config.max_batch_records and size < self.config.max_batch_bytes
                        and not self._queue.empty()):
                     item = self._queue.get_nowait()
@@ -659,7 +658,7 @@ class ShardReplica:
                 # Left (resigned, stopping, cancelled) before the batch was appended: say so
                 # instead of hanging. Nothing of it was written, so a retry anywhere is safe.
                 for pending in batch:
-                    _settle(pending.future, errors.UnavailableError(
+                    _answer(pending.future, errors.UnavailableError(
                         f"shard {self.shard}: leadership moving or node stopping; retry"))
 
     async def _commit_batch(self, writer: wal.ShardWriter, batch: list[_Pending]) -> bool:
@@ -675,7 +674,7 @@ class ShardReplica:
                           BatchLimits(limits_.max_batch_records, limits_.max_batch_bytes, limits_.max_record_bytes))
         # Refusals and replays are definite and independent of the append: answer them now.
         for index, answer in plan.now:
-            _settle(live[index].future, answer)
+            _answer(live[index].future, answer)
         carried = [live[i] for i in plan.carry]
         self._carry.extendleft(reversed(carried))
         batch[:] = [live[i] for i, _ in plan.after_commit]  # the caller's clean-up answers only these
@@ -691,7 +690,7 @@ class ShardReplica:
                 # the local apply did, even a bug raising here (W7: the WAL is the truth; the
                 # replica is rebuilt from it). Nothing below may answer "nothing written".
                 for index, response in plan.after_commit:
-                    _settle(live[index].future, response)
+                    _answer(live[index].future, response)
             # The machine's bookkeeping (and its paired W2 assertions) only after every client
             # has its committed answer: should it raise, this leadership ends (the loop starts
             # over and replays from the checkpoint), but no committed write is reported failed.
@@ -707,18 +706,18 @@ class ShardReplica:
                 await self.barrier()
             except errors.StoreError as exc:
                 for pending in batch:
-                    _settle(pending.future, exc)
+                    _answer(pending.future, exc)
                 return machine.may_start_batch()
             for index, response in plan.after_commit:
-                _settle(live[index].future, response)
+                _answer(live[index].future, response)
         return True
 
     async def _append(self, writer: wal.ShardWriter, payloads: list[bytes], revision: int,
                       waiting: list[_Pending]) -> wal.AppendResult | None:
         """Append one batch; None when it failed (its clients are answered then, and the
         machine decided what follows)."""
-        self._txn_started = time.monotonic()
-        started = time.perf_counter()
+        self._txn_started = self.clock.monotonic()
+        started = self.clock.monotonic()
         # The thread is shielded: cancelling this task (a shutdown past its bound) must not
         # make the append look finished while librdkafka may still commit it.
         in_flight = self._in_flight = asyncio.ensure_future(asyncio.to_thread(writer.append, payloads, revision))
@@ -737,7 +736,7 @@ class ShardReplica:
             raise
         finally:
             self._txn_started = None
-        self.metrics.commit_latency.labels(shard=str(self.shard)).observe(time.perf_counter() - started)
+        self.metrics.commit_latency.labels(shard=str(self.shard)).observe(self.clock.monotonic() - started)
         self.metrics.batch_records.labels(shard=str(self.shard)).observe(len(payloads))
         return result
 
@@ -748,7 +747,7 @@ class ShardReplica:
             self.metrics.fencings.labels(shard=str(self.shard)).inc()
         error = decision.error(self.shard, detail)
         for pending in waiting:
-            _settle(pending.future, error)
+            _answer(pending.future, error)
 
     def _apply_committed(self, result: wal.AppendResult, payloads: list[bytes]) -> Exception | None:
         """W5: apply a committed batch at the offsets its records were delivered at (checked by
@@ -757,9 +756,9 @@ class ShardReplica:
         way."""
         try:
             failpoints.check("apply-after-commit")
-            # The marker's slot (last record + 1) is assumed, not observed: the store remembers it.
+            # The marker's slot is assumed, not observed: the store remembers it.
             applied = self.store.apply(list(zip(result.offsets, payloads, strict=True)), result.upcoming_offset,
-                                       unverified=result.offsets[-1] + 1)
+                                       unverified=result.marker_slot)
             self._after_apply(applied.changes if self.watchers else [])
         except Exception as exc:
             return exc
@@ -801,7 +800,7 @@ class ShardReplica:
             log.warning("shard %d: re-bootstrap failed: %s", shard, resync_error)
             self.machine.resync_failed()
             return
-        self.machine.caught_up(end)
+        self.machine.replayed_to(end)
 
     # ---- requests --------------------------------------------------------------------------------
 
@@ -876,7 +875,7 @@ class ShardReplica:
         query returns, and all share it: under load, one query per round trip serves every read
         that came meanwhile, instead of one query per burst of arrivals."""
         while (round_ := self._round) is not None:
-            await asyncio.sleep(0)  # let reads that arrived in this same tick join
+            await asyncio.sleep(0)  # a yield, not a wait: let reads that arrived in this same tick join
             self._round = None  # reads arriving from now on wait for the next query
             try:
                 end = await asyncio.to_thread(self.ends.high_watermark, self.config.topic, self.shard)
@@ -901,13 +900,13 @@ class ShardReplica:
 
     def open_txn_age_ms(self) -> int:
         started = self._txn_started
-        return int((time.monotonic() - started) * 1000) if started is not None else 0
+        return int((self.clock.monotonic() - started) * 1000) if started is not None else 0
 
     def _fail_queued(self, error: errors.StoreError) -> None:
         while self._carry:
-            _settle(self._carry.popleft().future, error)
+            _answer(self._carry.popleft().future, error)
         while not self._queue.empty():
-            _settle(self._queue.get_nowait().future, error)
+            _answer(self._queue.get_nowait().future, error)
 
 
 def append_outcome(exc: wal.WalError) -> AppendOutcome:
@@ -933,7 +932,8 @@ def writer_config(config: ReplicaConfig) -> wal.WriterConfig:
         max_record_bytes=config.max_record_bytes, security=config.kafka_security)
 
 
-def _settle(future: asyncio.Future[Response], answer: Response | Exception) -> None:
+def _answer(future: asyncio.Future[Response], answer: Response | Exception) -> None:
+    """Give a waiting request its answer, once (a client that gave up, or one answered already, is left)."""
     if future.done():
         return
     if isinstance(answer, Exception):

@@ -14,7 +14,7 @@ one LevelDB write batch, so state and checkpoint never disagree. A directory tha
 opened, was written by another format, topic or shard, or lacks a checkpoint is wiped and
 rebuilt from the WAL by the replica (`needs_rebuild` tells it so), never trusted.
 
-The request-id table forgets ids by time and by count (DESIGN.md §3, `kvstore.core.request_window`), as a pure
+The request-id table forgets ids by time and by count (docs/design.md §4.1, `kvstore.core.request_window`), as a pure
 function of the applied entries, and keeps `evicted_through_ms`, the newest leader time it ever
 forgot, for `kvstore.core.request_horizon` to refuse retries it can no longer recognise.
 """
@@ -33,6 +33,7 @@ import plyvel
 from kvstore.core.request_window import RequestWindow
 from kvstore.core.state import Applied, KeyState, RequestRecord, apply_entries
 from kvstore.limits import MAX_REQUEST_IDS, REQUEST_ID_HORIZON_MS
+from wal.offsets import past_marker
 
 log = logging.getLogger(__name__)
 
@@ -443,11 +444,11 @@ class ShardStore:
 
     def rewind_unverified(self) -> bool:
         """Move the checkpoint back over the slot a leader assumed its commit marker took, so
-        that the next replay reads it (DESIGN.md §3: the marker's slot is assumed, not observed):
+        that the next replay reads it (docs/design.md §4.1: the marker's slot is assumed, not observed):
         if a writer that bypassed the guard slipped a record in there, every replica applies it.
         True if it moved. Nothing this store applied lies in that slot."""
         unverified = self.unverified
-        if unverified is None or self.applied_offset != unverified + 1:
+        if unverified is None or not past_marker(self.applied_offset, unverified):
             return False
         with self._db.write_batch(sync=True) as batch:
             batch.put(_META + b"checkpoint", _U64.pack(unverified))

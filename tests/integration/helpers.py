@@ -12,11 +12,15 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from kvstore import limits
 from tests.waiting import wait_until
 from wal import Replayer, ShardWriter, WriterConfig, WriterIdentity, shard_transactional_id
 from wal.record import AcceptedRecord
 
 REPO = Path(__file__).resolve().parents[2]
+# The store's batch bounds (WriterConfig takes them from its caller).
+WAL_BOUNDS: dict[str, Any] = {"max_batch_records": limits.MAX_BATCH_RECORDS, "max_batch_bytes": limits.MAX_BATCH_BYTES,
+                              "max_record_bytes": limits.MAX_WAL_RECORD_BYTES}
 
 
 def writer(bootstrap: str, topic: str, name: str = "w", cluster: str = "test", **overrides: Any) -> ShardWriter:
@@ -26,7 +30,7 @@ def writer(bootstrap: str, topic: str, name: str = "w", cluster: str = "test", *
         partition=0,
         transactional_id=shard_transactional_id(f"{cluster}.{topic}", 0),
         writer=WriterIdentity(name, 1),
-        **overrides,
+        **{**WAL_BOUNDS, **overrides},
     )
     return ShardWriter(config)
 
@@ -60,7 +64,8 @@ def before_commit():
         os.kill(os.getpid(), signal.SIGSTOP)
 w = ShardWriter(WriterConfig(bootstrap_servers=args["bootstrap"], topic=args["topic"], partition=0,
                              transactional_id=args["tid"], writer=WriterIdentity("zombie", 1),
-                             transaction_timeout_ms=args["txn_timeout_ms"]), before_commit=before_commit)
+                             transaction_timeout_ms=args["txn_timeout_ms"], max_batch_records=1000,
+                             max_batch_bytes=1 << 22, max_record_bytes=1 << 19), before_commit=before_commit)
 print(json.dumps({"event": "fenced-in", "upcoming": w.fence()}), flush=True)
 for name in args["batches"]:
     current["batch"] = name

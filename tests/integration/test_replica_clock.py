@@ -36,6 +36,9 @@ class SteppedClock:
     def monotonic(self) -> float:
         return SYSTEM_CLOCK.monotonic()
 
+    async def sleep(self, seconds: float) -> None:
+        await SYSTEM_CLOCK.sleep(seconds)
+
 
 async def _put(replica: ShardReplica, key: bytes, request_id: str, first_attempt_unix_ms: int) -> kv_pb2.PutResponse:
     request = kv_pb2.PutRequest(key=key, value=b"v", request_id=request_id,

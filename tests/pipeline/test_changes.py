@@ -23,7 +23,7 @@ from kvstore.internal.v1 import wal_entry_pb2
 from kvstore.pipeline import changes
 from kvstore.pipeline.target import WalTarget
 from tests.conftest import unique
-from tests.integration.helpers import writer
+from tests.integration.helpers import WAL_BOUNDS, writer
 from wal import Replayer, ShardWriter, WriterConfig, WriterIdentity, delete_below, shard_transactional_id
 from wal.broker import LocalKafka
 from wal.record import EXPECTED_OFFSET_HEADER, encode
@@ -48,7 +48,7 @@ def shard_writer(bootstrap: str, topic: str, shard: int) -> ShardWriter:
         return writer(bootstrap, topic, name="leader")
     return ShardWriter(WriterConfig(bootstrap_servers=bootstrap, topic=topic, partition=shard,
                                     transactional_id=shard_transactional_id(f"test.{topic}", shard),
-                                    writer=WriterIdentity(f"leader-{shard}", 3)))
+                                    writer=WriterIdentity(f"leader-{shard}", 3), **WAL_BOUNDS))
 
 
 def append(bootstrap: str, topic: str, shard: int, payloads: Sequence[bytes]) -> int:

@@ -168,7 +168,7 @@ class Replica:
         end = self._catch_up_end
         if self.store.applied_offset >= end:
             self.mode = _Mode.IDLE
-            if not self.role.caught_up(end):
+            if not self.role.replayed_to(end):
                 self._stepped_down()
                 return
             self.world.audit.counters["leaderships"] += 1
@@ -386,7 +386,7 @@ class Replica:
         assert in_flight is not None
         if isinstance(result, AppendResult):
             self._apply(list(zip(result.offsets, in_flight.payloads, strict=True)), result.upcoming_offset,
-                        unverified=result.offsets[-1] + 1)  # the marker's slot is assumed, not read
+                        unverified=result.marker_slot)  # the marker's slot is assumed, not read
             self.world.audit.counters["batches"] += 1
             for pending, response in in_flight.waiting:  # W5: answered only now
                 self._answer(pending, response)

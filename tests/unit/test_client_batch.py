@@ -35,6 +35,7 @@ from kvstore.core.sharding import shard_of
 from kvstore.errors import LEADER_HINT_KEY, OUTCOME_KEY, OUTCOME_NONE, OUTCOME_UNKNOWN, SHARD_KEY
 from kvstore.v1 import cluster_pb2, kv_pb2
 from tests.unit.test_client import FakeRpcError, key_on
+from tests.waiting import holds_for
 
 SC = grpc.StatusCode
 SHARDS = 4
@@ -280,8 +281,8 @@ def test_one_batch_per_shard_in_flight_keeps_the_order_and_the_next_one_fills_up
         while not fake.batches and time.monotonic() < deadline:
             time.sleep(0.005)
         later = [w.put(keys(0)[0], str(i).encode()) for i in range(2, 6)]
-        time.sleep(0.05)  # several lingers: the shard's batch is still in flight, nothing else may go
-        assert len(fake.batches) == 1
+        holds_for(lambda: len(fake.batches) == 1, 0.05, interval_s=0.005,
+                  what="one call while the shard's batch is in flight (several lingers)")
         fake.gate.set()
         assert [f.result(timeout=5).shard for f in [first, *later]] == [0] * 5
     assert [[op.value for op in b] for b in fake.batches] == [[b"1"], [b"2", b"3", b"4", b"5"]]
@@ -304,8 +305,8 @@ def test_shards_go_in_parallel_up_to_max_in_flight() -> None:
         futures.append(w.put(keys(1)[0], b"v"))  # another shard: a second call while the first waits
         calls_become(2)
         futures += [w.put(keys(2)[0], b"v"), w.put(keys(3)[0], b"v")]
-        time.sleep(0.05)  # many lingers: no third call while two are in flight
-        assert len(fake.batches) == 2
+        holds_for(lambda: len(fake.batches) == 2, 0.05, interval_s=0.005,
+                  what="no third call while two are in flight (many lingers)")
         fake.gate.set()
         concurrent.futures.wait(futures, timeout=5)
     assert fake.max_in_flight == 2 and [f.result().shard for f in futures] == [0, 1, 2, 3]

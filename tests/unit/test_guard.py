@@ -775,8 +775,8 @@ def test_negative_retry_limit_refused() -> None:
         pytest.param((4, 4), 2, 8, None, id="tuple-of-sizes"),
     ],
 )
-def test_batch_bounds_ok(sizes: Sequence[int], max_records: int, max_bytes: int, why: str | None) -> None:
-    assert Guard.batch_bounds_ok(sizes, max_records, max_bytes) == why
+def test_batch_out_of_bounds(sizes: Sequence[int], max_records: int, max_bytes: int, why: str | None) -> None:
+    assert Guard.batch_out_of_bounds(sizes, max_records, max_bytes) == why
 
 
 # ---- property: random outcomes never break the request contract --------------------------------

@@ -1,4 +1,4 @@
-"""The package rules of README "Packages", held by reading every import (module level and inside
+"""The package rules of docs/development.md, "Packages", held by reading every import (module level and inside
 functions) of every module: who may import what, so a base install stays grpcio + protobuf, the
 core stays pure, and the log stays ignorant of the store."""
 
@@ -17,6 +17,8 @@ ROOT = Path(__file__).resolve().parents[2]
 CORE_STDLIB = {"__future__", "abc", "bisect", "collections", "dataclasses", "enum", "functools", "hashlib",
                "heapq", "itertools", "math", "operator", "re", "struct", "typing", "zlib"}
 CORE_KVSTORE = ("kvstore.core", "kvstore.v1", "kvstore.internal.v1", "kvstore.errors", "kvstore.limits")
+# The log's pure rules the core shares instead of restating them (each checked pure below).
+CORE_WAL = ("wal.offsets",)
 
 HEAVY = ("confluent_kafka", "plyvel", "pyarrow", "pyspark", "pandas", "prometheus_client", "grpc_health",
          "grpc_reflection")
@@ -62,7 +64,7 @@ def _violations(package: str, forbidden: tuple[str, ...], *, module_level_only: 
 def test_the_sources_are_where_the_rules_expect_them() -> None:
     for package in ("wal", "kvstore/core", "kvstore/server", "kvstore/client", "kvstore/cli", "kvstore/dev",
                     "kvstore/pipeline", "kvstore/errors.py", "kvstore/limits.py"):
-        assert _sources(package), f"{package} has no sources: update this test and README 'Packages'"
+        assert _sources(package), f"{package} has no sources: update this test and docs/development.md 'Packages'"
 
 
 def test_the_core_is_pure() -> None:
@@ -70,9 +72,24 @@ def test_the_core_is_pure() -> None:
     the generated messages and the shared errors and limits."""
     wrong = [f"{path.relative_to(ROOT)}:{line} imports {module}"
              for path in _sources("kvstore/core") for line, module in _imports(path)
-             if module.split(".")[0] not in CORE_STDLIB and not _within(module, CORE_KVSTORE)
+             if module.split(".")[0] not in CORE_STDLIB and not _within(module, CORE_KVSTORE + CORE_WAL)
              and module not in ("kvstore", "collections.abc")]
-    assert not wrong, "kvstore.core must stay pure (README 'Packages'):\n" + "\n".join(wrong)
+    assert not wrong, "kvstore.core must stay pure (docs/development.md 'Packages'):\n" + "\n".join(wrong)
+
+
+@pytest.mark.parametrize("module", CORE_WAL)
+def test_what_the_core_takes_from_the_log_is_pure_and_loads_no_kafka_client(module: str) -> None:
+    """`import wal.offsets` runs wal/__init__ first: it must stay lazy (no librdkafka), and the
+    module itself must import nothing but the pure standard library."""
+    import subprocess
+    import sys
+
+    path = ROOT / (module.replace(".", "/") + ".py")
+    wrong = [m for _, m in _imports(path) if m.split(".")[0] not in CORE_STDLIB]
+    assert not wrong, f"{module} is shared with the pure core and must stay pure: {wrong}"
+    probe = f"import sys, {module}; print(sorted(m for m in sys.modules if m.split('.')[0] in {HEAVY!r}))"
+    loaded = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert loaded.stdout.strip() == "[]", f"import {module} loaded {loaded.stdout.strip()}"
 
 
 def test_the_log_knows_nothing_of_the_store() -> None:

@@ -41,7 +41,7 @@ def run(steps: list[Step], machine: RoleMachine | None = None) -> RoleMachine:
 
 def leading_at(end: int = 10) -> RoleMachine:
     return run([(lambda m: m.set_lead(True), None, F), (lambda m: m.begin_fencing(), None, FE),
-                (lambda m: m.fenced(end), True, C), (lambda m: m.caught_up(end), True, L)])
+                (lambda m: m.fenced(end), True, C), (lambda m: m.replayed_to(end), True, L)])
 
 
 SCENARIOS: dict[str, tuple[Callable[[], RoleMachine], list[Step]]] = {
@@ -61,13 +61,13 @@ SCENARIOS: dict[str, tuple[Callable[[], RoleMachine], list[Step]]] = {
                                                 (lambda m: m.begin_fencing(), None, FE),
                                                 (lambda m: m.fenced(4), True, C)]), [
         (lambda m: m.set_lead(False), None, C),
-        (lambda m: m.caught_up(4), False, SD),
+        (lambda m: m.replayed_to(4), False, SD),
         (lambda m: m.stepped_down(), None, F),
     ]),
     "aborted batch: learn the end again and lead on": (leading_at, [
         (lambda m: m.batch_started(10, 2), None, L),
         (lambda m: m.batch_failed(AppendOutcome.ABORTED), Next.SETTLE, C),
-        (lambda m: m.caught_up(15), True, L),
+        (lambda m: m.replayed_to(15), True, L),
         (lambda m: m.batch_started(15, 1), None, L),
     ]),
     "unknown outcome: fence again, keep the term": (leading_at, [
@@ -75,7 +75,7 @@ SCENARIOS: dict[str, tuple[Callable[[], RoleMachine], list[Step]]] = {
         (lambda m: m.batch_failed(AppendOutcome.UNKNOWN), Next.REFENCE, FE),
         (lambda m: m.fenced(13), True, C),
         (lambda m: m.term, 11, C),
-        (lambda m: m.caught_up(13), True, L),
+        (lambda m: m.replayed_to(13), True, L),
     ]),
     "fenced: step down": (leading_at, [
         (lambda m: m.batch_started(10, 1), None, L),
@@ -160,7 +160,7 @@ def test_append_decision_table(outcome: AppendOutcome) -> None:
 
 INVALID: list[tuple[str, Callable[[RoleMachine], Any]]] = [
     ("fence without being asked to lead", lambda m: m.begin_fencing()),
-    ("caught up while following", lambda m: m.caught_up(3)),
+    ("caught up while following", lambda m: m.replayed_to(3)),
     ("batch while following", lambda m: m.batch_started(0, 1)),
     ("fenced while following", lambda m: m.fenced(3)),
 ]
@@ -225,7 +225,7 @@ def test_write_refusal(want: bool, stopping: bool, role: Role, expected: str | N
         if role is not FE:
             m.fenced(0)
             if role is L:
-                m.caught_up(0)
+                m.replayed_to(0)
     m.set_lead(want)
     if stopping:
         m.stop()
