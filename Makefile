@@ -55,7 +55,7 @@ buf_class = --config '{"version":"v2","modules":[{"path":"proto"}],"breaking":{"
 up: venv proto kafka
 	$(PY) -m kvstore.dev.cluster --data-dir .data
 
-# The same cluster secured (README "Security"): gRPC over TLS with bearer tokens per role, Kafka with
+# The same cluster secured (docs/security.md): gRPC over TLS with bearer tokens per role, Kafka with
 # SASL/SCRAM logins and ACLs; certificates and tokens from a development CA in .data-secure/tls/.
 # Its own data dir: a broker keeps the mode its data dir was formatted with.
 up-secure: venv proto kafka
@@ -93,7 +93,7 @@ endif
 # 10^4 cases, none may crash the node, get an unclean status or change the state by a refused
 # request. A fresh random seed per campaign, printed (FUZZ_SEED=N make fuzz replays campaign N).
 # `make test` runs a sample of the same tests (FUZZ_CASES=15 per RPC and mode) with a fixed seed
-# unless FUZZ_SEED is set (README "Development").
+# unless FUZZ_SEED is set (docs/development.md, "Fuzzing, and replaying a red run").
 FUZZ_CASES ?= 400
 FUZZ_SEED ?= random
 fuzz: venv proto kafka
@@ -168,7 +168,7 @@ profile: venv proto kafka
 	$(PY) bench/cpu_profile.py
 
 # The Grafana dashboard's panels from a real local run (broker + 3 nodes, ~2 min): bench/results/dashboard.png
-# and the scraped series in bench/results/dashboard.json (README "Metrics and dashboards").
+# and the scraped series in bench/results/dashboard.json (docs/operations.md, "Metrics and dashboards").
 .PHONY: dashboard
 dashboard: venv proto kafka
 	$(PY) -m pip install -q -e '.[dev,bench]'

@@ -22,7 +22,7 @@ A client that sees:
 Every error the store raises *before anything of the request could have been committed* carries
 `kvstore-outcome: none` ("definite": nothing was queued, or the batch was aborted). A client
 must treat a write error without that mark (a dropped connection, CANCELLED, INTERNAL, a bare
-UNKNOWN, a deadline) as an unknown outcome (DESIGN.md §3, W7): only the server can say that
+UNKNOWN, a deadline) as an unknown outcome (docs/design.md §4, W7): only the server can say that
 nothing happened, and only this module says it.
 """
 

@@ -55,7 +55,7 @@ KAFKA_VERSION = "4.1.1"  # pinned; the pom's default is kept equal (see wal/kafk
 POM = Path(__file__).resolve().parent / "kafka" / "pom.xml"
 
 # KIP-890 part 2: a server-side epoch bump per transaction closes the "delayed commit lands on
-# a later transaction" hole (DESIGN.md §3). Set explicitly at format time, not left to defaults.
+# a later transaction" hole (docs/design.md §4.2). Set explicitly at format time, not left to defaults.
 TRANSACTION_VERSION = 2
 
 # The broker settings the store and its tests rely on: this is the one place they live.

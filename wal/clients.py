@@ -208,7 +208,7 @@ def consumer_config(
         "enable.auto.offset.store": False,
         "isolation.level": isolation_level,
         "enable.partition.eof": True,
-        # DESIGN.md §3: never a silent jump. With "earliest" a position below the log start
+        # docs/design.md §4.1: never a silent jump. With "earliest" a position below the log start
         # (records truncated by retention or delete_records) would quietly continue at the log
         # start, skipping records the reader never applied; with "latest" a position above the
         # end (the WAL was recreated, an unclean leader election truncated it) would quietly

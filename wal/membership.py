@@ -1,4 +1,4 @@
-"""Partition ownership through a Kafka consumer group (DESIGN.md §5): liveness, not safety.
+"""Partition ownership through a Kafka consumer group (docs/design.md §6): liveness, not safety.
 
 Every member subscribes to the WAL topic in one group; the partitions the group assigns to a
 member are the shards it should lead. The group only decides who *should* write: two members

@@ -12,7 +12,7 @@ holds for up to fetch.wait.max.ms (500 ms) when there is nothing new: a takeover
 old leader's last commit marker would wait that long (measured: 0.2-0.3 s of every clean
 handover, before the replayer read the consumer's position).
 
-Out of range (DESIGN.md §3: never a silent jump). The consumer runs with
+Out of range (docs/design.md §4.1: never a silent jump). The consumer runs with
 auto.offset.reset=error. When the broker answers a fetch with OFFSET_OUT_OF_RANGE (the position
 is below the log start after a truncation, or above the log end), librdkafka
 (rdkafka_fetcher.c -> rd_kafka_offset_reset in rdkafka_offset.c) enqueues one consumer error

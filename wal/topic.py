@@ -3,8 +3,8 @@
 The WAL is the store's source of truth: a new replica, a rebuilt store (missing or corrupt
 LevelDB) and every Spark job replay a partition from offset 0. A broker's default retention
 (7 days) would silently delete the records they need, so the topic keeps everything
-(`retention.ms` and `retention.bytes` -1) until snapshots exist to truncate below (DESIGN.md
-§7). An unclean leader election could lose acknowledged batches, so it is off, and
+(`retention.ms` and `retention.bytes` -1) until snapshots exist to truncate below (docs/design.md
+§8). An unclean leader election could lose acknowledged batches, so it is off, and
 `min.insync.replicas` makes acks=all mean "on more than one broker" when there are three.
 
 `ensure_wal_topic` creates the topic or checks an existing one; an existing topic whose

@@ -82,7 +82,7 @@ class DevCA:
         clients = {role.value: self._leaf(ca_cert, ca_key, role.value, f"dev-{role.value}", role, server=False)
                    for role in CLIENT_ROLES}
         tokens: dict[str, Path] = {}
-        lines = ["# kvstore tokens (README 'Security'): <sha256 hex of the token> <role> <name>"]
+        lines = ["# kvstore tokens (docs/security.md): <sha256 hex of the token> <role> <name>"]
         for role in (*CLIENT_ROLES, Role.NODE):
             path = self.directory / f"{role.value}.token"
             token = path.read_text().strip() if path.exists() else ""

@@ -11,11 +11,11 @@ recorded in `children.json` in the data dir, rewritten on every (re)start and re
 `kvstore demo failover` kills only a process recorded there (`kvstore.dev.children`).
 
 `--secure-kafka` runs the broker with SASL/SCRAM logins and ACLs (`wal.broker`, `wal.acl`;
-README "Kafka security"): the nodes log in as the store's principal `<cluster>-store`, the
+docs/security.md, "Kafka security"): the nodes log in as the store's principal `<cluster>-store`, the
 pipeline commands as `<cluster>-pipeline`; their passwords are in files (mode 0600) under the
 broker's data dir. A data dir keeps the mode it was first started with.
 
-gRPC security (README "Security"): without flags the nodes speak plaintext and authenticate
+gRPC security (docs/security.md): without flags the nodes speak plaintext and authenticate
 nobody, and the cluster says so loudly. `--tls` runs every node with TLS and bearer tokens (the
 nodes authenticate to each other with a token of role node); `--mtls` with mutual TLS instead
 (every caller presents a certificate; its role is in it); `--secure` is `--tls` plus
@@ -204,7 +204,7 @@ The store is up: {len(nodes)} nodes, {args.shards} shards, WAL topic {args.clust
   .venv/bin/kvstore txn list --older-than 5s
   {_grpcurl(pki, args.mtls, nodes[0].address)}
 
-The Spark pipeline (README "The Spark pipeline"); the nodes load snapshots from {snapshots}:
+The Spark pipeline (docs/pipeline.md); the nodes load snapshots from {snapshots}:
 
   export KVSTORE_KAFKA={kafka.bootstrap_servers}{_pipeline_login(kafka, pipeline_user)}
   .venv/bin/kvstore snapshot create --dir {snapshots}

@@ -1,6 +1,6 @@
 """gRPC security of a node: TLS on its port, who is calling, and whether the caller may make the call.
 
-Modes (README "Security"), fixed at startup from the node's settings (`load`):
+Modes (docs/security.md), fixed at startup from the node's settings (`load`):
 
 * **plaintext** (no --tls-cert): no encryption, no authentication. Every call is served; the node
   logs a loud warning. For local development only.
@@ -293,7 +293,7 @@ class ServerSecurity:
             return None
         how = "plaintext, no authentication" if self.credentials is None else "TLS without authentication (--auth none)"
         return (f"{how}: anyone who can reach {address} can read and write (and fence shards); "
-                "for local development only (README 'Security')")
+                "for local development only (docs/security.md)")
 
 
 def _read(path: str, what: str) -> bytes:

@@ -313,7 +313,7 @@ def from_args(args: argparse.Namespace) -> NodeConfig:
 
 
 def describe() -> Iterator[tuple[str, str, str, str]]:
-    """(setting, flag, environment variable, help) of every setting, for tables of them (docs/operations.md, "Running a node")."""
+    """(setting, flag, environment variable, help) of every setting, for a table of them (docs/operations.md)."""
     for name, field in NodeConfig.model_fields.items():
         yield name, flag_of(name), NodeConfig.env_name(name), str(field.description)
 

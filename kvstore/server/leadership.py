@@ -1,4 +1,4 @@
-"""Shard leadership from the consumer group (DESIGN.md §5), bridged onto the node's loop.
+"""Shard leadership from the consumer group (docs/design.md §6), bridged onto the node's loop.
 
 `wal.membership.GroupMember` says which partitions this node is assigned; here a gained
 partition becomes "lead shard s" and a lost one "resign shard s". Revocation waits (bounded)
@@ -138,7 +138,7 @@ class Leadership:
                 # Assigned a shard it leads: the member held it through a loss librdkafka declared
                 # and the group gave it back in a new generation (wal.membership.settle), so
                 # someone else may have fenced us meanwhile. The probe tells; fenced, the replica
-                # steps down and, still assigned, takes the shard back (DESIGN.md W4).
+                # steps down and, still assigned, takes the shard back (docs/design.md §4, W4).
                 log.info("shard %d: assigned again while leading it: probing the writer", shard)
             replica.set_lead(True)
 

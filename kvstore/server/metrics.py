@@ -1,4 +1,4 @@
-"""Prometheus metrics of a node (DESIGN.md §6). Names carry their unit last."""
+"""Prometheus metrics of a node (docs/design.md §7; listed in docs/operations.md). Names carry their unit last."""
 
 from __future__ import annotations
 

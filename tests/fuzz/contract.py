@@ -1,5 +1,5 @@
 """The answer a request must get, judged from what was sent and what came back: one pure rule for
-the fuzz test, its table test and the size integration test (README "Limits and errors").
+the fuzz test, its table test and the size integration test (docs/limits.md).
 
 A request's size puts it in one of three zones. Up to MAX_REQUEST_BYTES the store decides, and
 every error it gives carries its ErrorInfo. Above MAX_REQUEST_BYTES and up to the node's gRPC

@@ -70,7 +70,7 @@ def _sent(test_id: str, strategy: st.SearchStrategy[Sent], session_seed: int, ca
 def test_one_seed_replays_the_same_requests(method: str, mode: str) -> None:
     """What the fuzz tests send, generated as they generate it: the same seed gives the same
     requests in the same order, another seed others. (The same is shown end to end by the input
-    digests of two sample runs, tests/fuzz/tally.py; README "Development".)"""
+    digests of two sample runs, tests/fuzz/tally.py; docs/development.md, "Fuzzing, and replaying a red run".)"""
     strategy = structured(BY_NAME[method]) if mode == "message" else garbage(BY_NAME[method])
     test_id = f"{mode} {method}"
     first = _sent(test_id, strategy, session_seed=99, cases=seeding.DEFAULT_CASES)

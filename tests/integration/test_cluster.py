@@ -1,4 +1,4 @@
-"""Multi-node faults against real brokers and real node processes (DESIGN.md §5).
+"""Multi-node faults against real brokers and real node processes (docs/design.md §6).
 
 Every test runs the demo's workload (writer threads through the client, fresh keys with
 request ids) and the demo's verification: every acknowledged write is present with its value,

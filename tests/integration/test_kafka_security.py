@@ -1,4 +1,4 @@
-"""Kafka security (README "Kafka security"): SASL/SCRAM logins and the WAL's ACLs, on a real broker.
+"""Kafka security (docs/security.md, "Kafka security"): SASL/SCRAM logins and the WAL's ACLs, on a real broker.
 
 One secure broker and one store node (logged in as the store's principal) for the whole module,
 with the ACLs of `wal.acl` for the node's cluster. Three more logins: the pipeline's principal

@@ -1,5 +1,5 @@
 """The base install is the client and the CLI: `pip install .` into a fresh virtualenv, without
-extras, talks to a real node, and never installs Kafka's or LevelDB's bindings (README "Packages")."""
+extras, talks to a real node, and never installs Kafka's or LevelDB's bindings (docs/development.md, "Packages")."""
 
 from __future__ import annotations
 

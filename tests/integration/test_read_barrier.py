@@ -1,5 +1,5 @@
 """The read barrier's shell: one watermark query in flight at a time, each serving every
-linearizable read that arrived before it was sent (DESIGN.md §4). Real broker, real replica; only
+linearizable read that arrived before it was sent (docs/design.md §5). Real broker, real replica; only
 the query is wrapped, to count and slow it."""
 
 from __future__ import annotations

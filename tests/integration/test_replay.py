@@ -23,7 +23,7 @@ def test_replay_reaches_end_of_partition_ending_in_commit_marker(kafka: LocalKaf
     w.append([b"a", b"b"])
     last = w.append([b"c"])
     with Replayer(kafka.bootstrap_servers, topic, 0, 0) as r:
-        # The commit marker is written after commit_transaction returned (DESIGN.md §4): the high
+        # The commit marker is written after commit_transaction returned (docs/design.md §5): the high
         # watermark reaches the upcoming offset a moment later, not necessarily at once.
         wait_until(lambda: r.end_offset() == last.upcoming_offset, 10, what="the commit marker in the high watermark")
         assert payloads(list(r.read_to_end(10))) == [b"a", b"b", b"c"]

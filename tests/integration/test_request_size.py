@@ -1,4 +1,4 @@
-"""The request-size contract against a real node (README "Limits and errors", issue 18 item 9).
+"""The request-size contract against a real node (docs/limits.md, "Request sizes: two refusing zones"; issue 18 item 9).
 
 Two refusing zones, pinned at their edges on a unary write, the issue's 2.7 MB WriteBatch, a read
 and a server stream: a request above MAX_REQUEST_BYTES and up to the node's gRPC receive cap

@@ -1,5 +1,5 @@
 """Every response within MAX_RESPONSE_BYTES, below gRPC's send cap, against real nodes
-(kvstore/limits.py, README "Limits and errors").
+(kvstore/limits.py, docs/limits.md).
 
 The case found by fuzzing: three 900 000-byte values and one Scan with limit 3 made a node build a
 2 700 071-byte answer, which its own gRPC send cap turned into RESOURCE_EXHAUSTED without

@@ -1,4 +1,4 @@
-"""gRPC security end to end, TLS + bearer tokens (README "Security"): two real node processes on
+"""gRPC security end to end, TLS + bearer tokens (docs/security.md): two real node processes on
 loopback with certificates and tokens from the development CA; the nodes authenticate to each
 other with a node token. Plaintext and unauthenticated calls are refused, each role may do what
 the table says and no more (a refused write is definite and wrote nothing), a write sent to a node

@@ -1,4 +1,4 @@
-"""gRPC security end to end, mutual TLS (README "Security"): two real node processes that require a
+"""gRPC security end to end, mutual TLS (docs/security.md): two real node processes that require a
 client certificate from the development CA; a certificate's role is its URI SAN kvstore-role:<role>,
 and the nodes call each other with their own certificates (role node)."""
 

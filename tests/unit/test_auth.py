@@ -67,7 +67,7 @@ def test_every_rpc_of_the_protos_is_placed_on_purpose() -> None:
     paths = [f"/{s.full_name}/{m.name}" for s in services for m in s.methods]
     assert len(paths) >= 14
     missing = [p for p in paths if p not in auth._METHODS]
-    assert not missing, f"add these to kvstore.server.auth._METHODS (and README 'Security'): {missing}"
+    assert not missing, f"add these to kvstore.server.auth._METHODS (and docs/security.md): {missing}"
 
 
 # role, required -> allowed

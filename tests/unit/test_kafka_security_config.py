@@ -26,7 +26,7 @@ from wal.clients import (
 T, G, X = Resource.TOPIC, Resource.GROUP, Resource.TRANSACTIONAL_ID
 LIT, PRE = Pattern.LITERAL, Pattern.PREFIXED
 
-# The whole table for cluster "c": README "Kafka security" shows the same.
+# The whole table for cluster "c": docs/security.md ("Kafka security") shows the same.
 EXPECTED = {
     ("User:p", G, "wal-reader-", PRE, "DESCRIBE"),
     ("User:p", T, "c.wal", LIT, "DESCRIBE"),
