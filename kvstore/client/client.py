@@ -431,6 +431,44 @@ class Client:
                           key=None, timeout_s=timeout_s)
         return FenceResult(resp.shard, resp.end_offset, resp.notified)
 
+    # -- the retry seam ----------------------------------------------------------------------
+    # What a call the client does not run itself (`Watch`'s stream, which outlives any one
+    # deadline) needs to route and retry as the client's own calls do.
+
+    @property
+    def timeout_s(self) -> float:
+        """The default deadline of a call, retries included (`timeout_s` of the constructor)."""
+        return self._timeout_s
+
+    @property
+    def max_attempts(self) -> int:
+        """The bound on the tries of one call (`max_attempts` of the constructor)."""
+        return self._max_attempts
+
+    @property
+    def attempt_timeout_s(self) -> float:
+        """The cap on one attempt, after which it is given up on as "not answering"."""
+        return self._attempt_timeout_s
+
+    def route(self, key: bytes | None, deadline: float) -> str:
+        """Where an attempt about `key` goes: its shard's leader when the shard map (fetched
+        within `deadline` if none is cached) names one, else any endpoint, which will hint the
+        leader; None: a call any node answers."""
+        return self._route(key, deadline)
+
+    def connection(self, target: str) -> Conn:
+        """The channel to `target` and its stubs, shared by every call of this client (so a
+        stream opened on it ends with `close()`); raises `KvError` once the client is closed."""
+        return self._conn(target)
+
+    def reroute(self, failed: str, attempt: int, deadline: float | None = None) -> None:
+        """After attempt number `attempt` failed at `failed` without naming a better node: forget
+        the shard map, move "any node" past `failed`, and back off before the next attempt, at
+        most until `deadline` (None: the whole backoff)."""
+        self._invalidate_map()
+        self._rotate(failed)
+        self._sleep_backoff(attempt, time.monotonic() + self._max_backoff_s if deadline is None else deadline)
+
     # -- internals: routing ------------------------------------------------------------------
 
     def _deadline(self, timeout_s: float | None) -> float:

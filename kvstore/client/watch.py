@@ -36,6 +36,9 @@ class Watch(Iterator[WatchEvent]):
     who knows the last revision it saw of each shard and can watch again from there with
     `start_revisions` (a watch "from now" that broke may have missed changes meanwhile, and the
     shards it saw nothing of have no position the client could resume from).
+
+    It reaches the client only through its public retry seam (`route`, `connection`, `reroute`
+    and the limits), so the client's routing and backoff can change without breaking it.
     """
 
     def __init__(self, client: Client, request: kv_pb2.WatchRequest, key: bytes | None, timeout_s: float | None):
@@ -57,7 +60,7 @@ class Watch(Iterator[WatchEvent]):
     def _open(self) -> None:
         """Open the stream and wait for `created`, retrying as the policy says; raises the last
         error when it gives up. Returns early (with no stream) when cancelled meanwhile."""
-        budget = self._timeout_s if self._timeout_s is not None else self._client._timeout_s
+        budget = self._timeout_s if self._timeout_s is not None else self._client.timeout_s
         deadline = time.monotonic() + budget
         while True:
             self._attempts += 1
@@ -67,15 +70,15 @@ class Watch(Iterator[WatchEvent]):
             except KvError as error:
                 if self._cancelled:
                     return
-                if (retry_action(error) is RetryAction.FAIL or self._attempts >= self._client._max_attempts
+                if (retry_action(error) is RetryAction.FAIL or self._attempts >= self._client.max_attempts
                         or deadline - time.monotonic() <= 0):
                     error.attempts = self._attempts
                     raise
                 self._prepare_retry(error, deadline)
 
     def _open_once(self, deadline: float) -> None:
-        target = self._hint or self._client._route(self._key, deadline)
-        conn = self._client._conn(target)
+        target = self._hint or self._client.route(self._key, deadline)
+        conn = self._client.connection(target)
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             raise DeadlineExceeded("deadline exceeded before the watch was opened", target=target)
@@ -87,7 +90,7 @@ class Watch(Iterator[WatchEvent]):
         # A node that does not register the watch in time (paused, cut off) is given up on: the
         # stream is cancelled under the blocked `next`. The per-attempt cap sends us to another
         # node; the open deadline ends the tries.
-        cap = min(remaining, self._client._attempt_timeout_s)
+        cap = min(remaining, self._client.attempt_timeout_s)
         expired = threading.Event()
 
         def expire() -> None:
@@ -118,15 +121,14 @@ class Watch(Iterator[WatchEvent]):
             raise KvError(f"{target} did not start the watch with a `created` event (a server older than this "
                           f"client?)", target=target)
 
-    def _prepare_retry(self, error: KvError, deadline: float) -> None:
-        """Where the next attempt goes: the hinted leader at once, else another node after a backoff."""
+    def _prepare_retry(self, error: KvError, deadline: float | None) -> None:
+        """Where the next attempt goes: the hinted leader at once, else another node after a
+        backoff (bounded by `deadline`; None: the client's whole backoff)."""
         if isinstance(error, NotLeader) and error.leader_hint and error.leader_hint != self._target:
             self._hint = error.leader_hint
             return
         self._hint = None
-        self._client._invalidate_map()
-        self._client._rotate(self._target)
-        self._client._sleep_backoff(self._attempts, deadline)
+        self._client.reroute(self._target, self._attempts, deadline)
 
     # -- iterating ---------------------------------------------------------------------------
 
@@ -150,10 +152,10 @@ class Watch(Iterator[WatchEvent]):
                 replayable = not self._delivered and (self._request.HasField("start_revision")
                                                       or bool(self._request.start_revisions))
                 if not replayable or retry_action(error) is RetryAction.FAIL \
-                        or self._attempts >= self._client._max_attempts:
+                        or self._attempts >= self._client.max_attempts:
                     error.attempts = self._attempts
                     raise error from None
-                self._prepare_retry(error, time.monotonic() + self._client._max_backoff_s)
+                self._prepare_retry(error, None)  # a reopen has no deadline: the whole backoff
                 self._open()
                 continue
             if not isinstance(event, kv_pb2.WatchResponse):

@@ -48,8 +48,9 @@ from pyspark import StorageLevel
 from pyspark.sql import DataFrame, SparkSession, Window
 from pyspark.sql import functions as F
 
+from kvstore.output import Printer, format_table
 from kvstore.pipeline import wal_source
-from kvstore.pipeline.commands import Printer, spark_for
+from kvstore.pipeline.commands import spark_for
 from kvstore.pipeline.errors import SnapshotError
 from kvstore.pipeline.session import ENTRY_UDF
 from kvstore.pipeline.snapshot_job import build_states, check_range, wal_ends
@@ -542,8 +543,6 @@ def command(args: argparse.Namespace, target: WalTarget, printer: Printer) -> in
 
 def render(report: Mapping[str, Any]) -> str:
     """The report for people: one table of the WAL, one of the replicas, then the findings."""
-    from kvstore.cli import format_table
-
     lines = [f"audit from {report['start']['from'] or 'offset 0'} to the last stable offsets; "
              f"newest snapshot: {report['snapshot'] or '(none)'}"]
 

@@ -1,4 +1,4 @@
-"""The change feed: the store's accepted operations as a Parquet table, exactly once (DESIGN.md §7).
+"""The change feed: the store's accepted operations as a Parquet table, exactly once (docs/design.md §8).
 
 Why Structured Streaming rather than a batch job with bookkeeping of our own: Spark's file sink
 and its checkpoint already give exactly once into a table. A micro-batch's offsets are logged
@@ -65,6 +65,7 @@ from pyspark.sql.types import (
     TimestampType,
 )
 
+from kvstore.output import Printer
 from kvstore.pipeline import commands
 from kvstore.pipeline.errors import PipelineError, WalGapError
 from kvstore.pipeline.target import WalTarget
@@ -322,7 +323,7 @@ def run_feed(spark: SparkSession, target: WalTarget, to: str, *, checkpoint: str
     return FeedRun(_count_rows(spark, after - before), resumed, first_offsets)
 
 
-def command(args: argparse.Namespace, target: WalTarget | None, printer: commands.Printer) -> int:
+def command(args: argparse.Namespace, target: WalTarget | None, printer: Printer) -> int:
     """`kvstore changes --to DIR [--follow] [--checkpoint DIR] [--interval S]`."""
     assert target is not None, "changes reads the WAL"
     if args.interval <= 0:

@@ -1,9 +1,11 @@
 """The pipeline's commands in the `kvstore` CLI: snapshot, wal truncate, wal readers, audit, load, changes.
 
-Registered by `kvstore.cli.build_parser`; each command's work lives in the module named after
-it, imported only when that command runs (pyspark takes a second to import, and the client
-commands never need it). Every command takes `--output table|json`; with json its last line is
-one JSON object (the job's result), whatever Spark printed before it.
+Registered through `kvstore.cli.registry` (this module never imports the CLI, nor the CLI this
+one at module level); each command's work lives in the module named after it, imported only
+when that command runs (pyspark takes a second to import, and the base install has none, yet
+`kvstore --help` lists these commands and each says which extra it needs). Every command takes
+`--output table|json`; with json its last line is one JSON object (the job's result), whatever
+Spark printed before it.
 """
 
 from __future__ import annotations
@@ -11,21 +13,14 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
+from kvstore.output import EXIT_ERROR, Printer, one_line
 from kvstore.pipeline.errors import PipelineError
 from kvstore.pipeline.target import KAFKA_ENV, USERNAME_ENV, WalTarget, kafka_security, resolve
-
-
-class Printer(Protocol):
-    json: bool
-
-    def line(self, text: str) -> None: ...
-
-    def record(self, record: dict[str, Any]) -> None: ...
-
 
 # command name -> "module:function"; the function takes (args, target, printer) and returns an exit status.
 _HANDLERS = {
@@ -40,7 +35,8 @@ _HANDLERS = {
 
 
 def register(sub: Any, common: argparse.ArgumentParser) -> None:
-    """Add the pipeline's subcommands to the CLI's subparsers."""
+    """Add the pipeline's subcommands to the CLI's subparsers (`kvstore.cli.registry`'s contract):
+    argparse only, so that `kvstore --help` works without pyspark."""
     wal_opts = argparse.ArgumentParser(add_help=False)
     wal_opts.add_argument("--kafka", default=None, help=f"Kafka bootstrap servers (default ${KAFKA_ENV})")
     wal_opts.add_argument("--topic", default=None,
@@ -68,10 +64,10 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     p = snap_sub.add_parser("create", parents=[*parents, spark_opts],
                             help="snapshot every shard as of its committed end (from the newest snapshot + WAL)")
     p.add_argument("--dir", required=True, help="snapshot directory (a local path or a Hadoop URI)")
-    p.set_defaults(pipeline="snapshot-create")
+    p.set_defaults(pipeline="snapshot-create", handler=run)
     p = snap_sub.add_parser("list", parents=[common], help="the snapshots in a directory, newest first")
     p.add_argument("--dir", required=True)
-    p.set_defaults(pipeline="snapshot-list")
+    p.set_defaults(pipeline="snapshot-list", handler=run)
 
     wal = sub.add_parser("wal", parents=[common], help="operate on the WAL topic")
     wal_sub = wal.add_subparsers(dest="wal_action", metavar="ACTION", required=True)
@@ -85,19 +81,19 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("--scratch-dir", default=None,
                    help="where the snapshot is loaded to be verified, one shard at a time (default: the system's "
                         "temporary directory; it needs room for the largest shard)")
-    p.set_defaults(pipeline="wal-truncate")
+    p.set_defaults(pipeline="wal-truncate", handler=run)
     p = wal_sub.add_parser("readers", parents=parents,
                            help="the readers that still need the WAL (change feeds, ...), with positions and lag; "
                                 "`readers remove NAME` deregisters an abandoned one")
     p.add_argument("readers_action", nargs="?", choices=("list", "remove"), default="list", metavar="list|remove",
                    help="list (default) or remove")
     p.add_argument("name", nargs="?", default=None, help="with remove: the reader's name, as listed")
-    p.set_defaults(pipeline="wal-readers")
+    p.set_defaults(pipeline="wal-readers", handler=run)
 
     p = sub.add_parser("audit", parents=[*parents, spark_opts],
                        help="check the WAL (W3), the newest snapshot and every live replica; exit 1 on an anomaly")
     p.add_argument("--dir", required=True, help="the snapshot directory")
-    p.set_defaults(pipeline="audit")
+    p.set_defaults(pipeline="audit", handler=run)
 
     p = sub.add_parser("load", parents=[*parents, spark_opts],
                        help="bulk-load a dataset (Parquet, CSV or JSON lines) through the shard leaders")
@@ -105,7 +101,7 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("--format", choices=("parquet", "csv", "json"), default=None,
                    help="default: from the file name's extension")
     p.add_argument("--batch-rows", type=int, default=None, help="rows per write to a leader")
-    p.set_defaults(pipeline="load")
+    p.set_defaults(pipeline="load", handler=run)
 
     p = sub.add_parser("changes", parents=[*parents, spark_opts],
                        help="the accepted operations as a Parquet table, exactly once (Structured Streaming)")
@@ -113,11 +109,28 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("--follow", action="store_true", help="keep running and append new operations as they commit")
     p.add_argument("--checkpoint", default=None, help="streaming checkpoint (default <--to>/_checkpoint)")
     p.add_argument("--interval", type=float, default=5.0, metavar="S", help="with --follow: seconds between batches")
-    p.set_defaults(pipeline="changes")
+    p.set_defaults(pipeline="changes", handler=run)
 
 
 def run(args: argparse.Namespace, printer: Printer) -> int:
-    """Run the pipeline command `args.pipeline`."""
+    """Run the pipeline command `args.pipeline` (the CLI's handler of every command here). A job
+    that refused or failed is one line on stderr and exit 1, never a traceback: the CLI's rule."""
+    try:
+        return _run(args, printer)
+    except PipelineError as exc:
+        print(f"kvstore: {args.command}: {one_line(str(exc))}", file=sys.stderr)
+        return EXIT_ERROR
+    except Exception as exc:
+        # A Spark job that failed (its Java stack trace is already in Spark's log on stderr), or
+        # py4j after PySpark's own Ctrl-C handler cancelled the jobs: one line, not a traceback.
+        if not type(exc).__module__.startswith(("py4j", "pyspark")):
+            raise
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        print(f"kvstore: {args.command}: Spark failed: {one_line(first)[:500]}", file=sys.stderr)
+        return EXIT_ERROR
+
+
+def _run(args: argparse.Namespace, printer: Printer) -> int:
     name: str = args.pipeline
     module_name, _, function = _HANDLERS[name].partition(":")
     try:

@@ -74,6 +74,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, TextIO
 
 from kvstore import limits
+from kvstore.output import Printer
 from kvstore.pipeline.errors import PipelineError
 from kvstore.pipeline.target import WalTarget
 
@@ -412,7 +413,7 @@ def check_batch_rows(batch_rows: int | None) -> int:
     return batch_rows
 
 
-def command(args: argparse.Namespace, target: WalTarget | None, printer: Any) -> int:
+def command(args: argparse.Namespace, target: WalTarget | None, printer: Printer) -> int:
     """`kvstore load FILE`: the CLI's entry (kvstore.pipeline.commands)."""
     from kvstore.pipeline import commands
 

@@ -14,7 +14,7 @@ import sys
 import time
 from typing import Any
 
-from kvstore.pipeline.commands import Printer
+from kvstore.output import Printer, format_table
 from kvstore.pipeline.errors import PipelineError
 from kvstore.pipeline.target import WalTarget
 
@@ -101,8 +101,6 @@ def command(args: argparse.Namespace, target: WalTarget | None, printer: Printer
     if printer.json:
         printer.record(result)
         return 0
-    from kvstore.cli import format_table
-
     if not result["readers"]:
         printer.line(f"no readers registered for {target.topic}")
     else:

@@ -23,8 +23,9 @@ from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
 from kvstore.limits import MAX_REQUEST_IDS, REQUEST_ID_HORIZON_MS
+from kvstore.output import Printer, format_table
 from kvstore.pipeline import fold, wal_source
-from kvstore.pipeline.commands import Printer, spark_for
+from kvstore.pipeline.commands import spark_for
 from kvstore.pipeline.errors import PipelineError, SnapshotError, WalGapError
 from kvstore.pipeline.target import WalTarget
 from kvstore.server import snapshot
@@ -233,7 +234,5 @@ def list_command(args: argparse.Namespace, target: object, printer: Printer) -> 
 
 
 def _table(manifest: snapshot.Manifest) -> str:
-    from kvstore.cli import format_table
-
     return format_table(("SHARD", "CUT", "KEYS", "REQUEST IDS", "DIGEST"),
                         [(s.shard, s.offset, s.keys, s.requests, s.digest[:16]) for s in manifest.shards])

@@ -9,7 +9,7 @@ two bounds, and only after the newest complete snapshot was verified whole:
    marker took `last + 1` without reading it; its replica records `m:unverified = last + 1` and
    the checkpoint `last + 2`, and on its next resign, rebalance, restart or aborted batch
    (`ShardStore.rewind_unverified`) moves the checkpoint back to `last + 1` to read that slot
-   (DESIGN.md §3, W2). On a quiet shard the cut is exactly that checkpoint. Deleting below the
+   (docs/design.md §4, W2). On a quiet shard the cut is exactly that checkpoint. Deleting below the
    cut would put the rewound checkpoint below the log start: the replica would reload the whole
    snapshot for nothing (with `--snapshot-dir`) or refuse the shard for good (without), although
    its state was complete.
@@ -54,7 +54,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from kvstore.pipeline.commands import Printer
+from kvstore.output import Printer, format_table
 from kvstore.pipeline.errors import PipelineError, SnapshotError
 from kvstore.pipeline.target import WalTarget
 from kvstore.server import snapshot
@@ -243,8 +243,6 @@ def command(args: argparse.Namespace, target: WalTarget, printer: Printer) -> in
     if printer.json:
         printer.record(result)
         return 0
-    from kvstore.cli import format_table
-
     verb = "would delete" if args.dry_run else "deleted"
     printer.line(f"{target.topic}: {verb} the records below snapshot {result['snapshot']}'s cut - 1 "
                  "(verified), or below the oldest registered reader")

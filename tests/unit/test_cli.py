@@ -18,7 +18,7 @@ import grpc
 import pytest
 
 from kvstore import cli, limits
-from kvstore.cli import TxnSyntaxError, main, parse_compare, parse_op, parse_txn, serve_argv
+from kvstore.cli import TxnSyntaxError, client_commands, main, parse_compare, parse_op, parse_txn, serve_argv
 from kvstore.client import (
     Client,
     Compare,
@@ -292,7 +292,7 @@ def fake(monkeypatch: pytest.MonkeyPatch) -> FakeClient:
         client.endpoints, client.timeout = list(endpoints), timeout_s
         return client
 
-    monkeypatch.setattr(cli, "make_client", make)
+    monkeypatch.setattr(client_commands, "make_client", make)
     return client
 
 
@@ -613,7 +613,7 @@ def test_cli_unknown_outcome_says_how_to_finish_the_write(
 ) -> None:
     """The write happened but every answer was lost: the CLI prints the id and first-attempt time,
     and running the command again with them finishes it without applying it twice."""
-    monkeypatch.setattr(cli, "make_client", lambda endpoints, timeout_s, security=None: Client(
+    monkeypatch.setattr(client_commands, "make_client", lambda endpoints, timeout_s, security=None: Client(
         endpoints, timeout_s=timeout_s, max_attempts=2, backoff_s=0.001))
     k0, leader = key_on(0, 2).decode(), fake_cluster.leaders[0]
     lost = Failure(grpc.StatusCode.UNAVAILABLE, "Socket closed", apply_first=True)

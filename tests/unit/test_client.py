@@ -7,7 +7,9 @@ tested end to end elsewhere.
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import inspect
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -49,6 +51,7 @@ from kvstore.client import (
     txn_shard,
     write_attempt_is_definite,
 )
+from kvstore.client import watch as watch_module
 from kvstore.client.requests import shard_revisions
 from kvstore.core.sharding import shard_of
 from kvstore.errors import (
@@ -1166,6 +1169,16 @@ def test_watch_with_a_start_revision_is_reopened_until_something_was_delivered(
     with watch:
         assert next(watch).kv.key == b"w"
     assert len(cluster.calls_to("Watch")) == 2
+
+
+def test_watch_uses_only_the_clients_public_retry_seam() -> None:
+    """`Watch` retries as `Client` does through `route`, `connection`, `reroute` and the limits,
+    never through the client's private members, which are free to change."""
+    private = sorted({node.attr for node in ast.walk(ast.parse(inspect.getsource(watch_module)))
+                      if isinstance(node, ast.Attribute) and node.attr.startswith("_")
+                      and not node.attr.startswith("__")
+                      and isinstance(node.value, ast.Attribute) and node.value.attr == "_client"})
+    assert not private, f"Watch reaches into Client's private members: {private}"
 
 
 def test_scan_sends_per_shard_min_revisions(cluster: FakeCluster, client: Client) -> None:

@@ -5,10 +5,13 @@ core stays pure, and the log stays ignorant of the store."""
 from __future__ import annotations
 
 import ast
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+from kvstore.cli.registry import COMMAND_GROUPS
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -51,6 +54,26 @@ def _imports(path: Path, *, module_level_only: bool = False) -> Iterator[tuple[i
                     yield node.lineno, f"{module}.{alias.name}"
 
 
+def _module_level_closure(module: str) -> dict[str, str]:
+    """Every module that importing `module` imports (its packages too), following module-level
+    imports through this repository's files, each with the module that first imported it."""
+    seen: dict[str, str] = {}
+    pending = [(module, "(registered)")]
+    while pending:
+        name, importer = pending.pop()
+        if name in seen:
+            continue
+        seen[name] = importer
+        parent = name.rpartition(".")[0]
+        if parent:  # a package's __init__ runs before its modules
+            pending.append((parent, importer))
+        base = ROOT.joinpath(*name.split("."))
+        path = next((p for p in (base.with_suffix(".py"), base / "__init__.py") if p.is_file()), None)
+        if path is not None:
+            pending += [(imported, name) for _, imported in _imports(path, module_level_only=True)]
+    return seen
+
+
 def _within(module: str, prefixes: tuple[str, ...]) -> bool:
     return any(module == p or module.startswith(p + ".") for p in prefixes)
 
@@ -63,7 +86,7 @@ def _violations(package: str, forbidden: tuple[str, ...], *, module_level_only: 
 
 def test_the_sources_are_where_the_rules_expect_them() -> None:
     for package in ("wal", "kvstore/core", "kvstore/server", "kvstore/client", "kvstore/cli", "kvstore/dev",
-                    "kvstore/pipeline", "kvstore/errors.py", "kvstore/limits.py"):
+                    "kvstore/pipeline", "kvstore/errors.py", "kvstore/limits.py", "kvstore/output.py"):
         assert _sources(package), f"{package} has no sources: update this test and docs/development.md 'Packages'"
 
 
@@ -96,7 +119,7 @@ def test_the_log_knows_nothing_of_the_store() -> None:
     assert not _violations("wal", ("kvstore",))
 
 
-@pytest.mark.parametrize("package", ["kvstore/client", "kvstore/errors.py", "kvstore/limits.py"])
+@pytest.mark.parametrize("package", ["kvstore/client", "kvstore/errors.py", "kvstore/limits.py", "kvstore/output.py"])
 def test_the_base_install_needs_only_grpcio_and_protobuf(package: str) -> None:
     forbidden = ("wal", "kvstore.server", "kvstore.internal", "kvstore.cli", "kvstore.dev", "kvstore.pipeline",
                  *HEAVY)
@@ -104,8 +127,16 @@ def test_the_base_install_needs_only_grpcio_and_protobuf(package: str) -> None:
 
 
 def test_shared_modules_import_no_other_kvstore_module() -> None:
-    wrong = [v for package in ("kvstore/errors.py", "kvstore/limits.py")
+    wrong = [v for package in ("kvstore/errors.py", "kvstore/limits.py", "kvstore/output.py")
              for v in _violations(package, ("kvstore",))]
+    assert not wrong
+
+
+def test_the_output_helpers_need_only_the_standard_library() -> None:
+    """kvstore.output is what the CLI and the pipeline's commands both print with: nothing of
+    either, and nothing a base install lacks."""
+    wrong = [f"kvstore/output.py:{line} imports {module}" for line, module in _imports(ROOT / "kvstore" / "output.py")
+             if module.split(".")[0] not in sys.stdlib_module_names]
     assert not wrong
 
 
@@ -120,8 +151,32 @@ def test_a_node_never_imports_client_side_or_spark_code() -> None:
 
 
 def test_dev_tooling_and_the_pipeline_are_leaves() -> None:
-    """Only the CLI (inside the commands that need them) reaches the dev tools and the pipeline."""
+    """Only the CLI reaches the dev tools (inside the commands that need them) and the pipeline
+    (through its command registry, below)."""
     wrong = [v for package in ("wal", "kvstore/core", "kvstore/server", "kvstore/client", "kvstore/errors.py",
-                               "kvstore/limits.py") for v in _violations(package, ("kvstore.dev", "kvstore.pipeline"))]
+                               "kvstore/limits.py", "kvstore/output.py")
+             for v in _violations(package, ("kvstore.dev", "kvstore.pipeline"))]
     wrong += _violations("kvstore/dev", ("kvstore.pipeline",))
     assert not wrong
+
+
+def test_the_cli_and_the_pipeline_never_import_each_other() -> None:
+    """The pipeline prints with kvstore.output, never with the CLI; the CLI names the pipeline's
+    commands only in `kvstore.cli.registry` (a "module:function" string), imported when it builds
+    its parser, so it imports no pipeline module anywhere."""
+    wrong = _violations("kvstore/pipeline", ("kvstore.cli",)) + _violations("kvstore/cli", ("kvstore.pipeline",))
+    assert not wrong
+
+
+@pytest.mark.parametrize("entry", COMMAND_GROUPS)
+def test_a_registered_command_group_imports_no_job_at_parse_time(entry: str) -> None:
+    """`kvstore --help` imports every registered group: what that runs (module-level imports,
+    followed through the repository) is base-install code only. The jobs (pyspark, the node's
+    storage, the WAL's Kafka clients) are imported inside the handlers, when a command runs."""
+    module, _, function = entry.partition(":")
+    path = ROOT.joinpath(*module.split(".")).with_suffix(".py")
+    assert path.is_file() and f"def {function}(" in path.read_text(), f"{entry}: no such function"
+    forbidden = ("wal", "kvstore.server", "kvstore.internal", "kvstore.dev", "kvstore.cli", *HEAVY)
+    wrong = [f"{name} (imported by {importer})" for name, importer in sorted(_module_level_closure(module).items())
+             if _within(name, forbidden)]
+    assert not wrong, f"{entry} pulls in more than the base install at parse time:\n" + "\n".join(wrong)

@@ -1,0 +1,205 @@
+"""The client's results as the `kvstore` command prints them: a table for people, one JSON object
+per line for scripts (`--output json`).
+
+The JSON records are the command's interface to scripts: a field once printed keeps its name.
+The generic parts (the printer's two formats, tables, bytes as text) are in `kvstore.output`,
+which the pipeline's commands print with too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+from typing import Any
+
+from kvstore.client import (
+    DeleteResult,
+    FenceResult,
+    GetResult,
+    KeyValue,
+    PutResult,
+    ShardMap,
+    TransactionInfo,
+    TxnResult,
+    WatchEvent,
+)
+from kvstore.output import Printer, bytes_field, display, format_table
+
+
+def kv_record(kv: KeyValue) -> dict[str, Any]:
+    return {**bytes_field("key", kv.key), **bytes_field("value", kv.value), "version": kv.version,
+            "mod_revision": kv.mod_revision, "create_revision": kv.create_revision}
+
+
+def get_record(result: GetResult) -> dict[str, Any]:
+    record: dict[str, Any] = {**bytes_field("key", result.key), "found": result.found}
+    if result.kv is not None:
+        record.update(kv_record(result.kv))
+    if result.header is not None:
+        record.update(shard=result.header.shard, applied_revision=result.header.applied_revision,
+                      served_by=result.header.served_by)
+    return record
+
+
+def put_record(result: PutResult) -> dict[str, Any]:
+    return {**bytes_field("key", result.key), "shard": result.shard, "revision": result.revision,
+            "version": result.version, "replayed": result.replayed, "request_id": result.request_id}
+
+
+def delete_record(result: DeleteResult) -> dict[str, Any]:
+    return {**bytes_field("key", result.key), "shard": result.shard, "revision": result.revision,
+            "deleted": result.deleted, "replayed": result.replayed, "request_id": result.request_id}
+
+
+def txn_record(result: TxnResult) -> dict[str, Any]:
+    ops: list[dict[str, Any]] = []
+    for r in result.results:
+        if isinstance(r, PutResult):
+            ops.append({"op": "put", **bytes_field("key", r.key), "version": r.version})
+        elif isinstance(r, DeleteResult):
+            ops.append({"op": "delete", **bytes_field("key", r.key), "deleted": r.deleted})
+        else:
+            get = get_record(r)
+            ops.append({"op": "get", **get})
+    return {"succeeded": result.succeeded, "shard": result.shard, "revision": result.revision,
+            "replayed": result.replayed, "request_id": result.request_id, "results": ops}
+
+
+def event_record(event: WatchEvent) -> dict[str, Any]:
+    return {"type": event.type, "shard": event.shard, **kv_record(event.kv)}
+
+
+def shard_map_record(smap: ShardMap) -> dict[str, Any]:
+    return {"shard_count": smap.shard_count, "topic": smap.topic, "served_by": smap.served_by,
+            "shards": [{"shard": s.shard, "leader": s.leader, "leader_id": s.leader_id, "leader_ready": s.leader_ready,
+                        "term": s.term, "applied_offset": s.applied_offset, "end_offset": s.end_offset, "lag": s.lag,
+                        "open_txn_age_ms": s.open_txn_age_ms}
+                       for s in smap.shards],
+            "nodes": [{"node_id": n.node_id, "address": n.address, "leads": list(n.leads), "can_lead": n.can_lead}
+                      for n in smap.nodes]}
+
+
+class ResultPrinter(Printer):
+    """A `Printer` that also knows the client's results, one method per kind of result."""
+
+    def get(self, result: GetResult) -> None:
+        if self.json:
+            self.record(get_record(result))
+        elif result.kv is None:
+            self.line("(not found)")
+        else:
+            kv = result.kv
+            self.line(format_table(["KEY", "VALUE", "VERSION", "MOD_REVISION", "CREATE_REVISION"],
+                                   [[display(kv.key), display(kv.value), kv.version, kv.mod_revision,
+                                     kv.create_revision]]))
+
+    def put(self, result: PutResult) -> None:
+        if self.json:
+            self.record(put_record(result))
+        else:
+            self.line(format_table(["KEY", "SHARD", "REVISION", "VERSION", "REPLAYED"],
+                                   [[display(result.key), result.shard, result.revision, result.version,
+                                     _yes(result.replayed)]]))
+
+    def delete(self, result: DeleteResult) -> None:
+        if self.json:
+            self.record(delete_record(result))
+        else:
+            self.line(format_table(["KEY", "SHARD", "REVISION", "DELETED", "REPLAYED"],
+                                   [[display(result.key), result.shard, result.revision, _yes(result.deleted),
+                                     _yes(result.replayed)]]))
+
+    def txn(self, result: TxnResult) -> None:
+        if self.json:
+            self.record(txn_record(result))
+            return
+        branch = "then" if result.succeeded else "else"
+        self.line(f"succeeded: {_yes(result.succeeded)} (ran --{branch})  shard: {result.shard}  "
+                  f"revision: {result.revision}  replayed: {_yes(result.replayed)}")
+        rows: list[list[object]] = []
+        for r in result.results:
+            if isinstance(r, PutResult):
+                rows.append(["put", display(r.key), f"version={r.version}"])
+            elif isinstance(r, DeleteResult):
+                rows.append(["del", display(r.key), f"deleted={_yes(r.deleted)}"])
+            elif r.kv is None:
+                rows.append(["get", display(r.key), "(not found)"])
+            else:
+                rows.append(["get", display(r.key), f"{display(r.kv.value)} (version={r.kv.version})"])
+        if rows:
+            self.line(format_table(["OP", "KEY", "RESULT"], rows))
+
+    def kvs(self, kvs: Iterable[KeyValue], keys_only: bool) -> None:
+        if self.json:
+            for kv in kvs:
+                self.record(bytes_field("key", kv.key) if keys_only else kv_record(kv))
+            return
+        if keys_only:
+            rows: list[list[object]] = [[display(kv.key)] for kv in kvs]
+            self.line(format_table(["KEY"], rows))
+        else:
+            rows = [[display(kv.key), display(kv.value), kv.version, kv.mod_revision] for kv in kvs]
+            self.line(format_table(["KEY", "VALUE", "VERSION", "MOD_REVISION"], rows))
+
+    def event_header(self) -> None:
+        if not self.json:
+            self.line(_event_line("TYPE", "MOD_REVISION", "SHARD", "KEY", "VALUE"))
+
+    def event(self, event: WatchEvent) -> None:
+        if self.json:
+            self.record(event_record(event))
+        else:
+            value = display(event.kv.value) if event.type == "put" else ""
+            self.line(_event_line(event.type.upper(), str(event.kv.mod_revision), str(event.shard),
+                                  display(event.kv.key), value))
+
+    def shard_map(self, smap: ShardMap) -> None:
+        if self.json:
+            self.record(shard_map_record(smap))
+            return
+        self.line(f"topic: {smap.topic}  shards: {smap.shard_count}  served by: {smap.served_by}")
+        self.line(format_table(
+            ["SHARD", "LEADER", "NODE", "TERM", "APPLIED", "END", "LAG", "OPEN_TXN_MS"],
+            [[s.shard, s.leader or "-", _leader_node(s.leader_id, s.leader_ready), s.term, s.applied_offset,
+              s.end_offset, s.lag, s.open_txn_age_ms]
+             for s in smap.shards]))
+        if smap.nodes:
+            self.line("")
+            self.line(format_table(
+                ["NODE", "ADDRESS", "LEADS", "ROLE"],
+                [[n.node_id, n.address, ",".join(map(str, n.leads)) or "-",
+                  "leader-capable" if n.can_lead else "read replica"] for n in smap.nodes]))
+
+    def transactions(self, txns: list[TransactionInfo]) -> None:
+        if self.json:
+            for t in txns:
+                self.record(dataclasses.asdict(t))
+            return
+        if not txns:
+            self.line("(no open transaction)")
+            return
+        self.line(format_table(["SHARD", "FIRST_OFFSET", "END", "AGE_MS", "LEADER"],
+                               [[t.shard, t.first_offset, t.end_offset, t.age_ms, t.leader_id or "-"] for t in txns]))
+
+    def fenced(self, result: FenceResult) -> None:
+        if self.json:
+            self.record(dataclasses.asdict(result))
+            return
+        told = f"; leader {result.notified} told to check" if result.notified else "; no leader was reachable"
+        self.line(f"shard {result.shard} fenced at offset {result.end_offset}{told}")
+
+
+def _leader_node(node_id: str, ready: bool) -> str:
+    if not node_id:
+        return "-"
+    return node_id if ready else f"{node_id} (taking over)"
+
+
+def _event_line(kind: str, rev: str, shard: str, key: str, value: str) -> str:
+    # A watch is a stream: fixed widths instead of a table measured over all rows.
+    return f"{kind:<7} {rev:>12} {shard:>5}  {key}  {value}".rstrip()
+
+
+def _yes(flag: bool) -> str:
+    return "true" if flag else "false"
+
