@@ -160,6 +160,12 @@ class MemoryShard:
         self.applied_offset, self.unverified = self.unverified, None
         return True
 
+    def wipe(self) -> None:
+        """`ShardStore.wipe`: empty, at checkpoint 0, every request id forgotten."""
+        self.keys.clear()
+        self.requests.clear()
+        self.applied_offset, self.evicted_through_ms, self.unverified = 0, 0, None
+
     def copy(self) -> MemoryShard:
         """A durable copy (what survives a crash in the simulation: LevelDB's state and checkpoint)."""
         return MemoryShard(self.max_request_ids, self.request_id_horizon_ms, dict(self.keys),

@@ -14,8 +14,11 @@ Life of a leadership (DESIGN.md §3-5)::
                            --> STEPPING_DOWN (fenced, writer fatal, crashed)
     any leading state --resign/stop/lost--> STEPPING_DOWN --stepped_down--> FOLLOWER | STOPPED
 
-The term of a leadership is the partition end when it fenced in, plus one: every takeover sees
-at least the previous one's end, so terms never go back.
+The term of a leadership is the partition end when it last fenced, plus one: every fence sees
+at least the end any earlier fence saw, so terms never go back. That holds for a re-fence after
+an unknown outcome too, which takes a new term: another leader may have written meanwhile, with
+a term above the old one (sim seed 16: a leader cut off from Kafka re-fenced after a newer one
+had written, and kept a term below it).
 """
 
 from __future__ import annotations
@@ -167,6 +170,11 @@ class RoleMachine:
         return self.unable.pop(kind, None) is not None and not self.unable
 
     @property
+    def refencing(self) -> bool:
+        """The FENCING under way settles an unknown outcome of this leadership (its term stays)."""
+        return self._refencing
+
+    @property
     def keeps_leading(self) -> bool:
         return self.want_lead and not self.stopping
 
@@ -193,14 +201,14 @@ class RoleMachine:
 
     def fenced(self, end: int) -> bool:
         """init_transactions returned with the partition's end: True to catch up to it (W6),
-        False when the shard was given up meanwhile (the shell steps down). A leadership's
-        first fence sets its term; a re-fence after an unknown outcome keeps it."""
+        False when the shard was given up meanwhile (the shell steps down). Every fence sets
+        the term (the module docstring): the end never goes back, so neither does the term."""
         assert self.role is Role.FENCING and end >= 0, (self.role, end)
         if not self.keeps_leading:
             self._to(Role.STEPPING_DOWN)
             return False
-        if not self._refencing:
-            self.term = end + 1
+        assert end + 1 >= self.term or not self._refencing, f"re-fenced at {end}, below term {self.term}"
+        self.term = end + 1
         self._refencing = False
         self._to(Role.CATCHING_UP)
         return True

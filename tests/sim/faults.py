@@ -18,7 +18,10 @@ Why these faults: each is one the protocol claims to survive (DESIGN.md §3-5).
   with the expected offset it guessed from the high watermark, or garbage; either may land
   between a leader's records and its commit marker or shift the leader's next batch (W2, W3);
 * **broker refusals**: for a while requests are refused with retriable errors (a coordinator
-  moving, replicas missing), and commits are refused before EndTxn leaves the client.
+  moving, replicas missing), and commits are refused before EndTxn leaves the client;
+* **cut off from Kafka**: one node's requests to the brokers and the group coordinator are lost
+  for a while, mostly a leader's, while its clients still reach it: the group moves its shards,
+  and until it learns so it believes it leads (the case a read barrier exists for).
 
 `heal` ends all of it: the network is calm again, paused nodes resume, crashed ones restart.
 """
@@ -49,6 +52,7 @@ class FaultPlan:
     late_end_txn: int = 2
     foreign_write: int = 3
     refusals: int = 1
+    cut_off: int = 2
     disk_loss: float = 0.15  # share of crashes that also lose the disk
 
 
@@ -72,6 +76,7 @@ class FaultInjector:
         self._network_token += 1
         self._refusal_token += 1
         self.world.net.conditions = CALM
+        self.world.net.cut_off.clear()
         self.world.broker.refuse_rate = 0.0
         for node in self.nodes:
             if node.paused:
@@ -87,8 +92,8 @@ class FaultInjector:
         if not self.active:
             return
         p = self.plan
-        kinds = ("crash", "pause", "freeze", "storm", "late_end_txn", "foreign_write", "refusals")
-        weights = (p.crash, p.pause, p.freeze, p.storm, p.late_end_txn, p.foreign_write, p.refusals)
+        kinds = ("crash", "pause", "freeze", "storm", "late_end_txn", "foreign_write", "refusals", "cut_off")
+        weights = (p.crash, p.pause, p.freeze, p.storm, p.late_end_txn, p.foreign_write, p.refusals, p.cut_off)
         kind = self.world.sched.rng.choices(kinds, weights)[0]
         getattr(self, f"_{kind}")()
         self._schedule()
@@ -127,6 +132,28 @@ class FaultInjector:
         self.world.trace.log(f"FAULT pause {node.name} for {duration}ms (leads {sorted(node.assigned)})")
         sched.pause(node)
         sched.at(duration, self._resumer(node))
+
+    def _cut_off(self) -> None:
+        """A node loses Kafka (brokers and group coordinator) for a while, mostly a leader, and
+        keeps serving its clients: the group gives its shards to others, and until it learns
+        so it still believes it leads (its reads must not be served from its own state)."""
+        sched, net = self.world.sched, self.world.net
+        up = [n for n in self.nodes if n.alive and n.name not in net.cut_off]
+        if not up:
+            return
+        leaders = [n for n in up if n.assigned]
+        node = sched.rng.choice(leaders if leaders and sched.chance(0.8) else up)
+        duration = sched.between(self.world.timing.session_timeout_ms, 5 * self.world.timing.session_timeout_ms)
+        self.world.audit.counters["fault_cut_off"] += 1
+        self.world.trace.log(f"FAULT cut {node.name} off from Kafka for {duration}ms (leads {sorted(node.assigned)})")
+        net.cut_off.add(node.name)
+
+        def reconnect() -> None:
+            if node.name in net.cut_off:
+                net.cut_off.discard(node.name)
+                self.world.trace.log(f"FAULT {node.name} reaches Kafka again")
+
+        sched.at(duration, reconnect)
 
     def _freeze(self) -> None:
         sched = self.world.sched

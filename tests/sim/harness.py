@@ -20,6 +20,7 @@ import random
 import time
 import traceback
 
+from kvstore.core.replica import Mutation
 from kvstore.core.sharding import shard_of
 from tests.sim.checker import check_run
 from tests.sim.client import Client, Operation
@@ -48,14 +49,38 @@ class SimConfig:
     late_requests: bool = True  # nodes run client requests that arrive after their deadline (gRPC's are relative)
     faults: FaultPlan | None = dataclasses.field(default_factory=FaultPlan)
     timing: Timing = dataclasses.field(default_factory=Timing)
+    mutations: frozenset[Mutation] = frozenset()  # the replica machine's broken variants
 
     @property
     def variant(self) -> str:
-        parts = [] if self.check_w2 else ["no-w2"]
-        parts += [] if self.kafka.fencing else ["no-fencing"]
-        parts += [] if self.kafka.kip890 else ["no-kip890"]
+        parts = [] if self.check_w2 else [W2_SKIPPED]
+        parts += [] if self.kafka.fencing else [FENCING_SKIPPED]
+        parts += [] if self.kafka.kip890 else [NO_KIP890]
         parts += [] if self.late_requests else ["no-late-requests"]
+        parts += sorted(m.value for m in self.mutations)
         return ",".join(parts) or "correct"
+
+
+# Every mutation the simulation must catch, by the name KVSTORE_SIM_MUTATION takes: three broken
+# environments or shells (the guard's W2 comparison skipped by the writer's shell, a broker that
+# fences nobody, a broker without KIP-890's epoch bump per transaction) and the replica machine's
+# own (`kvstore.core.replica.Mutation`).
+W2_SKIPPED = "skip-w2-check"
+FENCING_SKIPPED = "skip-fencing"
+NO_KIP890 = "no-kip890"
+MUTATIONS: dict[str, dict[str, object]] = {
+    W2_SKIPPED: {"check_w2": False},
+    FENCING_SKIPPED: {"kafka": KafkaVariant(fencing=False)},
+    NO_KIP890: {"kafka": KafkaVariant(kip890=False)},
+    **{m.value: {"mutations": frozenset({m})} for m in Mutation},
+}
+
+
+def mutation_overrides(name: str) -> dict[str, object]:
+    """The `SimConfig` fields that make mutation `name` (KVSTORE_SIM_MUTATION)."""
+    if name not in MUTATIONS:
+        raise ValueError(f"unknown mutation {name!r}; known: {', '.join(sorted(MUTATIONS))}")
+    return MUTATIONS[name]
 
 
 @dataclasses.dataclass
@@ -106,7 +131,7 @@ class Simulation:
             group=GroupCoordinator(sched, config.shards, session_timeout_ms=timing.session_timeout_ms,
                                    revoke_timeout_ms=timing.revoke_timeout_ms),
             timing=timing, audit=Audit(), trace=Trace(sched), shards=config.shards, check_w2=config.check_w2,
-            late_requests=config.late_requests)
+            late_requests=config.late_requests, mutations=config.mutations)
         self.nodes = [Node(f"n{i}", self.world) for i in range(config.nodes)]
         keys = client_keys(config.keys, config.shards)
         self.clients = [Client(i, self.world, self.nodes, keys) for i in range(config.clients)]

@@ -7,7 +7,9 @@ after its retry. Here every request and every answer is a scheduled delivery who
 drawn from the current `Conditions`; the fault injector makes them worse for a while.
 
 A message to an actor that crashed is lost (its connections died with it); a message to a paused
-actor waits in its queue. Messages to the broker (actor None) always arrive, eventually.
+actor waits in its queue. Messages to the broker (actor None) always arrive, eventually, except
+from a node cut off from Kafka (`cut_off`, a network partition between one node and the
+brokers while its clients still reach it: the case a leader's read barrier exists for).
 
 Duplication is for the Kafka protocol and the group (librdkafka resends requests; a retried
 request may arrive twice). A client's request to a node is never duplicated: gRPC does not
@@ -48,14 +50,19 @@ class Network:
         self.duplicated = 0
         self.dropped = 0
         self.late = 0
+        self.cut_off: set[str] = set()  # nodes whose requests to the brokers are lost
+        self.cut_off_dropped = 0
 
     def send(self, deliver: Callback, to: Actor | None, *, end_txn: bool = False,
-             incarnation: int | None = None, once: bool = False) -> None:
+             incarnation: int | None = None, once: bool = False, sender: Actor | None = None) -> None:
         """Deliver `deliver` at `to` after a delay; maybe twice (unless `once`), maybe never. An
         answer is sent with the `incarnation` of its request's sender: it never reaches a
-        restarted process."""
+        restarted process. `sender`: who sends a request to the brokers (None: the harness)."""
         c = self.conditions
         self.sent += 1
+        if to is None and sender is not None and sender.name in self.cut_off:
+            self.cut_off_dropped += 1
+            return
         if c.drop and self.sched.chance(c.drop):
             self.dropped += 1
             return

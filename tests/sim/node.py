@@ -78,7 +78,7 @@ class Node(Actor):
             answer = world.group.heartbeat(name, holding, join)
             back(lambda: self._on_group(answer))
 
-        world.net.send(at_coordinator, None)
+        world.net.send(at_coordinator, None, sender=self)
         world.sched.at(world.timing.heartbeat_ms, self._heartbeat, self)
 
     def _on_group(self, answer: GroupAnswer) -> None:

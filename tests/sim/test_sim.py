@@ -8,6 +8,7 @@ KVSTORE_SIM_SEED=<n> runs that seed alone.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -15,20 +16,33 @@ from pathlib import Path
 
 import pytest
 
+from kvstore.core.replica import Mutation
 from tests.sim.faults import FaultPlan
-from tests.sim.harness import SimConfig, SimResult, config_for, env_int, run
-from tests.sim.kafka import KafkaVariant
+from tests.sim.harness import (
+    FENCING_SKIPPED,
+    MUTATIONS,
+    NO_KIP890,
+    W2_SKIPPED,
+    SimConfig,
+    SimResult,
+    config_for,
+    env_int,
+    mutation_overrides,
+    run,
+)
 
 STEPS = env_int("KVSTORE_SIM_STEPS", 50_000)
 SEEDS = [env_int("KVSTORE_SIM_SEED", 0)] if os.environ.get("KVSTORE_SIM_SEED") else list(
     range(env_int("KVSTORE_SIM_SEEDS", 30)))
 ROOT = Path(__file__).resolve().parents[2]
+# KVSTORE_SIM_MUTATION=<name> runs test_simulation's seeds with that mutation (it should fail them).
+MUTATION = os.environ.get("KVSTORE_SIM_MUTATION", "").strip()
 
 
 @pytest.mark.parametrize("seed", SEEDS, ids=lambda seed: f"seed{seed}")
 def test_simulation(seed: int, record_run: list[SimResult]) -> None:
     """W1-W7, acknowledged writes, request ids, linearizability and convergence, under faults."""
-    result = run(config_for(seed, STEPS))
+    result = run(config_for(seed, STEPS, **(mutation_overrides(MUTATION) if MUTATION else {})))
     record_run.append(result)
     assert result.ok, result.report(f"test_simulation and seed{seed}")
     assert result.converged
@@ -39,48 +53,68 @@ def test_simulation(seed: int, record_run: list[SimResult]) -> None:
 TEETH_STEPS = 30_000
 TEETH_SEEDS = 16
 
-# Consequences a client or a replica sees, beyond the log-only W2 check: a leader's commit that
-# is not in the WAL (W1), a replica applying what the WAL does not accept (W3/W5), lost or
-# resurrected writes, a non-linearizable history, diverging replicas.
-VISIBLE = ("W1:", "W3/W5", "lost write", "W7", "not linearizable", "divergence", "no convergence")
-
 # The late-EndTxn hazard needs late EndTxns: this plan makes them the common fault.
 LATE_END_TXNS = FaultPlan(late_end_txn=8, storm=4, freeze=0, crash=1)
 
 
-def first_caught(record_run: list[SimResult], **variant: object) -> SimResult:
-    """The first seed whose run shows a visible consequence (deterministic: always the same)."""
+@dataclasses.dataclass(frozen=True)
+class Teeth:
+    """A mutation (`tests.sim.harness.MUTATIONS`, by its KVSTORE_SIM_MUTATION name), the
+    consequences that count as catching it, and why they follow."""
+
+    mutation: str
+    caught_by: tuple[str, ...]
+    why: str
+    faults: FaultPlan | None = None
+
+
+TEETH = [
+    Teeth(W2_SKIPPED, ("W1:",),
+          "leaders commit without comparing delivered offsets (the shell reports every record at its expected "
+          "offset): a foreign record shifts a batch, the batch commits where W3 rejects it, and its acknowledged "
+          "writes exist only on the leader"),
+    Teeth(FENCING_SKIPPED, ("W1:", "lost write"),
+          "a broker whose init_transactions fences nobody: a paused leader wakes up and commits (or is told it "
+          "committed) a transaction that is no longer its own; it applies a batch the WAL does not have"),
+    Teeth(NO_KIP890, ("W7", "not linearizable", "lost write"),
+          "transaction protocol v1: a late EndTxn of an earlier transaction lands on a later one of the same "
+          "producer and commits part of a batch its leader then aborts: a write reported as definitely failed "
+          "took effect", LATE_END_TXNS),
+    Teeth(Mutation.SKIP_READ_BARRIER.value, ("not linearizable",),
+          "a leader serves linearizable reads from its own state without asking the log's end: a paused leader "
+          "that was replaced answers with values the new leader has overwritten"),
+    Teeth(Mutation.SKIP_MARKER_REWIND.value, ("divergence", "W3/W5", "not linearizable", "lost write"),
+          "a leader never re-reads the slot it assumed its commit marker took: a foreign record that landed "
+          "there is applied by the followers and skipped by the old leader, whose replica then differs"),
+    Teeth(Mutation.SKIP_REQUEST_DEDUPE.value, ("applied twice", "accepted", "not linearizable"),
+          "every attempt is admitted as new: a retry after an unknown outcome is written a second time"),
+    Teeth(Mutation.ANSWER_BEFORE_COMMIT.value, ("lost write", "W7", "not linearizable"),
+          "a batch's writers are answered when it is appended: one that then aborts leaves acknowledged writes "
+          "that are not in the WAL"),
+]
+
+
+def test_every_mutation_has_teeth() -> None:
+    assert sorted(t.mutation for t in TEETH) == sorted(MUTATIONS)
+
+
+@pytest.mark.parametrize("teeth", TEETH, ids=lambda t: t.mutation)
+def test_the_mutation_is_caught(teeth: Teeth, record_run: list[SimResult]) -> None:
+    """The first seed whose run shows one of the expected consequences (deterministic: always
+    the same seed); a replica machine's own paired check failing counts too."""
+    overrides = dict(mutation_overrides(teeth.mutation))
+    if teeth.faults is not None:
+        overrides["faults"] = teeth.faults
     for seed in range(TEETH_SEEDS):
-        result = run(config_for(seed, TEETH_STEPS, **variant))
+        result = run(config_for(seed, TEETH_STEPS, **overrides))
         record_run.append(result)
-        if any(kind in violation for violation in result.violations for kind in VISIBLE):
-            return result
-    raise AssertionError(f"{variant}: no visible violation in {TEETH_SEEDS} seeds of {TEETH_STEPS} steps")
-
-
-def test_without_the_w2_check_acknowledged_writes_are_lost(record_run: list[SimResult]) -> None:
-    """Leaders that commit without comparing delivered offsets (the shell reports every record
-    at its expected offset): a foreign record shifts a batch, the batch commits where W3 rejects
-    it, and its acknowledged writes exist only on the leader."""
-    found = "\n".join(first_caught(record_run, check_w2=False).violations)
-    assert "W1:" in found and "lost write" in found, found
-
-
-def test_without_fencing_a_zombie_commit_is_caught(record_run: list[SimResult]) -> None:
-    """A broker whose init_transactions fences nobody: a paused leader wakes up and commits (or
-    is told it committed) a transaction that is no longer its own; it applies a batch the WAL
-    does not have."""
-    found = "\n".join(first_caught(record_run, kafka=KafkaVariant(fencing=False)).violations)
-    assert "W1:" in found or "lost write" in found, found
-
-
-def test_without_kip890_a_late_end_txn_is_caught(record_run: list[SimResult]) -> None:
-    """Transaction protocol v1: a late EndTxn of an earlier transaction lands on a later one of
-    the same producer and commits part of a batch its leader then aborts: a write reported as
-    definitely failed took effect."""
-    result = first_caught(record_run, kafka=KafkaVariant(kip890=False), faults=LATE_END_TXNS)
-    found = "\n".join(result.violations)
-    assert "W7" in found or "not linearizable" in found or "lost write" in found, found
+        found = [v for v in result.violations
+                 if any(kind in v for kind in teeth.caught_by) or "replica machine's check failed" in v]
+        if found:
+            print(f"{teeth.mutation}: caught by seed {seed}: {found[0][:200]}")
+            return
+    raise AssertionError(f"{teeth.mutation} ({teeth.why}): none of {teeth.caught_by} in {TEETH_SEEDS} seeds of "
+                         f"{TEETH_STEPS} steps")
 
 
 # ---- determinism -------------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 
+from kvstore.core.replica import Mutation
 from kvstore.core.request_window import MemoryShard
 from tests.sim.group import GroupCoordinator
 from tests.sim.kafka import Broker
@@ -101,6 +102,7 @@ class World:
     # compare-and-set left no trace under its request id (kvstore.core.evaluate now records it).
     # False: a node drops a request that arrives after its client gave up.
     late_requests: bool = True
+    mutations: frozenset[Mutation] = frozenset()  # the replica machine's broken variants (teeth)
     _ids: int = 0
 
     def next_id(self) -> int:

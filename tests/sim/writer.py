@@ -177,7 +177,7 @@ class SimWriter:
             result = broker.init_producer_id(self.txn_id, self.shard)
             back(lambda: reply(lambda: self._initialized(producer, result)))
 
-        net.send(at_broker, None)
+        net.send(at_broker, None, sender=self.node)
 
     def _initialized(self, producer: _Producer, result: tuple[int, int] | BrokerError) -> Event:
         if isinstance(result, BrokerError):
@@ -200,7 +200,7 @@ class SimWriter:
                 lso, hw = world.broker.ends(self.shard)
                 back(lambda: answer(lso, hw))
 
-            world.net.send(at_broker, None)
+            world.net.send(at_broker, None, sender=self.node)
 
         def answer(lso: int, hw: int) -> None:
             if token != self._token or self.closed:
@@ -238,7 +238,7 @@ class SimWriter:
                 result = world.broker.produce(req)
                 back(lambda: answer(index, result))
 
-            world.net.send(at_broker, None)
+            world.net.send(at_broker, None, sender=self.node)
 
         def answer(index: int, result: tuple[int, ...] | BrokerError) -> None:
             if token != self._token or self.closed or index != len(delivered_chunks):
@@ -279,7 +279,7 @@ class SimWriter:
             result = world.broker.end_txn(self.txn_id, pid, epoch, commit)
             back(lambda: reply(lambda: self._ended(producer, op, result)))
 
-        world.net.send(at_broker, None, end_txn=True)
+        world.net.send(at_broker, None, end_txn=True, sender=self.node)
 
     def _ended(self, producer: _Producer, op: Op, result: int | BrokerError) -> Event:
         if isinstance(result, BrokerError):

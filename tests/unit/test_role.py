@@ -70,12 +70,18 @@ SCENARIOS: dict[str, tuple[Callable[[], RoleMachine], list[Step]]] = {
         (lambda m: m.replayed_to(15), True, L),
         (lambda m: m.batch_started(15, 1), None, L),
     ]),
-    "unknown outcome: fence again, keep the term": (leading_at, [
+    "unknown outcome: fence again, with a term from the new end": (leading_at, [
         (lambda m: m.batch_started(10, 2), None, L),
         (lambda m: m.batch_failed(AppendOutcome.UNKNOWN), Next.REFENCE, FE),
         (lambda m: m.fenced(13), True, C),
-        (lambda m: m.term, 11, C),
+        (lambda m: m.term, 14, C),
         (lambda m: m.replayed_to(13), True, L),
+    ]),
+    "a re-fence after a newer leader wrote takes a term above its (sim seed 16)": (leading_at, [
+        (lambda m: m.batch_started(10, 1), None, L),
+        (lambda m: m.batch_failed(AppendOutcome.UNKNOWN), Next.REFENCE, FE),
+        (lambda m: m.fenced(617), True, C),  # someone fenced in at 607 (term 608) and wrote meanwhile
+        (lambda m: m.term, 618, C),
     ]),
     "fenced: step down": (leading_at, [
         (lambda m: m.batch_started(10, 1), None, L),
