@@ -28,7 +28,7 @@ MAX_WAL_RECORD_BYTES = 1_000_000 - 1024
 BATCH_LINGER_MS = 2
 MAX_WATCHERS = 1_024
 WATCH_QUEUE_EVENTS = 10_000  # per watcher; a watcher that falls this far behind is cut off
-# The size contract of a request, in two refusing zones (README "Limits and errors"):
+# The size contract of a request, in two refusing zones (docs/limits.md, "Request sizes: two refusing zones"):
 # - above MAX_REQUEST_BYTES, up to GRPC_MAX_MESSAGE_BYTES: the store refuses it (the interceptor,
 #   before decoding): INVALID_ARGUMENT, ErrorInfo LIMIT_EXCEEDED with limit MAX_REQUEST_BYTES;
 # - above GRPC_MAX_MESSAGE_BYTES: gRPC's transport refuses it (the node's receive cap) with
@@ -67,7 +67,7 @@ assert MAX_KEY_VALUE_BYTES <= MAX_RESPONSE_BYTES, "a page's first key must fit t
 assert MAX_RESPONSE_BYTES + MAX_KEY_VALUE_BYTES + RESPONSE_FRAMING_BYTES <= GRPC_MAX_MESSAGE_BYTES, \
     "a response must stay below gRPC's send cap"
 
-# ---- the request-id (dedupe) table: DESIGN.md §3, "kept for a documented horizon" ----------------
+# ---- the request-id (dedupe) table: docs/design.md §4.1, "kept for a documented horizon" ----------------
 # Every replica forgets a request id at the same WAL entry, by time and by count, from the leader
 # times stamped in the entries (WalEntry.leader_unix_ms), never from its own clock. Changing any of
 # these two changes which ids a replica remembers: do it with a kvstore.server.storage FORMAT_VERSION bump

@@ -1,6 +1,6 @@
 """The single-writer guard as a pure state machine: events in, actions out, no I/O.
 
-This is KIP-27's conditional publish emulated with a Kafka transaction (DESIGN.md §3). The
+This is KIP-27's conditional publish emulated with a Kafka transaction (docs/design.md §4). The
 machine decides; `wal.writer.ShardWriter` performs the actions against librdkafka and feeds
 back what happened. Because it is pure, every transition is tested without a broker
 (tests/unit/test_guard.py) and the same code runs against a real one.
@@ -16,7 +16,7 @@ Every request ends with exactly one `Complete` or `Fail` action.
 
 Once `commit_transaction` was called, anything but success retires the producer (closed, and
 `init_transactions` on a fresh one before the next batch): a commit or abort of this producer
-that is still under way must never land on a later transaction (DESIGN.md §3, the KIP-890 gap).
+that is still under way must never land on a later transaction (docs/design.md §4.2, the KIP-890 gap).
 Such a batch is reported as definitely aborted only if the commit failed before librdkafka sent
 EndTxn *and* the abort succeeded; otherwise its outcome is unknown (W7).
 """
@@ -128,7 +128,7 @@ class InitTransactions:
 
 @dataclasses.dataclass(frozen=True)
 class ReadEndOffset:
-    """Read the partition's high watermark (read_uncommitted end), never the LSO (DESIGN §4)."""
+    """Read the partition's high watermark (read_uncommitted end), never the LSO (docs/design.md §5)."""
 
 
 @dataclasses.dataclass(frozen=True)

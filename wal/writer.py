@@ -5,7 +5,7 @@ and feeds their outcomes back as events. All decisions (W1, W2, W4, retries, wha
 means) are the guard's; this module only translates between librdkafka and events.
 
 A ShardWriter is not thread-safe and has at most one batch in flight, by design: throughput
-comes from batch size, not from concurrent transactions (DESIGN.md §4, group commit).
+comes from batch size, not from concurrent transactions (docs/design.md §5, group commit).
 """
 
 from __future__ import annotations
@@ -255,7 +255,7 @@ class ShardWriter:
         producer = self._live_producer()
         assert len(self._payloads) == action.count
         # Slot i holds record i's delivery report: W2 compares each record with its own
-        # expected offset, whatever order the reports arrive in (DESIGN.md §3).
+        # expected offset, whatever order the reports arrive in (docs/design.md §4.1).
         reports: list[tuple[KafkaError | None, int] | None] = [None] * action.count
 
         gap_s = self.config.commit_gap_ms / 1000 - (time.monotonic() - self._ended_at)

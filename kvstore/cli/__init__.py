@@ -14,7 +14,7 @@
     serve ARGS...            (runs kvstore.server.app.main(ARGS))
 
 The common options are accepted before or after the command. `--endpoints` defaults to
-$KVSTORE_ENDPOINTS, else 127.0.0.1:50051. A secure cluster (README "Security"): `--ca FILE`
+$KVSTORE_ENDPOINTS, else 127.0.0.1:50051. A secure cluster (docs/security.md): `--ca FILE`
 (the CA of the nodes' certificates), `--token-file FILE` or `--token T` (a bearer token), `--cert
 FILE --key FILE` (a client certificate: mutual TLS), each defaulting to $KVSTORE_CA,
 $KVSTORE_TOKEN_FILE, $KVSTORE_TOKEN, $KVSTORE_CERT, $KVSTORE_KEY; any of them turns TLS on.

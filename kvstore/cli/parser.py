@@ -66,7 +66,7 @@ def _add_common(parser: argparse.ArgumentParser, defaults: bool) -> None:
                         help="deadline of each request, retries included (default: 5)")
     parser.add_argument("--output", "-o", choices=("table", "json"), default=default("table"),
                         help="table for people, json for scripts: one object per line (default: table)")
-    # Security (README "Security"): None = the KVSTORE_* variable; any of them turns TLS on.
+    # Security (docs/security.md): None = the KVSTORE_* variable; any of them turns TLS on.
     parser.add_argument("--ca", dest="tls_ca", default=default(None), metavar="FILE",
                         help="CA certificate (PEM) of the nodes: TLS (default: $KVSTORE_CA)")
     parser.add_argument("--cert", dest="tls_cert", default=default(None), metavar="FILE",

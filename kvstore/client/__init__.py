@@ -3,7 +3,7 @@
 What it adds on top of the generated stubs, and why:
 
 * **Routing.** Writes and linearizable reads must reach the leader of the key's shard
-  (DESIGN.md §5). The client caches the shard map (`ClusterService.ShardMap`) and sends each
+  (docs/design.md §6). The client caches the shard map (`ClusterService.ShardMap`) and sends each
   single-key request to `shard_of(key, shard_count)`'s leader; a node that is not the leader
   answers FAILED_PRECONDITION with `kvstore-leader-hint` and the client goes there and refreshes
   the map. Stale reads, scans and prefix watches may be served by any node.

@@ -6,7 +6,7 @@ caller may do next. The mapping reads the rich status the server attaches (a goo
 `kvstore.errors`, the server's single definition of the contract), and falls back to the
 `kvstore-*` trailers of older servers. For a write, only an error the server marked as definite
 (outcome "none": nothing was queued) is a failure, anything else is an unknown outcome
-(DESIGN.md §3, W7). Nothing here matches gRPC's English texts. Pure: no I/O, table-tested.
+(docs/design.md §4, W7). Nothing here matches gRPC's English texts. Pure: no I/O, table-tested.
 """
 
 from __future__ import annotations
@@ -249,7 +249,7 @@ def details_of(raw: Iterable[Any] | None) -> ErrorDetails:
 
 
 def write_attempt_is_definite(metadata: Mapping[str, str], details: ErrorDetails = NO_DETAILS) -> bool:
-    """Whether a failed attempt of a write certainly committed nothing (DESIGN.md §3, W7).
+    """Whether a failed attempt of a write certainly committed nothing (docs/design.md §4.1, W7).
 
     Only the server knows, and it says so: ErrorInfo's outcome "none" (or the `kvstore-outcome:
     none` trailer of an older server). Anything else (a dropped connection, a cancellation, a

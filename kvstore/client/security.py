@@ -1,5 +1,5 @@
 """How the client connects: plaintext, or TLS with the cluster's CA, a client certificate (mutual
-TLS) and/or a bearer token (README "Security").
+TLS) and/or a bearer token (docs/security.md).
 
 `ClientSecurity` holds the settings; `ClientSecurity.from_env()` reads them from KVSTORE_CA,
 KVSTORE_CERT, KVSTORE_KEY, KVSTORE_TOKEN and KVSTORE_TOKEN_FILE (explicit values override them,

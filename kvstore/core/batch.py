@@ -1,7 +1,7 @@
 """Group-commit planning for one shard leader: writes in, a batch and its answers out; pure.
 
 The leader queues writes while a batch is in flight and turns the queue into the next batch
-here (DESIGN.md §4, group commit). Everything that decides what a write gets lives in this
+here (docs/design.md §5, group commit). Everything that decides what a write gets lives in this
 module, so the asyncio replica (`kvstore.server.replica`) and the deterministic simulation
 (tests/sim) share it:
 

@@ -2,7 +2,7 @@
 
 The leader evaluates a request against its applied state plus the batch still pending
 (`lookup` covers both), at the revision (WAL offset) the request's record will be appended at.
-The result is the WAL entry to append (effects only, DESIGN.md §4) and the response to send
+The result is the WAL entry to append (effects only, docs/design.md §5) and the response to send
 once the batch commits. The response travels inside the entry, so that any replica can answer a
 retry with the original result from its request-id table.
 

@@ -1,6 +1,6 @@
 """How a replica recovers when the WAL and its checkpoint disagree; pure decisions.
 
-Two disagreements need care (DESIGN.md §3, `auto.offset.reset=error`: never a silent jump):
+Two disagreements need care (docs/design.md §4.1, `auto.offset.reset=error`: never a silent jump):
 
 * the checkpoint lies **beyond the partition's end**: the WAL was recreated, or a restarted
   broker reports a stale high watermark for a moment. The shell waits (bounded, longer than the

@@ -1,6 +1,6 @@
 """One shard replica's whole protocol as a pure machine: events in, actions out, no I/O.
 
-This is to the store what `wal.guard.Guard` is to the log (docs/design.md §10): the asyncio
+This is to the store what `wal.guard.Guard` is to the log (docs/design.md §5.1): the asyncio
 node (`kvstore.server.replica.ShardReplica`) and the deterministic simulation (tests/sim) are
 two drivers of this one machine. A driver reports what happened (`step(event, now_ms=,
 unix_ms=)`), performs the actions returned, in order, and reports their results as further
@@ -25,7 +25,7 @@ What it decides, all of it:
 
 Every action that the machine needs a result of is answered by exactly one event naming it
 (`Fence` -> `Fenced` | `FenceFailed`, ...). Transitions of the leadership are explicit and
-checked (`RoleMachine._VALID`); so is every event against the state it may arrive in. A
+checked (`kvstore.core.role._VALID`); so is every event against the state it may arrive in. A
 `Mutation` deliberately breaks one rule, for the simulation to prove that it catches it.
 """
 
@@ -216,6 +216,18 @@ class FetchFailed:
 
 
 @dataclasses.dataclass(frozen=True)
+class Replayed:
+    """`ApplyReplayed` done: the records are in the store, the checkpoint moved."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplayApplyFailed:
+    """`ApplyReplayed` failed (the store refused the write batch: nothing of it was applied)."""
+
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True)
 class Rewound:
     """`RewindUnverified` done (moved or not: the view says where the checkpoint is)."""
 
@@ -253,8 +265,8 @@ class CommitApplied:
 
 
 Event = (Started | LeadChanged | StopRequested | Tick | WriteArrived | ReadArrived | ClientGone | ProbeRequested
-         | Fenced | FenceFailed | EndRead | EndReadFailed | Fetched | FetchOutOfRange | FetchFailed | Rewound | Wiped
-         | SnapshotDone | Appended | AppendFailed | CommitApplied)
+         | Fenced | FenceFailed | EndRead | EndReadFailed | Fetched | FetchOutOfRange | FetchFailed | Replayed
+         | ReplayApplyFailed | Rewound | Wiped | SnapshotDone | Appended | AppendFailed | CommitApplied)
 
 # ---- actions (what the driver must do) --------------------------------------------------------------
 
@@ -303,8 +315,8 @@ class Fetch:
 
 @dataclasses.dataclass(frozen=True)
 class ApplyReplayed:
-    """Apply records a fetch accepted, with `checkpoint` (the reader's position); a failure is
-    reported as `FetchFailed`."""
+    """Apply records a fetch accepted, with `checkpoint` (the reader's position); report
+    `Replayed`, or `ReplayApplyFailed`."""
 
     records: tuple[tuple[int, bytes], ...]
     checkpoint: int
@@ -373,14 +385,21 @@ class Able:
     """The last reason not to lead is gone."""
 
 
+# The counters a `Note` may name (a node exports each as kvstore_<name>_total, per shard).
+METRICS = frozenset({"leader_changes", "fencings", "unknown_outcomes", "rebuilds", "snapshot_loads",
+                     "apply_failures"})
+
+
 @dataclasses.dataclass(frozen=True)
 class Note:
-    """Something worth a log line and, with `metric`, a counter (leader_changes, fencings,
-    unknown_outcomes, rebuilds, snapshot_loads, apply_failures, leading)."""
+    """Something worth a log line and, with `metric` (one of METRICS), a counter."""
 
     text: str
     metric: str = ""
     warning: bool = False
+
+    def __post_init__(self) -> None:
+        assert not self.metric or self.metric in METRICS, f"unknown metric {self.metric!r}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -422,6 +441,7 @@ class ReaderOp(enum.Enum):
     END = "end"  # ReadEnd(FOLLOW or CONFIRM)
     WIPE = "wipe"
     FETCH = "fetch"
+    APPLY = "apply"  # ApplyReplayed
 
 
 @dataclasses.dataclass
@@ -502,14 +522,13 @@ class ReplicaMachine:
         self.backoff_ms = config.backoff_first_ms
         # The writer: at most one of fence / append / settled-end read at a time, never closed under one.
         self.writer_busy = False
-        self.writer_open = False
         self.in_flight: _Batch | None = None
         self.committing: tuple[_Batch, Appended] | None = None  # answered; CommitApplied next
         self.queue: collections.deque[_Pending] = collections.deque()
         # Requests a full batch left over: first in the next one, their order kept. Bounded by one batch.
         self.carry: collections.deque[_Pending] = collections.deque()
         self.linger_until_ms: float | None = None
-        self.in_progress: collections.Counter[str] = collections.Counter()  # ids queued or committing here
+        self.in_progress: set[str] = set()  # request ids with an attempt queued or committing here
         self.probing = False
         # The read barrier: reads waiting for the next high-watermark query, the round whose
         # query is out, reads waiting for the replica to apply what their round read.
@@ -596,7 +615,7 @@ class ReplicaMachine:
             self.waiters = [w for w in self.waiters if now < w.deadline_ms]
             for waiter in expired:
                 self._answer(waiter.read.ticket, errors.UnavailableError(
-                    f"shard {self.shard}: applied {self.view.applied_offset}, waited for {waiter.offset}"))
+                    f"shard {self.shard}: applied {self._applied()}, waited for {waiter.offset}"))
         confirm = self.confirm
         if confirm is not None and self.reader_op is None:
             if now >= confirm.deadline_ms:
@@ -605,7 +624,7 @@ class ReplicaMachine:
                 self.reader_op = ReaderOp.END
                 self._emit(ReadEnd(EndPurpose.CONFIRM))
         if self.reading is Reading.CATCH_UP and self.stage is Stage.FETCHING and now >= self.catch_up_deadline_ms:
-            self._reading_failed(f"shard {self.shard}: bootstrap stuck at {self.view.applied_offset} of "
+            self._reading_failed(f"shard {self.shard}: bootstrap stuck at {self._applied()} of "
                                  f"{self.target_end}")
 
     # ---- events: requests -----------------------------------------------------------------------------
@@ -627,7 +646,7 @@ class ReplicaMachine:
                 "back off")))
             return
         if write.request_id:
-            self.in_progress[write.request_id] += 1
+            self.in_progress.add(write.request_id)
         self.queue.append(_Pending(event.ticket, write, event.size))
 
     def _on_read(self, event: ReadArrived) -> None:
@@ -746,7 +765,7 @@ class ReplicaMachine:
                 confirm = self.confirm
                 confirm.end, confirm.fresh = event.end, True
                 confirm.next_read_ms = self._now_ms + self.config.beyond_end_poll_ms
-                if self.view.applied_offset <= event.end:
+                if self._applied() <= event.end:
                     self._confirmed()
             elif purpose is EndPurpose.FOLLOW and self.stage is Stage.READING_END:
                 self.follow_end = event.end
@@ -773,25 +792,32 @@ class ReplicaMachine:
 
     def _on_fetched(self, event: Fetched) -> None:
         self._reader_done(ReaderOp.FETCH)
-        if self.stage is not Stage.FETCHING or event.from_offset != self.view.applied_offset:
+        if self.stage is not Stage.FETCHING or event.from_offset != self._applied():
             return  # another reading now: the next fetch asks again from the checkpoint
         assert event.position >= event.from_offset, event
         records = tuple(event.records)
         if records or event.position > event.from_offset:
             assert all(event.from_offset <= offset < event.position for offset, _ in records), event
-            self._emit(ApplyReplayed(records, event.position))
-            self._applied_to(event.position)
+            self._reader_op(Stage.FETCHING, ReaderOp.APPLY, ApplyReplayed(records, event.position))
+            return  # the rest once the store has them (Replayed)
         self.backoff_ms = self.config.backoff_first_ms
-        if self.reading is Reading.FOLLOW and event.position >= self.follow_end:
+
+    def _on_replayed(self, event: Replayed) -> None:
+        self._reader_done(ReaderOp.APPLY)
+        self._applied_to(self._applied())
+        if self.stage is not Stage.FETCHING:
+            return  # the reading was given up meanwhile; what was applied stays applied
+        self.backoff_ms = self.config.backoff_first_ms
+        if self.reading is Reading.FOLLOW and self._applied() >= self.follow_end:
             self._reached_end()
 
     def _on_fetch_out_of_range(self, event: FetchOutOfRange) -> None:
         self._reader_done(ReaderOp.FETCH)
-        if self.stage is not Stage.FETCHING or event.from_offset != self.view.applied_offset:
+        if self.stage is not Stage.FETCHING or event.from_offset != self._applied():
             return
         if event.below_start:
             self._load_snapshot(event.log_start, f"the WAL starts at {event.log_start}, above the checkpoint "
-                                                 f"{self.view.applied_offset} (truncated)")
+                                                 f"{self._applied()} (truncated)")
         else:
             self._check_beyond(event.log_end)
 
@@ -800,6 +826,11 @@ class ReplicaMachine:
         if self.stage is Stage.FETCHING:
             self._reading_failed(f"shard {self.shard}: {event.reason}")
 
+    def _on_replay_apply_failed(self, event: ReplayApplyFailed) -> None:
+        self._reader_done(ReaderOp.APPLY)
+        if self.stage is Stage.FETCHING:
+            self._reading_failed(f"shard {self.shard}: applying replayed records failed: {event.reason}")
+
     def _on_rewound(self, event: Rewound) -> None:
         self._reader_done(ReaderOp.REWIND)
         if self.stage is Stage.REWINDING:
@@ -807,7 +838,7 @@ class ReplicaMachine:
 
     def _on_wiped(self, event: Wiped) -> None:
         self._reader_done(ReaderOp.WIPE)
-        assert self.view.applied_offset == 0, f"wiped, but the checkpoint is {self.view.applied_offset}"
+        assert self._applied() == 0, f"wiped, but the checkpoint is {self._applied()}"
         if BROKEN in self.role.unable:  # a rebuild's wipe: following now replays everything
             self.role.clear_unable(BROKEN)
             self._stop_reading()
@@ -820,13 +851,13 @@ class ReplicaMachine:
             return
         at_least = self.loading_at_least
         if event.loaded:
-            self._emit(Note(f"shard {self.shard}: loaded a snapshot; replaying the WAL from {self.view.applied_offset}",
+            self._emit(Note(f"shard {self.shard}: loaded a snapshot; replaying the WAL from {self._applied()}",
                             metric="snapshot_loads"))
             if at_least > 0 and self.role.clear_unable(NEEDS_SNAPSHOT):
                 self._emit(Able())
         elif at_least > 0:
             why = (f"shard {self.shard}: the WAL was truncated at offset {at_least}, above this replica's checkpoint "
-                   f"{self.view.applied_offset}; it can only be rebuilt from a snapshot taken at or after {at_least}")
+                   f"{self._applied()}; it can only be rebuilt from a snapshot taken at or after {at_least}")
             if NEEDS_SNAPSHOT not in self.role.unable:
                 # Leading from here would serve a state missing everything below the log start,
                 # and retrying leadership would loop: leave the shard to a node that can.
@@ -857,7 +888,7 @@ class ReplicaMachine:
         self._reader_op(Stage.REWINDING, ReaderOp.REWIND, RewindUnverified())
 
     def _prepare_checkpoint(self) -> None:
-        if self.view.applied_offset == 0 and (self.reading is Reading.FOLLOW or self.target_end > 0):
+        if self._applied() == 0 and (self.reading is Reading.FOLLOW or self.target_end > 0):
             self._load_snapshot(0, "the replica is empty")
         else:
             self._check_beyond(self.target_end if self.reading is Reading.CATCH_UP else None)
@@ -870,7 +901,7 @@ class ReplicaMachine:
         """Compare the checkpoint with `end` (a follower reads the end first: None)."""
         if end is None:
             self._reader_op(Stage.READING_END, ReaderOp.END, ReadEnd(EndPurpose.FOLLOW))
-        elif self.view.applied_offset <= end:
+        elif self._applied() <= end:
             self._fetch_stage()
         else:
             self.stage = Stage.CONFIRMING
@@ -881,7 +912,7 @@ class ReplicaMachine:
         """The wait beyond the end is over: the end caught up, or the grace period passed."""
         confirm, self.confirm = self.confirm, None
         assert confirm is not None and self.stage is Stage.CONFIRMING, self.stage
-        applied = self.view.applied_offset
+        applied = self._applied()
         if self.reading is Reading.CATCH_UP and self.target_end < applied <= confirm.end:
             # The end we fenced at was stale, and so is the upcoming offset: take the shard again.
             self._reading_failed(f"shard {self.shard}: partition end moved from {self.target_end} to {confirm.end} "
@@ -902,14 +933,14 @@ class ReplicaMachine:
 
     def _fetch_stage(self) -> None:
         self.stage = Stage.FETCHING
-        if self.reading is Reading.FOLLOW and self.view.applied_offset >= self.follow_end:
+        if self.reading is Reading.FOLLOW and self._applied() >= self.follow_end:
             self._reached_end()
 
     def _reached_end(self) -> None:
         if not self.caught_up:
             self.caught_up = True
         if REBUILDING in self.role.unable:
-            self._emit(Note(f"shard {self.shard}: rebuilt at offset {self.view.applied_offset}"))
+            self._emit(Note(f"shard {self.shard}: rebuilt at offset {self._applied()}"))
             if self.role.clear_unable(REBUILDING):
                 self._emit(Able())
 
@@ -967,7 +998,7 @@ class ReplicaMachine:
         else:
             verdict = self.role.barrier(end)
             if verdict.wait_for is not None:
-                applied = self.view.applied_offset
+                applied = self._applied()
                 for read in reads:
                     if applied >= verdict.wait_for:
                         self._answer(read.ticket, read.response or READY)
@@ -998,10 +1029,12 @@ class ReplicaMachine:
             return
         if not self.role.may_start_batch() or not (self.queue or self.carry):
             return
-        if not lingered and not self.carry and len(self.queue) == 1 and self.config.linger_ms > 0:
-            if self.linger_until_ms is None:
+        if not lingered and len(self.queue) < self.config.batch_limits.max_records:
+            if self.linger_until_ms is not None:
+                return  # lingering: writes arriving meanwhile join the batch
+            if not self.carry and len(self.queue) == 1 and self.config.linger_ms > 0:
                 self.linger_until_ms = self._now_ms + self.config.linger_ms
-            return
+                return
         self.linger_until_ms = None
         self._start_batch()
 
@@ -1011,8 +1044,8 @@ class ReplicaMachine:
         assert upcoming is not None
         # W6, paired with RoleMachine.replayed_to: a leader plans only from a state exactly at
         # its upcoming offset.
-        assert self.view.applied_offset == upcoming, \
-            f"shard {self.shard}: planning at {upcoming} from a state at {self.view.applied_offset} (W6)"
+        assert self._applied() == upcoming, \
+            f"shard {self.shard}: planning at {upcoming} from a state at {self._applied()} (W6)"
         taken = [self.carry.popleft() for _ in range(min(len(self.carry), bounds.max_records))]
         size = sum(p.size for p in taken)
         while self.queue and len(taken) < bounds.max_records and size < bounds.max_bytes:
@@ -1045,8 +1078,7 @@ class ReplicaMachine:
         self._release_ids(batch)
         # Read-only Txns saw committed state only: the barrier makes their answers linearizable.
         for ticket, response in answers:
-            if ticket is None:
-                continue
+            assert ticket is not None, "the probe is a record: it is appended, never read through a barrier"
             if Mutation.SKIP_READ_BARRIER in self.config.mutations:
                 self._answer(ticket, response)
             else:
@@ -1065,10 +1097,7 @@ class ReplicaMachine:
         self._answer(pending.ticket, answer)
 
     def _release_id(self, request_id: str) -> None:
-        if request_id and self.in_progress[request_id] > 0:
-            self.in_progress[request_id] -= 1
-            if not self.in_progress[request_id]:
-                del self.in_progress[request_id]
+        self.in_progress.discard(request_id)
 
     def _release_ids(self, batch: _Batch) -> None:
         for request_id in batch.ids:
@@ -1093,6 +1122,13 @@ class ReplicaMachine:
         if self.config.clock_skew_ms is not None:
             kwargs["skew_ms"] = self.config.clock_skew_ms
         return kwargs
+
+    def _applied(self) -> int:
+        """The replica's checkpoint. Every apply this machine asks for is reported done
+        (`Replayed`, `CommitApplied`) before anything reads the state again: never plan or serve
+        from a state whose apply is still in the driver's hands (sim seed 4: a batch planned in
+        the step that asked to apply the catch-up's records missed their request ids)."""
+        return self.view.applied_offset
 
     def _emit(self, action: Action) -> None:
         self._out.append(action)
@@ -1146,27 +1182,25 @@ class ReplicaMachine:
 
     def _next_fetch(self) -> None:
         if self.reading is Reading.FOLLOW:
-            self._reader_op(Stage.FETCHING, ReaderOp.FETCH, Fetch(self.view.applied_offset, None))
+            self._reader_op(Stage.FETCHING, ReaderOp.FETCH, Fetch(self._applied(), None))
             return
         assert self.reading is Reading.CATCH_UP and self.role.role is Role.CATCHING_UP, (self.reading, self.role.role)
-        if not self.role.keeps_leading:
+        # A catch-up no longer wanted was given up when that was said (_step_down_if_idle).
+        assert self.role.keeps_leading, "catching up for a leadership given up"
+        if self._applied() >= self.target_end:
             self._stop_reading()
-            self.role.step_down()
-            self._advance()
-        elif self.view.applied_offset >= self.target_end:
-            self._stop_reading()
-            if self.role.replayed_to(self.target_end):  # W6: leads from the end it caught up to
-                self.backoff_ms = self.config.backoff_first_ms
-                self._emit(Note(f"shard {self.shard}: leading at offset {self.target_end} (term {self.role.term})"))
-            else:
-                self._advance()
+            leads = self.role.replayed_to(self.target_end)  # W6: leads from the end it caught up to
+            assert leads
+            self.caught_up = True
+            self.backoff_ms = self.config.backoff_first_ms
+            self._emit(Note(f"shard {self.shard}: leading at offset {self.target_end} (term {self.role.term})"))
         else:
-            self._reader_op(Stage.FETCHING, ReaderOp.FETCH, Fetch(self.view.applied_offset, self.target_end))
+            self._reader_op(Stage.FETCHING, ReaderOp.FETCH, Fetch(self._applied(), self.target_end))
 
     def _begin_leadership(self) -> None:
         self._stop_reading()
         self.role.begin_fencing()
-        self.writer_busy = self.writer_open = True
+        self.writer_busy = True
         self.retake_after_ms = None
         self._emit(Fence())
 
@@ -1177,9 +1211,7 @@ class ReplicaMachine:
         self._stop_reading()
         self._refuse_waiting(errors.UnavailableError(
             f"shard {self.shard}: {'node shutting down' if self.role.stopping else 'leadership lost; retry'}"))
-        if self.writer_open:
-            self.writer_open = False
-            self._emit(CloseWriter())
+        self._emit(CloseWriter())
         pause, self.retake_after_ms = self.retake_after_ms, None
         if self.role.keeps_leading:
             self.lead_again_at_ms = self._now_ms + (self.config.refence_pause_ms if pause is None else pause)
@@ -1211,6 +1243,8 @@ _HANDLERS: dict[type, Callable[[ReplicaMachine, Any], None]] = {
     Fetched: ReplicaMachine._on_fetched,
     FetchOutOfRange: ReplicaMachine._on_fetch_out_of_range,
     FetchFailed: ReplicaMachine._on_fetch_failed,
+    Replayed: ReplicaMachine._on_replayed,
+    ReplayApplyFailed: ReplicaMachine._on_replay_apply_failed,
     Rewound: ReplicaMachine._on_rewound,
     Wiped: ReplicaMachine._on_wiped,
     SnapshotDone: ReplicaMachine._on_snapshot_done,

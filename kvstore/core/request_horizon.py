@@ -1,4 +1,4 @@
-"""When a request id that the store does not remember must be refused (DESIGN.md §3, W7).
+"""When a request id that the store does not remember must be refused (docs/design.md §4.1, W7).
 
 The request-id table forgets ids by time and by count (`kvstore.server.storage`), identically on every
 replica, and records `evicted_through_ms`: the largest leader time of any id it ever forgot. A

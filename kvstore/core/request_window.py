@@ -1,4 +1,4 @@
-"""The request-id table's bounds, as a pure rule shared by LevelDB and memory (DESIGN.md §3, W7).
+"""The request-id table's bounds, as a pure rule shared by LevelDB and memory (docs/design.md §4.1, W7).
 
 Ids are forgotten oldest first by revision:
 
@@ -159,6 +159,13 @@ class MemoryShard:
             return False
         self.applied_offset, self.unverified = self.unverified, None
         return True
+
+    def load(self, snapshot: MemoryShard) -> None:
+        """Become a copy of `snapshot` (a snapshot loaded: its cut is the checkpoint)."""
+        loaded = snapshot.copy()
+        self.keys, self.requests = loaded.keys, loaded.requests
+        self.applied_offset, self.evicted_through_ms, self.unverified = (loaded.applied_offset,
+                                                                         loaded.evicted_through_ms, None)
 
     def wipe(self) -> None:
         """`ShardStore.wipe`: empty, at checkpoint 0, every request id forgotten."""

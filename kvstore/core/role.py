@@ -1,12 +1,12 @@
 """A shard replica's leadership as a pure state machine: what it is, what it may do next, and
 what every append outcome leads to. No I/O, no clock, no asyncio.
 
-The replica shell (`kvstore.server.replica`) and the deterministic simulation (tests/sim) do the
-I/O (fence, replay, append, read the partition end) and report each result here; the machine
-answers with the next step. Transitions are explicit (`_VALID`, aiokafka's transaction manager
+The replica machine (`kvstore.core.replica.ReplicaMachine`) composes it: it reports each
+result of the drivers' I/O (fence, replay, append, read the partition end) here, and this
+machine answers with what the leadership may do next. Transitions are explicit (`_VALID`, aiokafka's transaction manager
 style) and checked: an impossible report is a bug, never silently absorbed.
 
-Life of a leadership (DESIGN.md §3-5)::
+Life of a leadership (docs/design.md §4-6)::
 
     FOLLOWER --begin_fencing--> FENCING --fenced(end)--> CATCHING_UP --replayed_to(end)--> LEADING
     LEADING --append failed--> FENCING (unknown outcome: fence again, which settles it)
@@ -57,9 +57,12 @@ NEEDS_SNAPSHOT = "needs_snapshot"  # the WAL was truncated above its checkpoint:
 
 
 class AppendOutcome(enum.Enum):
-    """What an append ended in, as the WAL layer reported it (the shell classifies its errors)."""
+    """What an append ended in, as the WAL layer reported it (the driver classifies its errors)."""
 
     ABORTED = "aborted"  # definite: nothing written (W2 mismatch, abortable or retriable error)
+    # Definite too, but the writer retired its producer (the abort itself failed, or the commit was
+    # refused before EndTxn): its next call would be an init_transactions, a fence of its own.
+    ABORTED_RETIRED = "aborted_retired"
     UNKNOWN = "unknown"  # W7: may have committed; the producer is retired
     UNKNOWN_FENCED = "unknown_fenced"  # may have committed, and someone fenced us meanwhile
     FENCED = "fenced"  # definite: a newer writer holds the shard (W4)
@@ -69,7 +72,7 @@ class AppendOutcome(enum.Enum):
 
 
 class Next(enum.Enum):
-    """What the shell does after a failed append."""
+    """What follows a failed append (`kvstore.core.replica.ReplicaMachine` does it)."""
 
     REFENCE = "refence"  # init_transactions again (settles the undecided transaction), replay, lead
     SETTLE = "settle"  # read the settled end (LSO once no transaction is open), replay, lead
@@ -90,11 +93,15 @@ class AppendDecision:
         return errors.UnknownOutcomeError(text) if self.unknown else errors.UnavailableError(text)
 
 
-# The table: every append outcome, the answer its clients get, and what follows (DESIGN.md §3:
+# The table: every append outcome, the answer its clients get, and what follows (docs/design.md §4.2:
 # fenced -> stop leading; abortable -> abort, fail retriable, keep leading after learning the end
 # again (W2); unknown -> "unknown outcome" and re-initialise before the next batch).
 APPEND_DECISIONS: dict[AppendOutcome, AppendDecision] = {
     AppendOutcome.ABORTED: AppendDecision(False, "batch aborted; retry", Next.SETTLE),
+    # Fenced again explicitly, with a new term, rather than by the writer's next append behind the
+    # machine's back: that one would fence any newer leader with records still stamped with the
+    # old term (sim seed 15: terms went back after a broker outage).
+    AppendOutcome.ABORTED_RETIRED: AppendDecision(False, "batch aborted; retry", Next.REFENCE),
     AppendOutcome.UNKNOWN: AppendDecision(True, "commit outcome unknown; retry with the same request id",
                                           Next.REFENCE),
     AppendOutcome.UNKNOWN_FENCED: AppendDecision(True, "commit outcome unknown (fenced meanwhile); retry with the "
@@ -109,19 +116,9 @@ APPEND_DECISIONS: dict[AppendOutcome, AppendDecision] = {
 assert set(APPEND_DECISIONS) == set(AppendOutcome), "every append outcome needs a decision"
 
 
-class Activity(enum.Enum):
-    """What a replica's loop does next (`RoleMachine.next_activity`)."""
-
-    REBUILD = "rebuild"  # wipe the replica (a committed batch could not be applied), then follow
-    LEAD = "lead"  # fence, catch up, lead
-    FOLLOW = "follow"  # tail the shard
-    IDLE = "idle"  # stay at the checkpoint (no standby): catch up only when leading
-    EXIT = "exit"  # stopping
-
-
 @dataclasses.dataclass(frozen=True)
 class BarrierVerdict:
-    """A linearizable read barrier's outcome (DESIGN.md §4): serve once everything below
+    """A linearizable read barrier's outcome (docs/design.md §5): serve once everything below
     `wait_for` is applied, or (`probe`) refuse and probe the log: someone else wrote beyond
     everything this leader wrote, so its view is stale."""
 
@@ -171,25 +168,12 @@ class RoleMachine:
 
     @property
     def refencing(self) -> bool:
-        """The FENCING under way settles an unknown outcome of this leadership (its term stays)."""
+        """The FENCING under way settles an unknown outcome of this leadership (it takes a new term all the same)."""
         return self._refencing
 
     @property
     def keeps_leading(self) -> bool:
         return self.want_lead and not self.stopping
-
-    def next_activity(self, standby: bool) -> Activity:
-        """A broken replica rebuilds before anything else; a rebuilding one follows until caught
-        up, even without standby; leading wins over following."""
-        if self.stopping:
-            return Activity.EXIT
-        if BROKEN in self.unable:
-            return Activity.REBUILD
-        if self.want_lead:
-            return Activity.LEAD
-        if standby or REBUILDING in self.unable:
-            return Activity.FOLLOW
-        return Activity.IDLE
 
     # ---- leadership life -------------------------------------------------------------------------
 
@@ -201,7 +185,7 @@ class RoleMachine:
 
     def fenced(self, end: int) -> bool:
         """init_transactions returned with the partition's end: True to catch up to it (W6),
-        False when the shard was given up meanwhile (the shell steps down). Every fence sets
+        False when the shard was given up meanwhile (the machine steps down). Every fence sets
         the term (the module docstring): the end never goes back, so neither does the term."""
         assert self.role is Role.FENCING and end >= 0, (self.role, end)
         if not self.keeps_leading:
@@ -287,7 +271,7 @@ class RoleMachine:
         self.upcoming = None
         self.written_end = None
 
-    # ---- questions the shell asks ------------------------------------------------------------------
+    # ---- questions the replica machine asks ---------------------------------------------------------------
 
     def write_refusal(self, leader_hint: str | None) -> errors.StoreError | None:
         """Why a write or a leader read must be refused here right now, or None to take it."""
@@ -298,7 +282,7 @@ class RoleMachine:
         return errors.NotLeaderError(self.shard, leader_hint or None)
 
     def barrier(self, high_watermark: int) -> BarrierVerdict:
-        """A read barrier's high watermark e (the read_uncommitted end, DESIGN.md §4): if e lies
+        """A read barrier's high watermark e (the read_uncommitted end, docs/design.md §5): if e lies
         beyond anything this leader wrote, another writer exists; else serve once below e is
         applied."""
         written = self.written_end if self.written_end is not None else self.upcoming

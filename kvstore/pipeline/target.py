@@ -15,7 +15,7 @@ if TYPE_CHECKING:  # wal/ (confluent-kafka) is imported only when a command runs
 
 KAFKA_ENV = "KVSTORE_KAFKA"
 # The pipeline's Kafka login, named as the node's (`kvstore serve`) are: the variables of the
-# shell that runs the command (README "Kafka security").
+# shell that runs the command (docs/security.md, "Kafka security").
 SECURITY_PROTOCOL_ENV = "KVSTORE_KAFKA_SECURITY_PROTOCOL"
 SASL_MECHANISM_ENV = "KVSTORE_KAFKA_SASL_MECHANISM"
 USERNAME_ENV = "KVSTORE_KAFKA_USERNAME"

@@ -47,7 +47,8 @@ from kvstore.server.config import NodeConfig
 from kvstore.server.interceptor import ErrorInterceptor
 from kvstore.server.node import Node
 from kvstore.server.peers import Peers
-from kvstore.server.replica import ShardReplica, Watcher, decode_changes
+from kvstore.server.replica import ShardReplica
+from kvstore.server.watch import Watcher, decode_changes
 from kvstore.v1 import cluster_pb2, cluster_pb2_grpc, kv_pb2, kv_pb2_grpc
 
 log = logging.getLogger("kvstore.server")

@@ -1,77 +1,56 @@
-"""One shard's replica: follower, bootstrapping leader, leader with group commit, read barrier.
+"""One shard's replica on a node: the asyncio driver of `kvstore.core.replica.ReplicaMachine`.
 
-The I/O shell of the pure core: every decision is the core's (`kvstore.core.role.RoleMachine`
-for the leadership's states, what each append outcome leads to and the read barrier;
-`kvstore.core.batch` for admission, dedupe and batch planning; `kvstore.core.recovery` when the
-WAL and the checkpoint disagree). This module fences, replays, appends, applies and answers, and
-reports each result to the machine. The deterministic simulation (tests/sim) drives the same core.
+Every protocol decision is the machine's (following, fencing, catching up, group commit, what
+a failed append leads to, the read barrier, stepping down, rebuilding; docs/design.md §5.1).
+This module is to it what `wal.writer.ShardWriter._drive` is to the guard: it reports what
+happened as events and performs the actions the machine returns, in order. Blocking calls
+(librdkafka, snapshot loads) run in worker threads as tasks whose results come back as events;
+LevelDB is touched only from the event-loop thread, so applies and reads never race.
 
-Runs on the server's asyncio loop. Blocking WAL calls (librdkafka) run in worker threads; the
-LevelDB store is touched only from the loop thread, so apply and reads never race.
-
-Leader life (DESIGN.md §3-4):
-  1. fence: `init_transactions` on the shard's transactional id (W4) -> upcoming offset e;
-  2. bootstrap: replay read_committed from the checkpoint up to e (W6), applying with the same
-     function as followers; only then accept writes;
-  3. group commit: one batch in flight; requests arriving meanwhile form the next batch, bounded
-     by count, bytes and a short linger; each request is evaluated against state + the pending
-     batch at the revision (offset) its record will get; the batch is appended at that expected
-     offset (W1, W2) and applied + answered only after commit (W5);
-  4. any abort: fail the batch's requests as retriable and bootstrap again from the partition,
-     from the first slot this leader has not seen (the one it assumed its commit marker took);
-     unknown outcome: answer "unknown" (W7), fence again (which settles the undecided
-     transaction), then bootstrap the same way; fenced: step down.
-
-Once a batch committed its clients get the answers computed before the append, whatever the
-local apply then does (the WAL is the truth): a failed apply gives the shard up and rebuilds the
-replica. Shutdown never cancels an append in flight: it waits (bounded) and otherwise answers
-"unknown outcome"; the producer is closed only once its thread returned.
+Three things it owns because they are about I/O, not the protocol: a writer closed only once
+no call runs on it (closing under a running commit_transaction would crash or hang it); a
+standby's spare writer, connected ahead of a takeover (`ShardWriter.prepare`); and the bound on
+a shutdown, past which an append still running is reported cancelled (its clients hear
+"unknown outcome") while its thread finishes.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import dataclasses
 import logging
 import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
 import wal
 import wal.clients
+import wal.guard
 import wal.writer
-from kvstore import errors, limits
-from kvstore.core.batch import BatchLimits, Write, admit, plan_batch, probe_write
+from kvstore import errors
+from kvstore.core import replica as core
+from kvstore.core.batch import BatchLimits, Write
 from kvstore.core.evaluate import Response
-from kvstore.core.recovery import Beyond, SnapshotOffer, beyond_end, snapshots_to_try
-from kvstore.core.role import (
-    BROKEN,
-    NEEDS_SNAPSHOT,
-    REBUILDING,
-    Activity,
-    AppendDecision,
-    AppendOutcome,
-    Next,
-    Role,
-    RoleMachine,
-)
-from kvstore.core.state import Change, KeyState, decode_entry, effect_key
+from kvstore.core.recovery import SnapshotOffer, snapshots_to_try
+from kvstore.core.role import AppendOutcome, Role
+from kvstore.core.state import Change, KeyState, RequestRecord
 from kvstore.server import failpoints
 from kvstore.server.clock import SYSTEM_CLOCK, Clock
 from kvstore.server.config import ReplicaConfig
 from kvstore.server.metrics import Metrics
 from kvstore.server.storage import ShardStore, StorageError
+from kvstore.server.watch import Watcher
 
 log = logging.getLogger(__name__)
 
-FOLLOW_POLL_S = 0.1  # a follower notices "lead now" within this (it cannot interrupt a poll)
+FOLLOW_POLL_S = 0.1  # a follower's poll (a takeover waits for at most one)
 CATCH_UP_POLL_S = 0.02  # a takeover waits for the tail (often one batch and its marker): poll briskly
 REFENCE_PAUSE_S = 1.0  # after being fenced while still assigned the shard, before fencing back
 PROGRESS_LOG_S = 2.0  # how often a snapshot load logs its progress
+IDLE_TICK_S = 1.0  # the machine is looked in on at least this often
 # Kafka's default replica.lag.time.max.ms: for about this long a restarted or newly elected
 # partition leader may report a high watermark below what was acknowledged before.
 BROKER_REPLICA_LAG_TIME_MAX_MS = 30_000
@@ -80,41 +59,36 @@ BROKER_REPLICA_LAG_TIME_MAX_MS = 30_000
 BEYOND_END_GRACE_S = BROKER_REPLICA_LAG_TIME_MAX_MS / 1000 * 1.5
 
 
-@dataclasses.dataclass
-class _Pending:
-    write: Write
-    size: int  # request bytes: only pre-bounds a batch (the plan bounds it by WAL-entry bytes)
-    future: asyncio.Future[Response]
+class _View:
+    """The machine's read-only view of the store: always the current one (a snapshot load
+    swaps the store object)."""
+
+    def __init__(self, replica: ShardReplica) -> None:
+        self._replica = replica
+
+    @property
+    def applied_offset(self) -> int:
+        return self._replica.store.applied_offset
+
+    @property
+    def evicted_through_ms(self) -> int:
+        return self._replica.store.evicted_through_ms
+
+    def get(self, key: bytes) -> KeyState | None:
+        return self._replica.store.get(key)
+
+    def request(self, request_id: str) -> RequestRecord | None:
+        return self._replica.store.request(request_id)
 
 
-class Watcher:
-    """A bounded queue of changes for one Watch stream; cut off if it falls too far behind."""
-
-    def __init__(self, key: bytes, prefix: bytes) -> None:
-        self.key = key
-        self.prefix = prefix
-        self.queue: asyncio.Queue[tuple[int, Change] | None] = asyncio.Queue(maxsize=limits.WATCH_QUEUE_EVENTS)
-        # Per shard: changes below this revision come from WAL history, not from live apply.
-        self.live_from: dict[int, int] = {}
-        self.overflowed = False
-
-    def matches(self, key: bytes) -> bool:
-        return key.startswith(self.prefix) if self.prefix else key == self.key
-
-    def offer(self, shard: int, change: Change) -> None:
-        if self.overflowed or not self.matches(change.key) or change.revision < self.live_from.get(shard, 0):
-            return
-        try:
-            self.queue.put_nowait((shard, change))
-        except asyncio.QueueFull:
-            self.overflowed = True
-            self.close()
-
-    def close(self) -> None:
-        """End the stream: None is the end-of-stream marker, room is made for it if needed."""
-        if self.queue.full():
-            self.queue.get_nowait()
-        self.queue.put_nowait(None)
+def machine_config(config: ReplicaConfig, standby: bool) -> core.ReplicaConfig:
+    """The machine's bounds, from the node's settings (one source: `kvstore.limits` via config)."""
+    return core.ReplicaConfig(
+        shard=config.shard, standby=standby,
+        batch_limits=BatchLimits(config.max_batch_records, config.max_batch_bytes, config.max_record_bytes),
+        max_pending=config.max_pending_writes, linger_ms=config.linger_ms,
+        bootstrap_timeout_ms=config.bootstrap_timeout_s * 1000, barrier_timeout_ms=config.barrier_timeout_s * 1000,
+        refence_pause_ms=REFENCE_PAUSE_S * 1000, beyond_end_grace_ms=BEYOND_END_GRACE_S * 1000)
 
 
 class ShardReplica:
@@ -126,48 +100,35 @@ class ShardReplica:
         self.store = ShardStore(config.data_dir / f"shard-{config.shard}", topic=config.topic, shard=config.shard)
         # A snapshot load cut short (crash) leaves its scratch directory: never trust it.
         shutil.rmtree(self._loading_path(), ignore_errors=True)
-        # Every leadership decision: role, term, upcoming offset, why it may not lead.
-        self.machine = RoleMachine(config.shard)
-        self.caught_up = False  # a follower reached the partition end seen when it started
+        self.machine = core.ReplicaMachine(machine_config(config, standby=True), _View(self))
         self.end_offset = 0  # last known high watermark
         self.watchers: set[Watcher] = set()
-        self._queue: asyncio.Queue[_Pending] = asyncio.Queue(maxsize=config.max_pending_writes)
-        # Requests a full batch left over (WAL-entry bytes or count): first in the next batch.
-        # Bounded by one batch's request count.
-        self._carry: collections.deque[_Pending] = collections.deque()
-        # The append running in a worker thread, and the requests it will answer.
-        self._in_flight: asyncio.Future[wal.AppendResult] | None = None
-        # Reasons not to lead are kept by the machine (`RoleMachine.unable`): BROKEN (a committed
-        # batch it could not apply: it leads again only after a rebuild caught up, never a loop of
-        # leading and failing), REBUILDING, and NEEDS_SNAPSHOT (its checkpoint is below a
-        # truncated log start: only a snapshot can rebuild it).
-        # Request ids with an attempt queued or committing here (see `write`). Bounded by the
-        # queue plus one batch.
-        self._ids_in_progress: set[str] = set()
-        self._writer: wal.ShardWriter | None = None
-        self._txn_started: float | None = None
-        self._applied = asyncio.Event()
-        self._tasks: list[asyncio.Task[None]] = []
-        self._standby = True
-        # Wakes the replica loop: a write was queued, leadership was gained or given up, stop.
-        self._work = asyncio.Event()
-        self._lead_task: asyncio.Task[None] | None = None
-        self._tail: wal.Replayer | None = None  # the standby's reader, handed to a takeover
-        self._spare: wal.ShardWriter | None = None  # the standby's prepared writer, ditto
-        self._round: asyncio.Future[int] | None = None
-        self._round_task: asyncio.Task[None] | None = None
-        self._probing = False
         self.ends = wal.clients.PartitionEnds(config.bootstrap_servers, config.call_timeout_s, config.kafka_security)
-        # W3 rejections already counted, per replayer: each one counts from 0 (a bootstrap or a
-        # takeover opens a new one), and a counter only goes up.
-        self._counted_replayer: wal.Replayer | None = None
-        self._seen_rejected = 0
-        self._end_fresh = True  # the last end `_confirm_beyond_end` returned was read, not kept
         # Where the leader is, for "not the leader" answers; the node sets it (group view).
         self.leader_hint: Callable[[], str] = lambda: ""
         # Told (shard, reason) when this replica cannot lead (it must leave the assignment so
         # that another node leads) and (shard, None) once it can again; the node sets it.
         self.on_unable_to_lead: Callable[[int, str | None], None] = lambda shard, reason: None
+        self._tickets: dict[int, asyncio.Future[Any]] = {}  # requests waiting for an AnswerRequest
+        self._reads: set[int] = set()  # which of them are read barriers
+        self._next_ticket = 0
+        self._later: list[core.Event] = []  # results of local actions, stepped after the current list
+        self._stepping = False
+        self._changed = asyncio.Event()  # set after every step: waits for the machine's state
+        self._applied = asyncio.Event()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._ticker: asyncio.Task[None] | None = None
+        self._exited = asyncio.Event()
+        self._writer: wal.ShardWriter | None = None
+        self._writer_call: asyncio.Future[Any] | None = None  # fence / append / settled end running in a thread
+        self._closing: list[asyncio.Task[None]] = []
+        self._spare: wal.ShardWriter | None = None  # a standby's connected, unfenced writer
+        self._spare_task: asyncio.Task[None] | None = None
+        self._reader: wal.Replayer | None = None
+        self._reader_call: asyncio.Future[Any] | None = None
+        self._counted_rejections = 0  # W3 rejections of `_reader` already counted
+        self._txn_started: float | None = None
+        self._fence_started = 0.0
         label = str(self.shard)
         for family in (metrics.w3_rejections, metrics.fencings, metrics.leader_changes, metrics.rebuilds,
                        metrics.snapshot_loads):
@@ -176,202 +137,537 @@ class ShardReplica:
         if self.store.rebuilt_reason:
             metrics.rebuilds.labels(shard=label).inc()
 
+    # ---- what the node and the API ask ----------------------------------------------------------------
+
     @property
     def role(self) -> Role:
-        return self.machine.role
+        return self.machine.role.role
 
     @property
     def term(self) -> int:
         return self.machine.term
 
     @property
-    def _stopping(self) -> bool:
-        return self.machine.stopping
-
-    @property
-    def _want_lead(self) -> bool:
-        return self.machine.want_lead
-
-    # ---- lifecycle ---------------------------------------------------------------------------
+    def caught_up(self) -> bool:
+        return self.machine.caught_up
 
     def start(self, lead: bool, standby: bool = True) -> None:
         """Run the replica: lead while `lead` (see `set_lead`), otherwise follow the shard if
         `standby` (so a takeover replays only a short tail) or stay idle at its checkpoint."""
-        self.machine.set_lead(lead)
-        self._standby = standby
-        self._tasks.append(asyncio.create_task(self._run(), name=f"shard-{self.shard}"))
+        self.machine.config = dataclasses.replace(self.machine.config, standby=standby)
+        self._ticker = asyncio.create_task(self._tick(), name=f"shard-{self.shard}-ticker")
+        self._step(core.Started())
+        if lead:
+            self._step(core.LeadChanged(True))
 
     def set_lead(self, lead: bool) -> None:
-        """Gain (or drop, without waiting) leadership; the replica loop acts on it."""
-        unable = self.machine.set_lead(lead)
-        if unable is not None:
-            log.warning("shard %d: not taking leadership: %s", self.shard, unable)
-            self.on_unable_to_lead(self.shard, unable)
-            return
-        self._work.set()
+        """Gain (or drop, without waiting) leadership."""
+        self._step(core.LeadChanged(lead))
 
     async def resign(self, timeout_s: float) -> None:
         """Stop leading: the batch in flight finishes and is answered, queued writes are refused
         (UNAVAILABLE, retriable elsewhere), and nothing more is written. Bounded by `timeout_s`."""
-        self.machine.set_lead(False)
-        self._work.set()
-        task = self._lead_task
-        if task is not None and not task.done():
-            done, _ = await asyncio.wait({task}, timeout=timeout_s)
-            if not done:
-                log.warning("shard %d: still leading %.1fs after resigning", self.shard, timeout_s)
+        self._step(core.LeadChanged(False))
+        if not await self._until(lambda: not self.machine.holding, timeout_s):
+            log.warning("shard %d: still leading %.1fs after resigning", self.shard, timeout_s)
 
     async def stop(self) -> None:
-        """Graceful: stop taking writes, let the batch in flight finish and answer its clients."""
-        self.machine.stop()
-        self._work.set()
+        """Graceful: stop taking writes, let the batch in flight finish and answer its clients.
+        Past 2 x call_timeout_s an append still running is reported cancelled (its clients hear
+        "unknown outcome"); its producer is closed only once its thread returned."""
+        self._step(core.StopRequested())
         bound_s = self.config.call_timeout_s * 2
-        _done, pending = await asyncio.wait(self._tasks, timeout=bound_s) if self._tasks else (set(), set())
-        if pending:  # wedged in a WAL call past its own timeouts: cut it off
-            log.warning("shard %d: replica loop did not stop within %.1fs; cancelling", self.shard, bound_s)
-            # Cancelling never stops an append's thread, and its batch may still commit: the
-            # append answers its clients "unknown outcome" (W7) as it is cancelled, and the
-            # leader closes its producer only after the thread returned (_close_writer).
-            for task in pending:
-                task.cancel()
-            await asyncio.gather(*pending, return_exceptions=True)
-        self._fail_queued(errors.UnavailableError(f"shard {self.shard}: node shutting down"))
-        await self._close_tail()
-        self.machine.stopped()
+        if not await self._until(self._exited.is_set, bound_s):
+            log.warning("shard %d: replica did not stop within %.1fs; cutting its calls short", self.shard, bound_s)
+            self._cut_short()
+        if self._ticker is not None:
+            self._ticker.cancel()
+            await asyncio.gather(self._ticker, return_exceptions=True)
+        if self._tasks:  # a poll, an end read, a snapshot load: each returns within its own bound
+            await asyncio.wait(set(self._tasks), timeout=self.config.call_timeout_s)
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*self._closing, return_exceptions=True)
         for watcher in list(self.watchers):
             watcher.close()
-        if self._writer is not None:
-            await asyncio.to_thread(self._writer.close)
-        await self._close_spare()
+        await self._close_reader()
+        if self._spare_task is not None:
+            await asyncio.gather(self._spare_task, return_exceptions=True)
+        spare, self._spare = self._spare, None
+        if spare is not None:
+            await asyncio.to_thread(spare.close)
         self.store.close()
 
-    async def _run(self) -> None:
-        backoff = 0.2
-        while (activity := self.machine.next_activity(self._standby)) is not Activity.EXIT:
-            try:
-                if activity is Activity.REBUILD:
-                    await self._start_rebuild()
-                    continue
-                if activity is Activity.LEAD:
-                    self._lead_task = asyncio.create_task(self._lead(), name=f"shard-{self.shard}-lead")
-                    try:
-                        await self._lead_task
-                    finally:
-                        self._lead_task = None
-                    # Fenced while still asked to lead: someone else (a zombie, `kvstore fence`)
-                    # took the shard. Pause before taking it back, so two nodes that both
-                    # believe they lead do not fence each other in a tight loop.
-                    pause_until = self.clock.monotonic() + REFENCE_PAUSE_S
-                    while self._want_lead and not self._stopping and self.clock.monotonic() < pause_until:
-                        await self.clock.sleep(0.05)
-                elif activity is Activity.FOLLOW:
-                    await self._follow()
-                else:
-                    self.caught_up = True  # idle at its checkpoint: catches up when it leads
-                    await self._wait_work(1.0)
-                backoff = 0.2
-            except asyncio.CancelledError:
-                raise
-            except (wal.WalError, errors.StoreError) as exc:  # expected now and then: say it in a line
-                log.warning("shard %d: %s; retrying in %.1fs", self.shard, exc, backoff)
-                await self.clock.sleep(backoff)
-                backoff = min(backoff * 2, 5.0)
-            except Exception:
-                log.exception("shard %d: replica loop failed; retrying in %.1fs", self.shard, backoff)
-                await self.clock.sleep(backoff)
-                backoff = min(backoff * 2, 5.0)
+    def require_leader(self) -> None:
+        """For a leader-local read: the machine's verdict on serving it here now."""
+        refusal = self.machine.role.write_refusal(self.leader_hint())
+        if refusal is not None:
+            raise refusal
 
-    async def _start_rebuild(self) -> None:
-        """A committed batch could not be applied (disk full, I/O error): this replica no longer
-        matches the WAL. Wipe it; following then replays the shard, and once it caught up the
-        replica may lead again. If the wipe itself fails, the loop retries with backoff."""
-        reason = self.machine.unable[BROKEN]
-        self.caught_up = False
-        self.machine.mark_unable(REBUILDING, f"rebuilding after: {reason}")
-        self.store.wipe(f"a committed batch could not be applied: {reason}")
-        self.metrics.rebuilds.labels(shard=str(self.shard)).inc()
-        self.machine.clear_unable(BROKEN)
+    async def write(self, write: Write, size: int) -> Response:
+        """Queue a write (`kvstore.core.batch.write_of`) for the next batch and wait for its
+        answer (after commit). `size`: the request's bytes, a pre-bound on the batch."""
+        ticket, future = self._ticket()
+        self._step(core.WriteArrived(ticket, write, size, self.leader_hint()))
+        answer: Response = await future
+        return answer
 
-    def _rebuilt(self) -> None:
-        if REBUILDING in self.machine.unable:
-            log.info("shard %d: rebuilt at offset %d", self.shard, self.store.applied_offset)
-            if self.machine.clear_unable(REBUILDING):
-                self.on_unable_to_lead(self.shard, None)
+    async def barrier(self) -> None:
+        """Linearizable read barrier (docs/design.md §5), shared by the reads waiting at that moment."""
+        ticket, future = self._ticket()
+        self._reads.add(ticket)
+        future.add_done_callback(lambda _f: self._reads.discard(ticket))
+        self._step(core.ReadArrived(ticket, self.leader_hint()))
+        await future
 
-    async def _wait_work(self, timeout_s: float) -> None:
-        """Until something changed (see `_work`) or `timeout_s` passed."""
-        self._work.clear()
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._work.wait(), timeout_s)
+    def check_fenced(self) -> bool:
+        """Told that someone may have fenced us: probe the log (an empty entry); if we were
+        fenced it fails and the leader steps down. False if this replica does not lead."""
+        if self.role is not Role.LEADING:
+            return False
+        self._step(core.ProbeRequested())
+        return True
 
-    # ---- follower ------------------------------------------------------------------------------
+    async def wait_applied(self, offset: int, timeout_s: float) -> None:
+        """Until everything below `offset` is applied here (a stale read's freshness floor)."""
+        deadline = self.clock.monotonic() + timeout_s
+        while self.store.applied_offset < offset:
+            remaining = deadline - self.clock.monotonic()
+            if remaining <= 0:
+                raise errors.UnavailableError(
+                    f"shard {self.shard}: applied {self.store.applied_offset}, waited for {offset}")
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._applied.wait(), remaining)
 
-    async def _follow(self) -> None:
-        """Tail the partition read_committed and apply, with the same function as bootstrap."""
-        # This node may have led the shard: read the marker slot it assumed, as every replica does.
-        self.store.rewind_unverified()
-        if self.store.applied_offset == 0:
-            await self._restore(0, "the replica is empty")
-        replayer: wal.Replayer | None = await asyncio.to_thread(self._replayer)
-        assert replayer is not None
+    def open_txn_age_ms(self) -> int:
+        started = self._txn_started
+        return int((self.clock.monotonic() - started) * 1000) if started is not None else 0
+
+    def writer_config(self) -> wal.WriterConfig:
+        return writer_config(self.config)
+
+    # ---- the driver --------------------------------------------------------------------------------------
+
+    def _ticket(self) -> tuple[int, asyncio.Future[Any]]:
+        self._next_ticket += 1
+        ticket = self._next_ticket
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._tickets[ticket] = future
+
+        def gone(f: asyncio.Future[Any]) -> None:
+            if f.cancelled() and self._tickets.pop(ticket, None) is not None and not self.machine.exited:
+                self._step(core.ClientGone(ticket))
+
+        future.add_done_callback(gone)
+        return ticket, future
+
+    def _step(self, event: core.Event) -> None:
+        """Report `event`, perform what follows; results of local actions are stepped after
+        the current list, never inside it."""
+        if self._stepping:
+            self._later.append(event)
+            return
+        self._stepping = True
         try:
-            end = await asyncio.to_thread(replayer.end_offset)
-            await self._prepare_spare()
-            if self.store.applied_offset > end:
-                end = await self._confirm_beyond_end(end, replayer.end_offset)
-                if self.store.applied_offset > end:
-                    self._wipe_beyond_end(end)
-                    replayer.seek(0)
-            while not self._stopping and not self._want_lead and BROKEN not in self.machine.unable:
-                try:
-                    records = await asyncio.to_thread(replayer.poll_payloads, FOLLOW_POLL_S)
-                except wal.OffsetOutOfRangeError as exc:
-                    await self._out_of_range(exc, replayer)
-                    continue
-                self._apply_replayed(records, replayer)
-                if replayer.position >= end:
-                    self.caught_up = True
-                    self._rebuilt()
-            if self._want_lead and not self._stopping:
-                # Hand the warm reader to the takeover: its bootstrap continues from here
-                # instead of opening a new consumer (saves a close, a connect and a first fetch).
-                self._tail, replayer = replayer, None
+            pending = [event]
+            while pending:
+                for next_event in pending:
+                    if self.machine.exited:
+                        self._refuse_after_exit(next_event)
+                        continue
+                    self._perform_all(self.machine.step(next_event, now_ms=self.clock.monotonic() * 1000,
+                                                        unix_ms=self.clock.unix_ms()))
+                pending, self._later = self._later, []
+        except Exception as exc:
+            self._later = []
+            self._start_over(exc)
         finally:
-            if replayer is not None:
-                await asyncio.to_thread(replayer.close)
+            self._stepping = False
+            self._changed.set()
+            self._changed = asyncio.Event()
 
-    async def _out_of_range(self, exc: wal.OffsetOutOfRangeError, replayer: wal.Replayer) -> None:
-        """The WAL no longer covers our position (auto.offset.reset=error: never a silent jump).
+    def _report(self, machine: core.ReplicaMachine, event: core.Event) -> None:
+        """The result of an action `machine` asked for: dropped if that machine is gone (started
+        over, or exited)."""
+        if machine is self.machine and not machine.exited:
+            self._step(event)
 
-        Below the log start the records we need were truncated: only a snapshot can rebuild this
-        replica, so say so and stay behind. Above the end: wait (bounded) for the end to catch
-        up, as after a broker restart; if it does not, the WAL was recreated: rebuild from 0."""
-        if exc.below_start:
-            if await self._restore(exc.log_start, f"the WAL starts at {exc.log_start}, above the checkpoint "
-                                                  f"{self.store.applied_offset} (truncated)"):
-                if self.machine.clear_unable(NEEDS_SNAPSHOT):
-                    self.on_unable_to_lead(self.shard, None)
-                await asyncio.to_thread(replayer.seek, self.store.applied_offset)
+    def _refuse_after_exit(self, event: core.Event) -> None:
+        if isinstance(event, (core.WriteArrived, core.ReadArrived)):
+            future = self._tickets.pop(event.ticket, None)
+            if future is not None and not future.done():
+                future.set_exception(errors.UnavailableError(f"shard {self.shard}: node shutting down"))
+
+    def _start_over(self, exc: Exception) -> None:
+        """The machine (or performing what it asked) raised: a bug, or a paired assertion that
+        failed. Like a process that crashes on an assertion, the replica starts over from what
+        is durable (the store and the WAL) with a fresh machine; every request still waiting is
+        told "unknown outcome" (a batch may have been committing), the writer is closed once no
+        call runs on it (the next fence settles its transaction)."""
+        log.error("shard %d: the replica failed (%s: %s); starting it over from the store and the WAL", self.shard,
+                  type(exc).__name__, exc, exc_info=exc)
+        old = self.machine
+        tickets, self._tickets = self._tickets, {}
+        for ticket, future in tickets.items():
+            if not future.done():
+                future.set_exception(errors.UnavailableError(f"shard {self.shard}: replica restarting; retry")
+                                     if ticket in self._reads else errors.UnknownOutcomeError(
+                                         f"shard {self.shard}: replica restarting; retry with the same request id"))
+        self._reads.clear()
+        self._close_writer()
+        self._writer_call = None
+        self._txn_started = None
+        self._spawn(self._close_reader())
+        machine = self.machine = core.ReplicaMachine(old.config, _View(self))
+        machine.role.unable.update(old.role.unable)
+        if old.exited or old.role.stopping:
+            machine.exited = True
+            self._exited.set()
+            return
+        self._perform_all(machine.step(core.Started(), now_ms=self.clock.monotonic() * 1000,
+                                       unix_ms=self.clock.unix_ms()))
+        if old.role.want_lead:
+            asyncio.get_running_loop().call_later(REFENCE_PAUSE_S, self._report, machine, core.LeadChanged(True))
+
+    def _perform_all(self, actions: list[core.Action]) -> None:
+        apply_error: list[str] = []
+        committed = False
+        for action in actions:
+            if isinstance(action, core.ApplyCommitted):
+                committed = True
+                self._apply_committed(action, apply_error)
+            else:
+                self._perform(action)
+        if committed:
+            # The machine's bookkeeping (and its paired W2 assertions) only now, after every
+            # client of the batch has its committed answer (the answers were in the list above).
+            failpoints.check("bookkeeping-after-commit")
+            self._later.append(core.CommitApplied(apply_error[0] if apply_error else None))
+
+    def _perform(self, action: core.Action) -> None:
+        if isinstance(action, core.AnswerRequest):
+            future = self._tickets.pop(action.ticket, None)
+            if future is not None and not future.done():
+                if isinstance(action.answer, Exception):
+                    future.set_exception(action.answer)
+                else:
+                    future.set_result(None if action.answer is core.READY else action.answer)
+        elif isinstance(action, core.Append):
+            self._append(action)
+        elif isinstance(action, core.Fetch):
+            self._fetch(action)
+        elif isinstance(action, core.ApplyReplayed):
+            self._apply_replayed(action)
+        elif isinstance(action, core.ReadEnd):
+            self._spawn(self._read_end(action.purpose))
+        elif isinstance(action, core.Fence):
+            self._fence()
+        elif isinstance(action, core.SetTerm):
+            assert self._writer is not None
+            self._writer.identity = wal.WriterIdentity(self.config.node_id, action.term)
+        elif isinstance(action, core.ReadSettledEnd):
+            self._settled_end()
+        elif isinstance(action, core.RewindUnverified):
+            self.store.rewind_unverified()
+            self._later.append(core.Rewound())
+        elif isinstance(action, core.Wipe):
+            self.store.wipe(action.reason)
+            self._after_apply([])
+            self._later.append(core.Wiped())
+        elif isinstance(action, core.LoadSnapshot):
+            self._spawn(self._load_snapshot(action))
+        elif isinstance(action, core.CloseWriter):
+            self._close_writer()
+        elif isinstance(action, core.Unable):
+            self.on_unable_to_lead(self.shard, action.reason)
+        elif isinstance(action, core.Able):
+            self.on_unable_to_lead(self.shard, None)
+        elif isinstance(action, core.Note):
+            self._note(action)
+        else:
+            assert isinstance(action, core.Exit), action
+            self._exited.set()
+
+    def _note(self, note: core.Note) -> None:
+        if note.metric:
+            getattr(self.metrics, note.metric).labels(shard=str(self.shard)).inc()
+        if note.text:
+            log.log(logging.WARNING if note.warning else logging.INFO, "%s", note.text)
+
+    def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.create_task(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _until(self, done: Callable[[], bool], timeout_s: float) -> bool:
+        deadline = self.clock.monotonic() + timeout_s
+        while not done():
+            remaining = deadline - self.clock.monotonic()
+            if remaining <= 0:
+                return False
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._changed.wait(), remaining)
+        return True
+
+    async def _tick(self) -> None:
+        """Tick the machine when it asked to be woken (a linger, a deadline), at least every
+        IDLE_TICK_S."""
+        while not self.machine.exited:
+            wake = self.machine.wake_at_ms()
+            wait_s = IDLE_TICK_S if wake is None else min(IDLE_TICK_S, max(0.0, wake / 1000 - self.clock.monotonic()))
+            changed = self._changed
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(changed.wait(), wait_s)
+            if not changed.is_set() or (wake is not None and self.clock.monotonic() * 1000 >= wake):
+                self._step(core.Tick())
+
+    def _cut_short(self) -> None:
+        """The stop bound passed: report what still runs as failed, as a cancellation would."""
+        if self.machine.in_flight is not None:
+            self._step(core.AppendFailed(AppendOutcome.CANCELLED, "node stopping while the batch was committing"))
+        elif self.machine.writer_busy and self.machine.role.role is Role.FENCING:
+            self._step(core.FenceFailed("node stopping"))
+        elif self.machine.writer_busy:
+            self._step(core.EndReadFailed(core.EndPurpose.SETTLE, "node stopping"))
+        if self.machine.reader_op is not None and not self.machine.exited:
+            self._abandon_reader_op()
+
+    def _abandon_reader_op(self) -> None:
+        op = self.machine.reader_op
+        if op is core.ReaderOp.FETCH:
+            self._step(core.FetchFailed("node stopping"))
+        elif op is core.ReaderOp.LOAD:
+            self._step(core.SnapshotDone(False))
+        elif op is core.ReaderOp.END:
+            purpose = core.EndPurpose.CONFIRM if self.machine.stage is core.Stage.CONFIRMING else core.EndPurpose.FOLLOW
+            self._step(core.EndReadFailed(purpose, "node stopping"))
+
+    # ---- the writer --------------------------------------------------------------------------------------
+
+    def _writer_thread(self, call: Callable[..., Any], *args: Any,
+                       done: Callable[[asyncio.Future[Any]], None]) -> None:
+        """One writer call in a worker thread, shielded: a shutdown must not make it look
+        finished while librdkafka may still commit."""
+        assert self._writer_call is None or self._writer_call.done(), "two writer calls at once"
+        future = asyncio.ensure_future(asyncio.to_thread(call, *args))
+        self._writer_call = future
+        future.add_done_callback(done)
+
+    def _fence(self) -> None:
+        if self._writer is None:
+            self._writer, self._spare = self._spare or wal.ShardWriter(self.writer_config()), None
+        writer, machine = self._writer, self.machine
+        self._fence_started = self.clock.monotonic()
+
+        def done(f: asyncio.Future[Any]) -> None:
+            if not machine.writer_busy:
+                return  # reported as cut short already
+            error = None if f.cancelled() else f.exception()
+            if f.cancelled() or error is not None:
+                self._report(machine, core.FenceFailed(f"{type(error).__name__}: {error}" if error else "cancelled"))
                 return
-            why = (f"shard {self.shard}: the WAL was truncated at offset {exc.log_start}, above this replica's "
-                   f"checkpoint {self.store.applied_offset}; it can only be rebuilt from a snapshot taken at or "
-                   f"after {exc.log_start}")
-            if NEEDS_SNAPSHOT not in self.machine.unable:
-                log.error("%s; not leading it", why)
-                # Leading from here would serve a state missing everything below the log start,
-                # and retrying leadership would loop: leave the shard to a node that can.
-                self.machine.mark_unable(NEEDS_SNAPSHOT, why)
-                self.on_unable_to_lead(self.shard, why)
-            raise errors.UnavailableError(why)
-        end = await self._confirm_beyond_end(exc.log_end, replayer.end_offset)
-        if self.store.applied_offset > end:
-            self._wipe_beyond_end(end)
-        await asyncio.to_thread(replayer.seek, self.store.applied_offset)
+            log.info("shard %d: fenced in %d ms", self.shard, (self.clock.monotonic() - self._fence_started) * 1000)
+            self._report(machine, core.Fenced(f.result()))
 
-    # ---- snapshots -----------------------------------------------------------------------------
+        self._writer_thread(writer.fence, done=done)
+
+    def _append(self, action: core.Append) -> None:
+        writer, machine = self._writer, self.machine
+        assert writer is not None
+        self._txn_started = started = self.clock.monotonic()
+
+        def done(f: asyncio.Future[Any]) -> None:
+            self._txn_started = None
+            if machine.in_flight is None:
+                return  # reported as cut short already
+            error = None if f.cancelled() else f.exception()
+            if error is None and not f.cancelled():
+                result: wal.AppendResult = f.result()
+                label = str(self.shard)
+                self.metrics.commit_latency.labels(shard=label).observe(self.clock.monotonic() - started)
+                self.metrics.batch_records.labels(shard=label).observe(len(action.payloads))
+                self._report(machine, core.Appended(result.offsets, result.upcoming_offset, result.marker_slot))
+            elif isinstance(error, wal.WalError):
+                retired = writer.phase is wal.guard.Phase.NEEDS_INIT
+                self._report(machine, core.AppendFailed(append_outcome(error, retired), str(error)))
+            else:
+                # Not the WAL's word (a bug, a client library error): commit_transaction may have
+                # run, so the outcome is unknown (W7).
+                log.error("shard %d: the append failed unexpectedly", self.shard, exc_info=error)
+                self._report(machine, core.AppendFailed(AppendOutcome.CRASHED,
+                                                        type(error).__name__ if error else "cancelled"))
+
+        self._writer_thread(writer.append, list(action.payloads), action.revision, done=done)
+
+    def _settled_end(self) -> None:
+        writer, machine = self._writer, self.machine
+        assert writer is not None
+
+        def done(f: asyncio.Future[Any]) -> None:
+            if not machine.writer_busy:
+                return
+            error = None if f.cancelled() else f.exception()
+            if f.cancelled() or error is not None:
+                self._report(machine, core.EndReadFailed(core.EndPurpose.SETTLE, str(error or "cancelled")))
+            else:
+                self._report(machine, core.EndRead(core.EndPurpose.SETTLE, f.result()))
+
+        self._writer_thread(writer.settled_end_offset, done=done)
+
+    def _close_writer(self) -> None:
+        """Close the producer only once no call runs on it: closing under a running
+        commit_transaction would turn a commit that may still succeed into a crash or a hang."""
+        writer, self._writer = self._writer, None
+        if writer is None:
+            return
+        call = self._writer_call
+
+        async def close() -> None:
+            if call is not None and not call.done():
+                bound_s = self.config.call_timeout_s * 2
+                done, _ = await asyncio.wait({call}, timeout=bound_s)
+                if not done:
+                    log.warning("shard %d: a writer call is still running after %.1fs; its producer is left open "
+                                "(the next leader's init_transactions settles its transaction)", self.shard, bound_s)
+                    return
+            await asyncio.to_thread(writer.close)
+
+        self._closing.append(asyncio.create_task(close()))
+
+    def _prepare_spare(self) -> None:
+        """A standby keeps a connected writer that has not fenced anyone (`ShardWriter.prepare`):
+        a takeover then fences in ~10 ms instead of ~65 ms, or ~0.5 s when a brand-new
+        producer's first coordinator lookup races its connection."""
+        if self._spare is not None or (self._spare_task is not None and not self._spare_task.done()):
+            return
+
+        async def prepare() -> None:
+            spare = wal.ShardWriter(self.writer_config())
+            try:
+                await asyncio.to_thread(spare.prepare)
+            except wal.WalError as exc:  # the takeover will connect by itself
+                log.debug("shard %d: no spare writer: %s", self.shard, exc)
+                await asyncio.to_thread(spare.close)
+                return
+            if self.machine.exited or self._spare is not None:
+                await asyncio.to_thread(spare.close)
+                return
+            self._spare = spare
+
+        self._spare_task = asyncio.create_task(prepare())
+
+    # ---- the reader --------------------------------------------------------------------------------------
+
+    def _fetch(self, action: core.Fetch) -> None:
+        if action.upto is None and self._spare is None:
+            self._prepare_spare()
+
+        machine = self.machine
+
+        def report(event: core.Event) -> None:
+            if machine.reader_op is core.ReaderOp.FETCH:  # not reported as cut short already
+                self._report(machine, event)
+
+        async def poll() -> None:
+            try:
+                reader = self._reader
+                if reader is None or reader.position != action.from_offset:
+                    await self._close_reader()
+                    reader = self._reader = await asyncio.to_thread(self._open_reader, action.from_offset)
+                    self._counted_rejections = 0
+                timeout_s = FOLLOW_POLL_S if action.upto is None else CATCH_UP_POLL_S
+                self._reader_call = asyncio.ensure_future(asyncio.to_thread(reader.poll_payloads, timeout_s))
+                records = await self._reader_call
+            except wal.OffsetOutOfRangeError as exc:
+                await self._close_reader()  # librdkafka stops the partition: a new reader seeks again
+                report(core.FetchOutOfRange(action.from_offset, exc.below_start, exc.log_start, exc.log_end))
+                return
+            except Exception as exc:  # the WAL's word or not: this reading cannot go on as it is
+                log.log(logging.WARNING if isinstance(exc, (wal.WalError, errors.StoreError)) else logging.ERROR,
+                        "shard %d: fetching failed: %s", self.shard, exc)
+                await self._close_reader()
+                report(core.FetchFailed(f"{type(exc).__name__}: {exc}"))
+                return
+            rejected = reader.stats.rejected
+            if rejected > self._counted_rejections:
+                self.metrics.w3_rejections.labels(shard=str(self.shard)).inc(rejected - self._counted_rejections)
+                self._counted_rejections = rejected
+            report(core.Fetched(action.from_offset, records, reader.position))
+
+        self._spawn(poll())
+
+    def _open_reader(self, position: int) -> wal.Replayer:
+        return wal.Replayer(self.config.bootstrap_servers, self.config.topic, self.shard, position,
+                            call_timeout_s=self.config.call_timeout_s, security=self.config.kafka_security)
+
+    async def _close_reader(self) -> None:
+        """Close the reader once no poll runs on it (bounded: a poll returns within its timeout)."""
+        reader, self._reader = self._reader, None
+        call, self._reader_call = self._reader_call, None
+        if call is not None and not call.done():
+            await asyncio.wait({call}, timeout=self.config.call_timeout_s)
+        if reader is not None:
+            await asyncio.to_thread(reader.close)
+
+    async def _read_end(self, purpose: core.EndPurpose) -> None:
+        machine = self.machine
+        try:
+            end = await asyncio.to_thread(self.ends.high_watermark, self.config.topic, self.shard)
+            event: core.Event = core.EndRead(purpose, end)
+            self.end_offset = max(self.end_offset, end)
+        except Exception as exc:
+            event = core.EndReadFailed(purpose, f"{type(exc).__name__}: {exc}")
+        if purpose is core.EndPurpose.BARRIER or machine.reader_op is core.ReaderOp.END:
+            self._report(machine, event)
+
+    def _apply_replayed(self, action: core.ApplyReplayed) -> None:
+        """Changes are built only for watchers: a bootstrap applies millions of effects that
+        nobody watches (`Applied.changes`)."""
+        try:
+            applied = self.store.apply(list(action.records), action.checkpoint)
+        except (StorageError, OSError) as exc:
+            log.warning("shard %d: applying replayed records failed: %s", self.shard, exc)
+            self._later.append(core.ReplayApplyFailed(f"{type(exc).__name__}: {exc}"))
+            return
+        self._after_apply(applied.changes if self.watchers else [])
+        self._later.append(core.Replayed())
+
+    def _apply_committed(self, action: core.ApplyCommitted, error: list[str]) -> None:
+        """W5: a committed batch at the offsets its records were delivered at, with the new
+        checkpoint and the assumed marker slot. A failure is reported, never raised: the batch
+        is committed either way, and its answers follow."""
+        try:
+            failpoints.check("apply-after-commit")
+            applied = self.store.apply(list(action.records), action.checkpoint, unverified=action.marker_slot)
+            self._after_apply(applied.changes if self.watchers else [])
+        except Exception as exc:
+            error.append(f"{type(exc).__name__}: {exc}")
+
+    def _after_apply(self, changes: list[Change]) -> None:
+        applied_offset = self.store.applied_offset
+        self.metrics.applied_offset.labels(shard=str(self.shard)).set(applied_offset)
+        self.end_offset = max(self.end_offset, applied_offset)
+        for change in changes:
+            for watcher in list(self.watchers):
+                watcher.offer(self.shard, change)
+        self._applied.set()
+        self._applied = asyncio.Event()
+
+    # ---- snapshots ---------------------------------------------------------------------------------------
 
     def _loading_path(self) -> Path:
         return self.store.path.with_name(self.store.path.name + ".snapshot-load")
+
+    async def _load_snapshot(self, action: core.LoadSnapshot) -> None:
+        machine = self.machine
+        try:
+            loaded = await self._restore(action.at_least, action.why)
+        except Exception as exc:
+            log.warning("shard %d: loading a snapshot failed: %s", self.shard, exc)
+            loaded = False
+        if machine.reader_op is core.ReaderOp.LOAD:
+            self._report(machine, core.SnapshotDone(loaded))
 
     async def _restore(self, at_least: int, why: str) -> bool:
         """Replace this replica by the newest usable snapshot whose cut is at least `at_least`
@@ -379,8 +675,8 @@ class ShardReplica:
 
         Usable: complete, of this topic, and not beyond the partition's end (a cut beyond it is
         of another WAL, e.g. a recreated topic). One that does not load to its own digest is
-        skipped for the next older one. The load runs into a scratch directory while this
-        replica keeps serving what it has; the swap is one step on the event loop.
+        skipped for the next older one. The load runs into a scratch directory; the swap is one
+        step on the event loop.
         """
         root = self.config.snapshot_dir
         if root is None:
@@ -403,25 +699,26 @@ class ShardReplica:
             log.warning("shard %d: %s: %s", self.shard, why, note)
         for offer in usable:
             manifest, cut = manifests[offer.name], offer.cut
-            log.info("shard %d: %s: loading snapshot %s (cut %d, %d keys)", self.shard, why, manifest.name, cut,
-                     manifest.shard(self.shard).keys)
+            keys = manifest.shard(self.shard).keys
+            log.info("shard %d: %s: loading snapshot %s (cut %d, %d keys)", self.shard, why, manifest.name, cut, keys)
             started = self.clock.monotonic()
             try:
-                loaded = await asyncio.to_thread(self._load_snapshot, root, manifest)
+                loaded = await asyncio.to_thread(self._load_into_scratch, root, manifest)
             except (snapshot.SnapshotFormatError, OSError, StorageError) as exc:
                 log.warning("shard %d: snapshot %s is unusable: %s", self.shard, manifest.name, exc)
                 continue
+            if self.machine.exited:
+                shutil.rmtree(loaded, ignore_errors=True)
+                return False
             self._swap_in(loaded)
             elapsed = self.clock.monotonic() - started
-            keys = manifest.shard(self.shard).keys
             log.info("shard %d: loaded snapshot %s: %d keys in %.1fs (%.0f keys/s); replaying the WAL from %d",
                      self.shard, manifest.name, keys, elapsed, keys / max(elapsed, 1e-6), cut)
-            self.metrics.snapshot_loads.labels(shard=str(self.shard)).inc()
             self.metrics.applied_offset.labels(shard=str(self.shard)).set(cut)
             return True
         return False
 
-    def _load_snapshot(self, root: str, manifest: Any) -> Path:
+    def _load_into_scratch(self, root: str, manifest: Any) -> Path:
         """In a worker thread: the snapshot into a scratch store next to ours; returns its path."""
         from kvstore.server import snapshot
 
@@ -458,466 +755,17 @@ class ShardReplica:
         if self.store.rebuilt_reason:
             raise StorageError(f"shard {self.shard}: the loaded snapshot did not reopen: {self.store.rebuilt_reason}")
 
-    def _replayer(self) -> wal.Replayer:
-        return wal.Replayer(self.config.bootstrap_servers, self.config.topic, self.shard, self.store.applied_offset,
-                            call_timeout_s=self.config.call_timeout_s, security=self.config.kafka_security)
 
-    def _apply_replayed(self, records: list[tuple[int, bytes]], replayer: wal.Replayer) -> None:
-        """Apply one fetch of accepted records (offset, payload: `Replayer.poll_payloads`) with
-        the replayer's position as the new checkpoint. Changes are built only for watchers: a
-        bootstrap applies millions of effects that nobody watches (`Applied.changes`)."""
-        if replayer is not self._counted_replayer:
-            self._counted_replayer, self._seen_rejected = replayer, 0
-        rejected = replayer.stats.rejected
-        if rejected > self._seen_rejected:
-            self.metrics.w3_rejections.labels(shard=str(self.shard)).inc(rejected - self._seen_rejected)
-            self._seen_rejected = rejected
-        if replayer.position <= self.store.applied_offset and not records:
-            return
-        applied = self.store.apply(records, replayer.position)
-        self._after_apply(applied.changes if self.watchers else [])
-
-    def _after_apply(self, changes: list[Change]) -> None:
-        applied_offset = self.store.applied_offset
-        self.metrics.applied_offset.labels(shard=str(self.shard)).set(applied_offset)
-        self.end_offset = max(self.end_offset, applied_offset)
-        for change in changes:
-            for watcher in list(self.watchers):
-                watcher.offer(self.shard, change)
-        self._applied.set()
-        self._applied = asyncio.Event()
-
-    # ---- leader --------------------------------------------------------------------------------
-
-    def writer_config(self) -> wal.WriterConfig:
-        return writer_config(self.config)
-
-    def check_fenced(self) -> bool:
-        """Told that someone may have fenced us: write an empty probe entry; if we were fenced
-        it fails and the leader steps down (and takes the shard back if still assigned).
-        False if this replica does not lead."""
-        if self.role is not Role.LEADING:
-            return False
-        self._probe()
-        return True
-
-    async def _prepare_spare(self) -> None:
-        """A standby keeps a connected writer that has not fenced anyone (`ShardWriter.prepare`):
-        a takeover then fences in ~10 ms instead of ~65 ms, or ~0.5 s when a brand-new
-        producer's first coordinator lookup races its connection."""
-        if self._spare is not None:
-            return
-        spare = wal.ShardWriter(self.writer_config())
-        try:
-            await asyncio.to_thread(spare.prepare)
-        except wal.WalError as exc:  # the takeover will connect by itself
-            log.debug("shard %d: no spare writer: %s", self.shard, exc)
-            await asyncio.to_thread(spare.close)
-            return
-        self._spare = spare
-
-    async def _close_spare(self) -> None:
-        spare, self._spare = self._spare, None
-        if spare is not None:
-            await asyncio.to_thread(spare.close)
-
-    async def _lead(self) -> None:
-        machine = self.machine
-        machine.begin_fencing()
-        writer, self._spare = self._spare or wal.ShardWriter(self.writer_config()), None
-        self._writer = writer
-        started = self.clock.monotonic()
-        try:
-            end = await asyncio.to_thread(writer.fence)  # W4
-            fenced = self.clock.monotonic()
-            if not machine.fenced(end):
-                return  # resigned while fencing: the next owner fences us in turn
-            self.metrics.leader_changes.labels(shard=str(self.shard)).inc()
-            writer.identity = wal.WriterIdentity(self.config.node_id, machine.term)
-            await self._catch_up(end)  # W6
-            if not machine.replayed_to(end):
-                return
-            self.caught_up = True
-            log.info("shard %d: leading at offset %d (term %d) after fencing %d ms, bootstrap %d ms", self.shard,
-                     end, machine.term, (fenced - started) * 1000, (self.clock.monotonic() - fenced) * 1000)
-            await self._commit_loop(writer)
-        finally:
-            machine.step_down()
-            machine.stepped_down()
-            self._fail_queued(errors.UnavailableError(f"shard {self.shard}: leadership lost; retry"))
-            self._writer = None
-            await self._close_tail()
-            await self._close_writer(writer)
-
-    async def _close_writer(self, writer: wal.ShardWriter) -> None:
-        """Close the producer only once no append runs on it: closing under a running
-        commit_transaction would turn a commit that may still succeed into a crash or a hang."""
-        in_flight = self._in_flight
-        if in_flight is not None and not in_flight.done():
-            bound_s = self.config.call_timeout_s * 2
-            done, _ = await asyncio.wait({in_flight}, timeout=bound_s)
-            if not done:
-                log.warning("shard %d: an append is still running after %.1fs; its producer is left open "
-                            "(the next leader's init_transactions settles its transaction)", self.shard, bound_s)
-                return
-        await asyncio.to_thread(writer.close)
-
-    async def _catch_up(self, end: int) -> None:
-        """Replay read_committed from the checkpoint up to `end` (bounded by bootstrap_timeout_s)."""
-        self.store.rewind_unverified()  # a marker slot this node assumed when it led before
-        if self.store.applied_offset == 0 and end > 0:
-            await self._restore(0, "the replica is empty")
-        if self.store.applied_offset > end:
-            later = await self._confirm_beyond_end(
-                end, lambda: self.ends.high_watermark(self.config.topic, self.shard))
-            if self.store.applied_offset <= later:  # the end was stale; ours (the upcoming offset) too
-                raise errors.UnavailableError(f"shard {self.shard}: partition end moved from {end} to {later} "
-                                              "while taking over; taking over again")
-            self._wipe_beyond_end(end)
-        if self.store.applied_offset >= end:
-            await self._close_tail()
-            return
-        replayer, self._tail = self._tail, None
-        if replayer is None or replayer.position != self.store.applied_offset:
-            if replayer is not None:
-                await asyncio.to_thread(replayer.close)
-            replayer = await asyncio.to_thread(self._replayer)
-        deadline = self.clock.monotonic() + self.config.bootstrap_timeout_s
-        try:
-            while replayer.position < end and self._want_lead and not self._stopping:
-                if self.clock.monotonic() > deadline:
-                    raise errors.UnavailableError(
-                        f"shard {self.shard}: bootstrap stuck at {replayer.position} of {end}")
-                try:
-                    records = await asyncio.to_thread(replayer.poll_payloads, CATCH_UP_POLL_S)
-                except wal.OffsetOutOfRangeError as exc:
-                    await self._out_of_range(exc, replayer)
-                    continue
-                self._apply_replayed(records, replayer)
-        finally:
-            await asyncio.to_thread(replayer.close)
-
-    async def _confirm_beyond_end(self, end: int, read_end: Callable[[], int]) -> int:
-        """A checkpoint beyond the partition's end means the WAL was recreated, or that a
-        restarted broker reports a stale high watermark for a moment (it reloads it from a
-        periodic checkpoint). Wait, bounded, for the end to catch up before concluding
-        (`kvstore.core.recovery.beyond_end`); returns the last end read."""
-        deadline = self.clock.monotonic() + BEYOND_END_GRACE_S
-        fresh = True  # the end in hand was read by the last attempt, not kept from an earlier one
-        while self.store.applied_offset > end and self.clock.monotonic() < deadline and not self._stopping:
-            await self.clock.sleep(0.5)
-            try:
-                end = await asyncio.to_thread(read_end)
-                fresh = True
-            except Exception as exc:  # the broker is coming back: keep the last value, ask again
-                log.debug("shard %d: reading the partition end: %s", self.shard, exc)
-                fresh = False
-        self._end_fresh = fresh
-        return end
-
-    def _wipe_beyond_end(self, end: int) -> None:
-        """Our checkpoint is beyond the partition: the WAL was recreated. Never trust it."""
-        verdict = beyond_end(self.store.applied_offset, end, end_fresh=self._end_fresh, stopping=self._stopping)
-        if verdict is Beyond.NO:
-            return
-        if verdict is Beyond.UNCONFIRMED:
-            raise errors.UnavailableError(f"shard {self.shard}: checkpoint {self.store.applied_offset} beyond the "
-                                          f"partition end {end}, unconfirmed (end unreadable or stopping)")
-        self.store.wipe(f"checkpoint {self.store.applied_offset} beyond WAL end {end}")
-        self.metrics.rebuilds.labels(shard=str(self.shard)).inc()
-
-    async def _close_tail(self) -> None:
-        tail, self._tail = self._tail, None
-        if tail is not None:
-            await asyncio.to_thread(tail.close)
-
-    async def _commit_loop(self, writer: wal.ShardWriter) -> None:
-        while self.machine.may_start_batch():
-            if self._queue.empty() and not self._carry:
-                await self._wait_work(1.0)
-                continue
-            # Left over from a full batch first (their order kept), then the queue. The request
-            # sizes only pre-bound the batch; the plan bounds it by WAL-entry bytes.
-            batch = [self._carry.popleft() for _ in range(min(len(self._carry), self.config.max_batch_records))]
-            if not batch:
-                batch.append(self._queue.get_nowait())
-            size = sum(item.size for item in batch)
-            try:
-                if self.config.linger_ms > 0 and self._queue.empty() and not self._carry:
-                    await self.clock.sleep(self.config.linger_ms / 1000)
-                while (len(batch) < self.config.max_batch_records and size < self.config.max_batch_bytes
-                       and not self._queue.empty()):
-                    item = self._queue.get_nowait()
-                    batch.append(item)
-                    size += item.size
-                if not self.machine.may_start_batch():
-                    return  # resigned while lingering: the finally below refuses the batch
-                if not await self._commit_batch(writer, batch):
-                    return  # leadership lost: _run decides what next
-            finally:
-                # Left (resigned, stopping, cancelled) before the batch was appended: say so
-                # instead of hanging. Nothing of it was written, so a retry anywhere is safe.
-                for pending in batch:
-                    _answer(pending.future, errors.UnavailableError(
-                        f"shard {self.shard}: leadership moving or node stopping; retry"))
-
-    async def _commit_batch(self, writer: wal.ShardWriter, batch: list[_Pending]) -> bool:
-        """Plan (`kvstore.core.batch`), append, apply, answer. False when this node must stop
-        leading. Writes the plan carries over are taken out of `batch` and go first into the
-        next one; the rest of `batch` is answered here."""
-        machine = self.machine
-        assert machine.upcoming is not None
-        live = [p for p in batch if not p.future.done()]  # a client that gave up (deadline) is not written
-        limits_ = writer.config
-        plan = plan_batch([p.write for p in live], machine.upcoming, self.store.get, self.store,
-                          self.clock.unix_ms(),
-                          BatchLimits(limits_.max_batch_records, limits_.max_batch_bytes, limits_.max_record_bytes))
-        # Refusals and replays are definite and independent of the append: answer them now.
-        for index, answer in plan.now:
-            _answer(live[index].future, answer)
-        carried = [live[i] for i in plan.carry]
-        self._carry.extendleft(reversed(carried))
-        batch[:] = [live[i] for i, _ in plan.after_commit]  # the caller's clean-up answers only these
-        if plan.payloads:
-            machine.batch_started(plan.revision, len(plan.payloads))
-            result = await self._append(writer, plan.payloads, plan.revision, batch)
-            if result is None:
-                return machine.may_start_batch()
-            try:
-                apply_error = self._apply_committed(result, plan.payloads)
-            finally:
-                # Committed: the clients get the answers computed before the append, whatever
-                # the local apply did, even a bug raising here (W7: the WAL is the truth; the
-                # replica is rebuilt from it). Nothing below may answer "nothing written".
-                for index, response in plan.after_commit:
-                    _answer(live[index].future, response)
-            # The machine's bookkeeping (and its paired W2 assertions) only after every client
-            # has its committed answer: should it raise, this leadership ends (the loop starts
-            # over and replays from the checkpoint), but no committed write is reported failed.
-            failpoints.check("bookkeeping-after-commit")
-            machine.batch_committed(result.offsets, result.upcoming_offset)
-            if apply_error is not None:
-                self._give_up_after_apply_failure(apply_error)
-                return False
-            return True
-        if plan.after_commit:
-            # Read-only Txns saw committed state only; a barrier makes their answer linearizable.
-            try:
-                await self.barrier()
-            except errors.StoreError as exc:
-                for pending in batch:
-                    _answer(pending.future, exc)
-                return machine.may_start_batch()
-            for index, response in plan.after_commit:
-                _answer(live[index].future, response)
-        return True
-
-    async def _append(self, writer: wal.ShardWriter, payloads: list[bytes], revision: int,
-                      waiting: list[_Pending]) -> wal.AppendResult | None:
-        """Append one batch; None when it failed (its clients are answered then, and the
-        machine decided what follows)."""
-        self._txn_started = self.clock.monotonic()
-        started = self.clock.monotonic()
-        # The thread is shielded: cancelling this task (a shutdown past its bound) must not
-        # make the append look finished while librdkafka may still commit it.
-        in_flight = self._in_flight = asyncio.ensure_future(asyncio.to_thread(writer.append, payloads, revision))
-        try:
-            result = await asyncio.shield(in_flight)
-        except asyncio.CancelledError:
-            self._fail_batch(self.machine.batch_failed(AppendOutcome.CANCELLED), waiting, "")
-            raise
-        except wal.WalError as exc:
-            await self._on_append_error(exc, waiting)
-            return None
-        except Exception as exc:
-            # Not the WAL's word (a bug, a client library error): commit_transaction may have
-            # run, so the outcome is unknown (W7); the loop restarts this leadership.
-            self._fail_batch(self.machine.batch_failed(AppendOutcome.CRASHED), waiting, f"{type(exc).__name__}")
-            raise
-        finally:
-            self._txn_started = None
-        self.metrics.commit_latency.labels(shard=str(self.shard)).observe(self.clock.monotonic() - started)
-        self.metrics.batch_records.labels(shard=str(self.shard)).observe(len(payloads))
-        return result
-
-    def _fail_batch(self, decision: AppendDecision, waiting: list[_Pending], detail: str) -> None:
-        if decision.unknown:
-            self.metrics.unknown_outcomes.labels(shard=str(self.shard)).inc()
-        if decision.fencing:
-            self.metrics.fencings.labels(shard=str(self.shard)).inc()
-        error = decision.error(self.shard, detail)
-        for pending in waiting:
-            _answer(pending.future, error)
-
-    def _apply_committed(self, result: wal.AppendResult, payloads: list[bytes]) -> Exception | None:
-        """W5: apply a committed batch at the offsets its records were delivered at (checked by
-        the guard before the commit, W2; the machine's paired check follows the answers), with
-        the new checkpoint. Returns the error instead of raising: the batch is committed either
-        way."""
-        try:
-            failpoints.check("apply-after-commit")
-            # The marker's slot is assumed, not observed: the store remembers it.
-            applied = self.store.apply(list(zip(result.offsets, payloads, strict=True)), result.upcoming_offset,
-                                       unverified=result.marker_slot)
-            self._after_apply(applied.changes if self.watchers else [])
-        except Exception as exc:
-            return exc
-        return None
-
-    def _give_up_after_apply_failure(self, exc: Exception) -> None:
-        """Leave the shard to another node and rebuild this replica (see `_start_rebuild`)."""
-        reason = f"{type(exc).__name__}: {exc}"
-        log.error("shard %d: applying a committed batch failed (%s); giving the shard up and rebuilding",
-                  self.shard, reason)
-        self.metrics.apply_failures.labels(shard=str(self.shard)).inc()
-        self.machine.apply_failed(reason)
-        self.on_unable_to_lead(self.shard, reason)
-
-    async def _on_append_error(self, exc: wal.WalError, waiting: list[_Pending]) -> None:
-        """Answer the batch as the machine's table says, then do what it decided next."""
-        shard = self.shard
-        decision = self.machine.batch_failed(append_outcome(exc))
-        self._fail_batch(decision, waiting, str(exc))
-        if decision.then is Next.STEP_DOWN:
-            log.warning("shard %d: stepping down: %s (%s)", shard, decision.message, exc)
-            return
-        # W2: after any abort or unknown outcome, learn the partition again before writing.
-        log.warning("shard %d: %s; bootstrapping again", shard, exc)
-        assert self._writer is not None
-        try:
-            if decision.then is Next.REFENCE:
-                # A fresh producer's init_transactions completes or aborts our undecided
-                # transaction at once. Waiting for the settled end instead would wait for the
-                # broker's transaction timeout while that transaction holds the LSO.
-                end = await asyncio.to_thread(self._writer.fence)
-                if not self.machine.fenced(end):
-                    return
-            else:
-                end = await asyncio.to_thread(self._writer.settled_end_offset)
-            self.store.rewind_unverified()
-            await self._catch_up(end)
-        except Exception as resync_error:
-            log.warning("shard %d: re-bootstrap failed: %s", shard, resync_error)
-            self.machine.resync_failed()
-            return
-        self.machine.replayed_to(end)
-
-    # ---- requests --------------------------------------------------------------------------------
-
-    def require_leader(self) -> None:
-        refusal = self.machine.write_refusal(self.leader_hint())
-        if refusal is not None:
-            raise refusal
-
-    async def write(self, write: Write, size: int) -> Response:
-        """Queue a write (`kvstore.core.batch.write_of`) for the next batch and wait for its
-        answer (after commit). `size`: the request's bytes, a pre-bound on the batch."""
-        self.require_leader()
-        request_id = write.request_id
-        answer = admit(write, self.store, self._ids_in_progress, self.clock.unix_ms())
-        if isinstance(answer, errors.StoreError):
-            raise answer
-        if answer is not None:
-            return answer  # committed before: the recorded answer, marked as a replay
-        future: asyncio.Future[Response] = asyncio.get_running_loop().create_future()
-        if request_id:
-            self._ids_in_progress.add(request_id)
-            future.add_done_callback(lambda _f: self._ids_in_progress.discard(request_id))
-        try:
-            self._queue.put_nowait(_Pending(write, size, future))
-            self._work.set()
-        except asyncio.QueueFull:
-            future.cancel()  # never queued: frees its request id
-            raise errors.OverloadedError(
-                f"shard {self.shard}: {self.config.max_pending_writes} writes pending "
-                f"(limit MAX_PENDING_WRITES_PER_SHARD); back off") from None
-        return await future
-
-    async def barrier(self) -> None:
-        """Linearizable read barrier (DESIGN.md §4), shared by the reads waiting at that moment."""
-        self.require_leader()
-        if self._round is None:
-            self._round = asyncio.get_running_loop().create_future()
-            if self._round_task is None or self._round_task.done():
-                self._round_task = asyncio.create_task(self._run_rounds())
-        end = await asyncio.shield(self._round)
-        verdict = self.machine.barrier(end)
-        if verdict.wait_for is None:
-            # This leader's view is stale. Queue a probe (an empty entry at our upcoming offset):
-            # if the log moved, W2 aborts it and the leader bootstraps again; if we are fenced,
-            # it steps down. Either way it settles.
-            self._probe()
-            raise errors.UnavailableError(verdict.why)
-        await self.wait_applied(verdict.wait_for, self.config.barrier_timeout_s)
-
-    def _probe(self) -> None:
-        if self._probing:
-            return
-        self._probing = True
-        future: asyncio.Future[Response] = asyncio.get_running_loop().create_future()
-
-        def done(f: asyncio.Future[Response]) -> None:
-            self._probing = False
-            if not f.cancelled():
-                f.exception()  # retrieved: the probe's outcome only matters through the replica's state
-
-        future.add_done_callback(done)
-        try:
-            self._queue.put_nowait(_Pending(probe_write(), 0, future))
-            self._work.set()
-        except asyncio.QueueFull:
-            self._probing = False  # writes are flowing anyway: they will hit W2 themselves
-
-    async def _run_rounds(self) -> None:
-        """One watermark query in flight at a time. A read joins the round that has not sent its
-        query yet, so the query it waits for was always sent after it arrived (linearizable);
-        reads arriving while a query is in flight form the next round, sent as soon as that
-        query returns, and all share it: under load, one query per round trip serves every read
-        that came meanwhile, instead of one query per burst of arrivals."""
-        while (round_ := self._round) is not None:
-            await asyncio.sleep(0)  # a yield, not a wait: let reads that arrived in this same tick join
-            self._round = None  # reads arriving from now on wait for the next query
-            try:
-                end = await asyncio.to_thread(self.ends.high_watermark, self.config.topic, self.shard)
-            except Exception as exc:
-                round_.set_exception(errors.UnavailableError(f"shard {self.shard}: read barrier failed: {exc}"))
-                continue
-            self.end_offset = max(self.end_offset, end)
-            round_.set_result(end)
-
-    async def wait_applied(self, offset: int, timeout_s: float) -> None:
-        """Until everything below `offset` is applied here."""
-        deadline = self.clock.monotonic() + timeout_s
-        while self.store.applied_offset < offset:
-            remaining = deadline - self.clock.monotonic()
-            if remaining <= 0:
-                raise errors.UnavailableError(
-                    f"shard {self.shard}: applied {self.store.applied_offset}, waited for {offset}")
-            try:
-                await asyncio.wait_for(self._applied.wait(), remaining)
-            except TimeoutError:
-                continue
-
-    def open_txn_age_ms(self) -> int:
-        started = self._txn_started
-        return int((self.clock.monotonic() - started) * 1000) if started is not None else 0
-
-    def _fail_queued(self, error: errors.StoreError) -> None:
-        while self._carry:
-            _answer(self._carry.popleft().future, error)
-        while not self._queue.empty():
-            _answer(self._queue.get_nowait().future, error)
-
-
-def append_outcome(exc: wal.WalError) -> AppendOutcome:
-    """What a WAL error says about an append, for the machine's table (`APPEND_DECISIONS`)."""
+def append_outcome(exc: wal.WalError, writer_retired: bool) -> AppendOutcome:
+    """What a WAL error says about an append, for the machine's table (`APPEND_DECISIONS`).
+    `writer_retired`: the writer's next call would init a fresh producer (`Phase.NEEDS_INIT`)."""
     if isinstance(exc, wal.UnknownOutcomeError):
         return AppendOutcome.UNKNOWN_FENCED if exc.fenced else AppendOutcome.UNKNOWN
     if isinstance(exc, wal.FencedError):
         return AppendOutcome.FENCED
     if isinstance(exc, wal.WriterFatalError):
         return AppendOutcome.WRITER_FATAL
-    return AppendOutcome.ABORTED
+    return AppendOutcome.ABORTED_RETIRED if writer_retired else AppendOutcome.ABORTED
 
 
 def writer_config(config: ReplicaConfig) -> wal.WriterConfig:
@@ -930,31 +778,3 @@ def writer_config(config: ReplicaConfig) -> wal.WriterConfig:
         transaction_timeout_ms=config.transaction_timeout_ms, call_timeout_s=config.call_timeout_s,
         max_batch_records=config.max_batch_records, max_batch_bytes=config.max_batch_bytes,
         max_record_bytes=config.max_record_bytes, security=config.kafka_security)
-
-
-def _answer(future: asyncio.Future[Response], answer: Response | Exception) -> None:
-    """Give a waiting request its answer, once (a client that gave up, or one answered already, is left)."""
-    if future.done():
-        return
-    if isinstance(answer, Exception):
-        future.set_exception(answer)
-    else:
-        future.set_result(answer)
-
-
-def decode_changes(records: list[wal.AcceptedRecord]) -> list[Change]:
-    """Changes carried by WAL records, for Watch history (versions are not known there: 0)."""
-    from kvstore.core.state import ChangeType
-
-    out: list[Change] = []
-    for rec in records:
-        entry = decode_entry(rec.payload)
-        if entry is None:
-            continue
-        for effect in entry.effects:
-            key = effect_key(effect)
-            if effect.WhichOneof("kind") == "put":
-                out.append(Change(ChangeType.PUT, key, KeyState(effect.put.value, 0, rec.offset, 0), rec.offset))
-            else:
-                out.append(Change(ChangeType.DELETE, key, None, rec.offset))
-    return out

@@ -241,7 +241,7 @@ def test_record_in_the_marker_slot_is_applied_by_the_leader_as_by_followers(kafk
             def slip_in() -> None:
                 if slipped:
                     return
-                slot = leader.machine.written_end - 1  # type: ignore[operator]  # last record + 1
+                slot = leader.machine.role.written_end - 1  # type: ignore[operator]  # last record + 1
                 entry = wal_entry_pb2.WalEntry(effects=[wal_entry_pb2.Effect(
                     put=wal_entry_pb2.PutEffect(key=b"slipped", value=b"in"))])
                 value, headers = encode(slot, WriterIdentity("intruder"), entry.SerializeToString())
@@ -401,7 +401,7 @@ def test_marker_slot_assumed_before_a_resign_is_read_when_following(kafka: Local
             intruder = Producer({"bootstrap.servers": kafka.bootstrap_servers})
 
             def slip_in() -> None:
-                slot = leader.machine.written_end - 1  # type: ignore[operator]
+                slot = leader.machine.role.written_end - 1  # type: ignore[operator]
                 entry = wal_entry_pb2.WalEntry(effects=[wal_entry_pb2.Effect(
                     put=wal_entry_pb2.PutEffect(key=b"slipped", value=b"in"))])
                 value, headers = encode(slot, WriterIdentity("intruder"), entry.SerializeToString())

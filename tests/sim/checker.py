@@ -1,6 +1,6 @@
 """The checks every run ends with: the WAL invariants, the client's guarantees, convergence.
 
-Why an oracle: the final partition logs are the truth (DESIGN.md §4: LevelDB is a cache of the
+Why an oracle: the final partition logs are the truth (docs/design.md §5: LevelDB is a cache of the
 WAL). The oracle replays each log the way any reader must (read_committed, then W3 through
 `wal.record.judge`, then `kvstore.core.request_window.MemoryShard`, whose apply is
 `kvstore.core.state.apply_entries`) and every other check compares against it:

@@ -1,7 +1,7 @@
 """Simulated clients: sequential processes issuing Put, Delete, compare-and-set and Get on a
 small key space, with request ids and retries, recording the history the checker judges.
 
-Why they behave as they do (DESIGN.md §3, the client's side of W7):
+Why they behave as they do (docs/design.md §4.1, the client's side of W7):
 
 * a write keeps its request id and its first-attempt time across every retry, so the store can
   apply it at most once and answer a retry with the original result;
@@ -117,7 +117,8 @@ class Client(Actor):
         if kind is Kind.CAS:
             expected = self._guess(key)
         request_id = tag if kind is not Kind.GET else ""
-        self.op = Operation(self.index, kind, key, value, expected, request_id, sched.steps, sched.now)
+        self.op = Operation(self.index, kind, key, value, expected, request_id, sched.steps,
+                            sched.now + self.clock_skew_ms)  # its own clock, as a real client's
         self.history.append(self.op)
         self._deadline = sched.now + OP_DEADLINE_MS
         self._send()
@@ -171,7 +172,7 @@ class Client(Actor):
         node = self.leaders.get(shard) or world.sched.rng.choice(self.nodes)
         self._attempt = attempt = world.next_id()
         request = self._request(op)
-        back = world.net.answer_to(self)
+        back = world.net.answer_to(self, from_brokers=False)  # the node answers
         deadline = world.sched.now + ATTEMPT_TIMEOUT_MS
 
         def at_node() -> None:

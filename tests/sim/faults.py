@@ -1,7 +1,7 @@
 """The fault injector: crashes, restarts, pauses, bad networks, late EndTxns, a foreign writer,
 refusing brokers, at random moments of the run, all drawn from the run's one generator.
 
-Why these faults: each is one the protocol claims to survive (DESIGN.md §3-5).
+Why these faults: each is one the protocol claims to survive (docs/design.md §4-6).
 
 * **crash** a node (sometimes losing its disk): the in-memory state is gone; it restarts later
   from its checkpoint and state (or from nothing) and replays the WAL;
@@ -21,7 +21,13 @@ Why these faults: each is one the protocol claims to survive (DESIGN.md §3-5).
   moving, replicas missing), and commits are refused before EndTxn leaves the client;
 * **cut off from Kafka**: one node's requests to the brokers and the group coordinator are lost
   for a while, mostly a leader's, while its clients still reach it: the group moves its shards,
-  and until it learns so it believes it leads (the case a read barrier exists for).
+  and until it learns so it believes it leads (the case a read barrier exists for);
+* **clock jump**: a node's wall clock steps forward or back, within the skew bound every clock
+  keeps (nodes and clients each start somewhere within it, too);
+* **broker crash**: the brokers are down for a while, every request to them and answer from them
+  lost (what they had written stays written), the group's sessions running out meanwhile;
+* **truncation**: a snapshot of a shard built from the WAL, then the WAL truncated below it:
+  replicas behind it, and any that lost its disk, bootstrap from the snapshot.
 
 `heal` ends all of it: the network is calm again, paused nodes resume, crashed ones restart.
 """
@@ -53,6 +59,9 @@ class FaultPlan:
     foreign_write: int = 3
     refusals: int = 1
     cut_off: int = 2
+    clock_jump: int = 2
+    broker_crash: int = 1
+    truncate: int = 2
     disk_loss: float = 0.15  # share of crashes that also lose the disk
 
 
@@ -77,6 +86,7 @@ class FaultInjector:
         self._refusal_token += 1
         self.world.net.conditions = CALM
         self.world.net.cut_off.clear()
+        self.world.net.brokers_down = False
         self.world.broker.refuse_rate = 0.0
         for node in self.nodes:
             if node.paused:
@@ -92,8 +102,10 @@ class FaultInjector:
         if not self.active:
             return
         p = self.plan
-        kinds = ("crash", "pause", "freeze", "storm", "late_end_txn", "foreign_write", "refusals", "cut_off")
-        weights = (p.crash, p.pause, p.freeze, p.storm, p.late_end_txn, p.foreign_write, p.refusals, p.cut_off)
+        kinds = ("crash", "pause", "freeze", "storm", "late_end_txn", "foreign_write", "refusals", "cut_off",
+                 "clock_jump", "broker_crash", "truncate")
+        weights = (p.crash, p.pause, p.freeze, p.storm, p.late_end_txn, p.foreign_write, p.refusals, p.cut_off,
+                   p.clock_jump, p.broker_crash, p.truncate)
         kind = self.world.sched.rng.choices(kinds, weights)[0]
         getattr(self, f"_{kind}")()
         self._schedule()
@@ -154,6 +166,60 @@ class FaultInjector:
                 self.world.trace.log(f"FAULT {node.name} reaches Kafka again")
 
         sched.at(duration, reconnect)
+
+    def _broker_crash(self) -> None:
+        """The brokers go down for a while (a crash and restart of a single broker, or of the
+        controller and the partitions' leaders): every request and answer in between is lost,
+        the group's sessions run out, open transactions time out. Their logs survive."""
+        sched, net = self.world.sched, self.world.net
+        if net.brokers_down:
+            return
+        duration = sched.between(self.world.timing.call_timeout_ms, 4 * self.world.timing.session_timeout_ms)
+        self.world.audit.counters["fault_broker_crash"] += 1
+        self.world.trace.log(f"FAULT brokers down for {duration}ms")
+        net.brokers_down = True
+
+        def back_up() -> None:
+            if net.brokers_down:
+                net.brokers_down = False
+                self.world.trace.log("FAULT brokers back")
+
+        sched.at(duration, back_up)
+
+    def _truncate(self) -> None:
+        """A snapshot of a shard at its last stable offset, built from the WAL (the Spark job's
+        fold: read_committed, W3, the replicas' own apply), then the WAL truncated below it,
+        keeping the slot below the cut (a quiet leader's assumed marker slot, `wal truncate`).
+        Replicas behind it must bootstrap from the snapshot; so must one that lost its disk."""
+        world = self.world
+        shard = world.sched.between(0, world.shards - 1)
+        part = world.broker.partitions[shard]
+        cut = part.last_stable_offset
+        if cut - 1 <= part.log_start:
+            return
+        state = world.new_disk()
+        accepted: list[tuple[int, bytes]] = []
+        for entry in part.log[:cut]:
+            if entry.committed and not entry.control:
+                verdict, accepted_record = record.judge(entry.offset, entry.value, entry.headers)
+                if verdict is record.Verdict.ACCEPTED:
+                    assert accepted_record is not None
+                    accepted.append((entry.offset, accepted_record.payload))
+        state.apply(accepted, cut)
+        world.snapshots.setdefault(shard, []).append((cut, state))
+        world.broker.truncate(shard, cut - 1)
+        world.audit.counters["fault_truncate"] += 1
+        world.trace.log(f"FAULT snapshot of shard {shard} at {cut}; WAL truncated below {cut - 1}")
+
+    def _clock_jump(self) -> None:
+        """A node's wall clock jumps, forward or back, anywhere within the documented skew bound
+        (NTP stepping it): leader times stamped in the WAL and request-id horizons see it."""
+        sched = self.world.sched
+        node = sched.rng.choice(self.nodes)
+        half = self.world.timing.clock_skew_ms // 2
+        before, node.clock_skew_ms = node.clock_skew_ms, sched.between(-half, half)
+        self.world.audit.counters["fault_clock_jump"] += 1
+        self.world.trace.log(f"FAULT clock of {node.name} jumps {node.clock_skew_ms - before:+d}ms")
 
     def _freeze(self) -> None:
         sched = self.world.sched

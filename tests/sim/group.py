@@ -1,4 +1,4 @@
-"""A model of the consumer group that hands out shard leadership (DESIGN.md §5, wal/membership.py).
+"""A model of the consumer group that hands out shard leadership (docs/design.md §6, wal/membership.py).
 
 Why it matters to safety: the group gives liveness only. A member that stops heartbeating (a
 crash, a pause, a slow network) keeps its shards until its session times out; then they move to

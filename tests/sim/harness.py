@@ -135,6 +135,10 @@ class Simulation:
         self.nodes = [Node(f"n{i}", self.world) for i in range(config.nodes)]
         keys = client_keys(config.keys, config.shards)
         self.clients = [Client(i, self.world, self.nodes, keys) for i in range(config.clients)]
+        # Every clock within half the skew bound of true time: any two within the bound.
+        half = timing.clock_skew_ms // 2
+        for actor in (*self.nodes, *self.clients):
+            actor.clock_skew_ms = sched.between(-half, half)
         self.faults = FaultInjector(self.world, self.nodes, config.faults) if config.faults else None
 
     def run(self) -> SimResult:
@@ -208,6 +212,8 @@ class Simulation:
         stats["net_late"] = world.net.late
         stats["net_duplicated"] = world.net.duplicated
         stats["net_dropped"] = world.net.dropped
+        stats["net_cut_off_dropped"] = world.net.cut_off_dropped
+        stats["net_brokers_down_dropped"] = world.net.brokers_down_dropped
         return stats
 
     def digest(self) -> str:

@@ -3,7 +3,7 @@ coordinator per transactional id, with the transactional semantics the guard dep
 
 Why a model and not the real broker: the simulation must replay exactly from a seed and run a
 million steps in minutes. So this is the smallest broker that still has every behaviour the
-protocol reasons about (DESIGN.md §3), and nothing else:
+protocol reasons about (docs/design.md §4), and nothing else:
 
 * **Producer ids and epochs.** `init_producer_id` on a transactional id keeps its producer id,
   bumps its epoch, and first settles the transaction the previous holder left: an ongoing one is
@@ -108,6 +108,8 @@ class FetchResult:
 
     records: tuple[tuple[int, bytes | None, Headers | None], ...]
     next_position: int
+    # The position lies below the log start (truncated): nothing is read (auto.offset.reset=error).
+    below_log_start: int | None = None
 
 
 class Partition:
@@ -116,6 +118,9 @@ class Partition:
         self.log: list[Entry] = []
         self.open: dict[int, list[Entry]] = {}  # producer id -> records of its open transaction here
         self.seen: dict[tuple[int, int, int], tuple[int, ...]] = {}  # (pid, epoch, seq) -> offsets
+        # Records below this were deleted (`wal truncate`): unreadable, though the checker still
+        # sees them in `log` (the truth of what was written).
+        self.log_start = 0
 
     @property
     def high_watermark(self) -> int:
@@ -333,6 +338,12 @@ class Broker:
         self._wake(part)
         return offset
 
+    def truncate(self, shard: int, below: int) -> None:
+        """Delete the records below `below` (DeleteRecords): readers below it are out of range."""
+        part = self.partitions[shard]
+        assert below <= part.last_stable_offset, f"truncating at {below}, above the LSO {part.last_stable_offset}"
+        part.log_start = max(part.log_start, below)
+
     def ends(self, shard: int) -> tuple[int, int]:
         """(last stable offset, high watermark) of a shard's partition."""
         part = self.partitions[shard]
@@ -343,6 +354,9 @@ class Broker:
         """A read_committed fetch from `position`, never beyond `upto`. With nothing to read it
         waits (long poll) until the LSO moves or `max_wait_ms` passed."""
         part = self.partitions[shard]
+        if position < part.log_start:
+            reply(FetchResult((), position, below_log_start=part.log_start))
+            return
         bound = part.last_stable_offset if upto is None else min(part.last_stable_offset, upto)
         if position < bound or max_wait_ms <= 0:
             reply(part.read_committed(position, bound, limit))

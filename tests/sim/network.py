@@ -52,6 +52,11 @@ class Network:
         self.late = 0
         self.cut_off: set[str] = set()  # nodes whose requests to the brokers are lost
         self.cut_off_dropped = 0
+        # The brokers are down (crashed, restarting): requests to them and answers from them are
+        # lost; what a broker had written is kept (its log is on disk), so a request that landed
+        # just before stays landed although nobody hears of it.
+        self.brokers_down = False
+        self.brokers_down_dropped = 0
 
     def send(self, deliver: Callback, to: Actor | None, *, end_txn: bool = False,
              incarnation: int | None = None, once: bool = False, sender: Actor | None = None) -> None:
@@ -63,6 +68,9 @@ class Network:
         if to is None and sender is not None and sender.name in self.cut_off:
             self.cut_off_dropped += 1
             return
+        if to is None and self.brokers_down:
+            self.brokers_down_dropped += 1
+            return
         if c.drop and self.sched.chance(c.drop):
             self.dropped += 1
             return
@@ -71,12 +79,16 @@ class Network:
             self.duplicated += 1
             self.sched.at(self._delay(c, end_txn), deliver, to, incarnation)
 
-    def answer_to(self, to: Actor) -> Callable[[Callback], None]:
+    def answer_to(self, to: Actor, *, from_brokers: bool = True) -> Callable[[Callback], None]:
         """How the receiver of a request sent now by `to` answers it (over this network, to
-        this incarnation of `to` only)."""
+        this incarnation of `to` only). `from_brokers`: the answerer is a broker or the group
+        coordinator (its answers are lost while the brokers are down), not a node."""
         incarnation = to.incarnation
 
         def send_back(deliver: Callback) -> None:
+            if from_brokers and self.brokers_down:
+                self.brokers_down_dropped += 1
+                return
             self.send(deliver, to, incarnation=incarnation)
 
         return send_back

@@ -40,7 +40,7 @@ from tests.sim.scheduler import Actor
 from tests.sim.world import World
 from tests.sim.writer import Result, SimWriter
 from wal import errors as wal_errors
-from wal.guard import AppendResult
+from wal.guard import AppendResult, Phase
 from wal.record import Verdict, WriterIdentity, judge
 
 ReadAnswer = kv_pb2.GetResponse | errors.StoreError
@@ -128,7 +128,7 @@ class Replica:
         before = self.machine.role.role
         now = self.world.sched.now
         try:
-            actions = self.machine.step(event, now_ms=now, unix_ms=now)
+            actions = self.machine.step(event, now_ms=now, unix_ms=now + self.actor.clock_skew_ms)
         except AssertionError as exc:
             self.world.violation(f"{self.actor.name} shard {self.shard}: the replica machine's check failed "
                                  f"on {type(event).__name__}: {exc}")
@@ -185,6 +185,7 @@ class Replica:
             self._later(machine_events.CommitApplied())  # after the answers that follow it
         elif isinstance(action, machine_events.ApplyReplayed):
             self._apply(list(action.records), action.checkpoint, None)
+            self._later(machine_events.Replayed())
         elif isinstance(action, machine_events.Fetch):
             self._fetch(action)
         elif isinstance(action, machine_events.ReadEnd):
@@ -199,7 +200,7 @@ class Replica:
             self.store.wipe()
             self._later(machine_events.Wiped())
         elif isinstance(action, machine_events.LoadSnapshot):
-            self._later(machine_events.SnapshotDone(False))  # no snapshots in the simulation (yet)
+            self._later(machine_events.SnapshotDone(self._load_snapshot(action.at_least)))
         elif isinstance(action, machine_events.CloseWriter):
             if self.writer is not None:
                 self.writer.close()
@@ -215,6 +216,18 @@ class Replica:
                             f"to lead, yet: {action}")
         else:
             assert isinstance(action, machine_events.Exit), action
+
+    def _load_snapshot(self, at_least: int) -> bool:
+        """The newest snapshot that helps (`kvstore.core.recovery.snapshots_to_try`'s rule: a cut
+        at least `at_least` and beyond the checkpoint), loaded in place of the replica."""
+        for cut, state in reversed(self.world.snapshots.get(self.shard, [])):
+            if cut < at_least or cut <= self.store.applied_offset:
+                return False
+            self.store.load(state)
+            self.world.audit.counters["snapshot_loads"] += 1
+            self.world.trace.log(f"{self.actor.name} s{self.shard} loaded the snapshot at {cut}")
+            return True
+        return False
 
     def _answer(self, ticket: int, answer: object) -> None:
         request = self._requests.pop(ticket, None)
@@ -258,7 +271,7 @@ class Replica:
             self._step(machine_events.Appended(result.offsets, result.upcoming_offset, result.marker_slot))
             return
         assert isinstance(result, wal_errors.WalError)
-        outcome = append_outcome(result)
+        outcome = append_outcome(result, writer.guard.phase is Phase.NEEDS_INIT)
         self.world.audit.counters[f"append_{outcome.value}"] += 1
         self.world.trace.log(f"{self.actor.name} s{self.shard} batch failed: {type(result).__name__}: {result}")
         self._step(machine_events.AppendFailed(outcome, f"{type(result).__name__}"))
@@ -347,6 +360,10 @@ class Replica:
                    lambda: self._step(machine_events.Fetched(position, (), position)))
 
     def _fetched(self, position: int, result: FetchResult) -> None:
+        if result.below_log_start is not None:
+            _, hw = self.world.broker.ends(self.shard)
+            self._step(machine_events.FetchOutOfRange(position, True, result.below_log_start, hw))
+            return
         accepted: list[tuple[int, bytes]] = []
         for offset, value, headers in result.records:
             verdict, accepted_record = judge(offset, value, headers)  # W3

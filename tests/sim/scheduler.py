@@ -36,6 +36,9 @@ class Actor:
         self.alive = True
         self.paused = False
         self.deferred: list[Callback] = []
+        # How far this process's wall clock is from true (simulated) time: nodes and clients
+        # disagree within Timing.clock_skew_ms, the bound the request-id horizon allows for.
+        self.clock_skew_ms = 0
 
 
 class Scheduler:

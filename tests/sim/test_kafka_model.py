@@ -1,4 +1,4 @@
-"""The broker and group models hold the semantics the simulation relies on (DESIGN.md §3, §5).
+"""The broker and group models hold the semantics the simulation relies on (docs/design.md §4, §6).
 
 If the model were wrong, the simulation would test the protocol against a Kafka that does not
 exist; these are its table tests."""

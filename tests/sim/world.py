@@ -2,7 +2,7 @@
 timing constants, and the audit log the checker reads at the end.
 
 Why the timings are what they are: they keep the ratios of a real deployment (network delay <<
-call timeout < session timeout < transaction timeout; DESIGN.md §3 asks for
+call timeout < session timeout < transaction timeout; docs/design.md §4.2 asks for
 `transaction.timeout.ms` above the worst batch time plus a broker bounce) while shrinking
 everything, so that a run of 10^5 steps sees dozens of leader changes.
 """
@@ -103,6 +103,9 @@ class World:
     # False: a node drops a request that arrives after its client gave up.
     late_requests: bool = True
     mutations: frozenset[Mutation] = frozenset()  # the replica machine's broken variants (teeth)
+    # Per shard, the snapshots taken (cut, state), oldest first: what `kvstore snapshot create`
+    # leaves in a node's --snapshot-dir, built from the WAL, never from a replica.
+    snapshots: dict[int, list[tuple[int, MemoryShard]]] = dataclasses.field(default_factory=dict)
     _ids: int = 0
 
     def next_id(self) -> int:

@@ -16,7 +16,6 @@ from kvstore.core.role import (
     BROKEN,
     NEEDS_SNAPSHOT,
     REBUILDING,
-    Activity,
     AppendOutcome,
     Next,
     Role,
@@ -144,7 +143,8 @@ def test_scenario(name: str) -> None:
 @pytest.mark.parametrize("outcome", list(AppendOutcome))
 def test_append_decision_table(outcome: AppendOutcome) -> None:
     """Definite answers only where nothing can have committed (W7); unknown -> re-fence before
-    the next batch; fenced -> step down; abort -> learn the end again and keep leading."""
+    the next batch; fenced -> step down; abort -> learn the end again and keep leading, after a
+    fence of its own when the writer retired its producer (never one hidden in the next append)."""
     decision = APPEND_DECISIONS[outcome]
     expected_unknown = outcome in (AppendOutcome.UNKNOWN, AppendOutcome.UNKNOWN_FENCED, AppendOutcome.CRASHED,
                                    AppendOutcome.CANCELLED)
@@ -153,8 +153,8 @@ def test_append_decision_table(outcome: AppendOutcome) -> None:
     assert error.definite == (not expected_unknown)
     assert isinstance(error, errors.UnknownOutcomeError if expected_unknown else errors.UnavailableError)
     assert str(error).startswith("shard 3: ") and str(error).endswith("(why)")
-    expected_next = {AppendOutcome.ABORTED: Next.SETTLE, AppendOutcome.UNKNOWN: Next.REFENCE}.get(outcome,
-                                                                                               Next.STEP_DOWN)
+    expected_next = {AppendOutcome.ABORTED: Next.SETTLE, AppendOutcome.ABORTED_RETIRED: Next.REFENCE,
+                     AppendOutcome.UNKNOWN: Next.REFENCE}.get(outcome, Next.STEP_DOWN)
     assert decision.then is expected_next
     assert decision.fencing == (outcome in (AppendOutcome.FENCED, AppendOutcome.UNKNOWN_FENCED))
     m = leading_at()
@@ -253,26 +253,3 @@ def test_reasons_not_to_lead_clear_one_by_one() -> None:
     assert m.clear_unable(REBUILDING), "the last reason cleared: the node may ask to lead again"
     assert m.set_lead(True) is None and m.want_lead
 
-
-ACTIVITIES = [
-    # want lead, standby, unable reasons, stopping -> activity
-    ("lead", True, True, {}, False, Activity.LEAD),
-    ("standby follows", False, True, {}, False, Activity.FOLLOW),
-    ("no standby idles", False, False, {}, False, Activity.IDLE),
-    ("broken rebuilds first", False, True, {BROKEN: "x"}, False, Activity.REBUILD),
-    ("rebuilding follows even without standby", False, False, {REBUILDING: "x"}, False, Activity.FOLLOW),
-    ("stopping exits", True, True, {}, True, Activity.EXIT),
-]
-
-
-@pytest.mark.parametrize(("want", "standby", "unable", "stopping", "activity"), [a[1:] for a in ACTIVITIES],
-                         ids=[a[0] for a in ACTIVITIES])
-def test_next_activity(want: bool, standby: bool, unable: dict[str, str], stopping: bool,
-                       activity: Activity) -> None:
-    m = RoleMachine(3)
-    m.set_lead(want)
-    for kind, why in unable.items():
-        m.mark_unable(kind, why)
-    if stopping:
-        m.stop()
-    assert m.next_activity(standby) is activity
