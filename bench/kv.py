@@ -51,7 +51,7 @@ import wal
 from kvstore import limits
 from kvstore.core.evaluate import evaluate_put
 from kvstore.core.sharding import shard_of
-from kvstore.server.storage import ShardStore
+from kvstore.storage.shard_store import ShardStore
 from kvstore.v1 import kv_pb2, kv_pb2_grpc
 from wal import clients
 from wal.broker import KAFKA_VERSION, LocalKafka, free_port

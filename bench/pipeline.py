@@ -48,8 +48,8 @@ from kvstore.internal.v1 import wal_entry_pb2 as pb
 from kvstore.pipeline import snapshot_job, wal_source
 from kvstore.pipeline.session import spark_session
 from kvstore.pipeline.target import WalTarget
-from kvstore.server import snapshot
-from kvstore.server.storage import ShardStore
+from kvstore.storage import snapshot
+from kvstore.storage.shard_store import ShardStore
 from wal import clients
 from wal.broker import KAFKA_VERSION, LocalKafka
 

@@ -70,7 +70,7 @@ assert MAX_RESPONSE_BYTES + MAX_KEY_VALUE_BYTES + RESPONSE_FRAMING_BYTES <= GRPC
 # ---- the request-id (dedupe) table: docs/design.md §4.1, "kept for a documented horizon" ----------------
 # Every replica forgets a request id at the same WAL entry, by time and by count, from the leader
 # times stamped in the entries (WalEntry.leader_unix_ms), never from its own clock. Changing any of
-# these two changes which ids a replica remembers: do it with a kvstore.server.storage FORMAT_VERSION bump
+# these two changes which ids a replica remembers: do it with a kvstore.storage.shard_store FORMAT_VERSION bump
 # so that every store is rebuilt under the new rule.
 #
 # Time bound. A retry is refused ("expired, outcome unknown") once its first attempt is older than

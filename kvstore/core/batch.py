@@ -200,7 +200,7 @@ def plan_batch(writes: Sequence[Write], revision: int, lookup: Lookup, table: Re
     order. `lookup` reads the committed state; `table` the committed request ids.
 
     Stamps each entry with `now_unix_ms` as its leader time (the clock by which every replica
-    forgets request ids at the same entry, `kvstore.server.storage`)."""
+    forgets request ids at the same entry, `kvstore.storage.shard_store`)."""
     plan = Plan(revision=revision)
     overlay: dict[bytes, KeyState | None] = {}  # keys written earlier in the batch, folded
     # Per key, the effects not folded yet, in batch order: (the entry's effects, index, revision).

@@ -1,6 +1,6 @@
 """When a request id that the store does not remember must be refused (docs/design.md §4.1, W7).
 
-The request-id table forgets ids by time and by count (`kvstore.server.storage`), identically on every
+The request-id table forgets ids by time and by count (`kvstore.storage.shard_store`), identically on every
 replica, and records `evicted_through_ms`: the largest leader time of any id it ever forgot. A
 write whose id is *not* in the table is either new or a retry of a forgotten id; applying the
 latter would apply the request twice. This module decides, from clocks alone, when the second

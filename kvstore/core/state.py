@@ -3,7 +3,7 @@
 `apply_entries` is the one apply function (rqlite's lesson): leader apply after commit, bootstrap,
 followers and the Spark jobs all compute the next state with it, so they cannot disagree. It
 takes the state it needs through a lookup function and returns the writes; LevelDB is the
-caller's business (`kvstore.server.storage`).
+caller's business (`kvstore.storage.shard_store`).
 
 A WAL entry carries effects only. Conditions are evaluated by the leader before the entry is
 appended (`kvstore.core.evaluate`), using `next_key_state`, the same transition this module applies.
@@ -72,7 +72,7 @@ def request_kind(raw: int) -> int:
 class RequestRecord:
     """What the request-id table keeps: where the request committed, what was answered, the
     leader's clock when it built the entry (0: an entry written before WalEntry.leader_unix_ms
-    existed), by which every replica forgets the id at the same entry (`kvstore.server.storage`),
+    existed), by which every replica forgets the id at the same entry (`kvstore.storage.shard_store`),
     and the kind of request that was answered (WalEntry.request_kind; 0: not known), so that a
     retry of another kind with the same id is refused (`kvstore.core.batch.admit`)."""
 

@@ -55,7 +55,7 @@ from kvstore.pipeline.errors import SnapshotError
 from kvstore.pipeline.session import ENTRY_UDF
 from kvstore.pipeline.snapshot_job import build_states, check_range, wal_ends
 from kvstore.pipeline.target import WalTarget
-from kvstore.server import snapshot
+from kvstore.storage import snapshot
 
 log = logging.getLogger(__name__)
 

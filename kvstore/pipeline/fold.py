@@ -26,8 +26,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from kvstore.core.state import KeyState, RequestRecord
-from kvstore.server.snapshot import encode_states
-from kvstore.server.storage import ShardStore
+from kvstore.storage.shard_store import ShardStore
+from kvstore.storage.snapshot import encode_states
 
 APPLY_CHUNK_RECORDS = 10_000  # records per LevelDB write batch while folding
 

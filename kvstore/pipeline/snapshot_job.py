@@ -5,7 +5,7 @@ committed or aborted, so a read_committed read up to it is final). The job reads
 records between the newest usable snapshot's cut and the new cut (W3 in SQL,
 `kvstore.pipeline.wal_source`), folds them per shard onto that snapshot's state in one Spark
 task per shard (`kvstore.pipeline.fold`: the replicas' own apply code), writes the state as
-Parquet, then the manifest (`kvstore.server.snapshot`). Cost: the WAL since the last snapshot plus
+Parquet, then the manifest (`kvstore.storage.snapshot`). Cost: the WAL since the last snapshot plus
 one pass over the state, never the whole history once a snapshot exists.
 """
 
@@ -28,7 +28,7 @@ from kvstore.pipeline import fold, wal_source
 from kvstore.pipeline.commands import spark_for
 from kvstore.pipeline.errors import PipelineError, SnapshotError, WalGapError
 from kvstore.pipeline.target import WalTarget
-from kvstore.server import snapshot
+from kvstore.storage import snapshot
 
 log = logging.getLogger(__name__)
 

@@ -57,7 +57,7 @@ from typing import TYPE_CHECKING, Any
 from kvstore.output import Printer, format_table
 from kvstore.pipeline.errors import PipelineError, SnapshotError
 from kvstore.pipeline.target import WalTarget
-from kvstore.server import snapshot
+from kvstore.storage import snapshot
 
 if TYPE_CHECKING:
     from wal.readers import ReaderList

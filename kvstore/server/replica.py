@@ -41,8 +41,8 @@ from kvstore.server import failpoints
 from kvstore.server.clock import SYSTEM_CLOCK, Clock
 from kvstore.server.config import ReplicaConfig
 from kvstore.server.metrics import Metrics
-from kvstore.server.storage import ShardStore, StorageError
 from kvstore.server.watch import Watcher
+from kvstore.storage.shard_store import ShardStore, StorageError
 
 log = logging.getLogger(__name__)
 
@@ -681,7 +681,7 @@ class ShardReplica:
         root = self.config.snapshot_dir
         if root is None:
             return False
-        from kvstore.server import snapshot  # pyarrow: only nodes that use snapshots pay for it
+        from kvstore.storage import snapshot  # pyarrow: only nodes that use snapshots pay for it
 
         try:
             found = await asyncio.to_thread(snapshot.list_snapshots, root)
@@ -720,7 +720,7 @@ class ShardReplica:
 
     def _load_into_scratch(self, root: str, manifest: Any) -> Path:
         """In a worker thread: the snapshot into a scratch store next to ours; returns its path."""
-        from kvstore.server import snapshot
+        from kvstore.storage import snapshot
 
         path = self._loading_path()
         shutil.rmtree(path, ignore_errors=True)

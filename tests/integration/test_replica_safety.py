@@ -344,7 +344,7 @@ def test_checkpoint_beyond_the_end_waits_out_the_grace_then_rebuilds(kafka: Loca
             await wait_until_async(lambda: leader.role is Role.LEADING, 30, what="the replica to lead")
             await _put(leader, b"real", b"1")
         # The same replica's directory, but ahead of the log: as if the topic had been recreated.
-        from kvstore.server.storage import ShardStore
+        from kvstore.storage.shard_store import ShardStore
 
         store = ShardStore(config.data_dir / "shard-0", topic=topic, shard=0)
         store.apply([], store.applied_offset + 50)

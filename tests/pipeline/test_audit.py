@@ -29,7 +29,7 @@ from kvstore.pipeline.audit import (
     plan_start,
     render,
 )
-from kvstore.server import snapshot
+from kvstore.storage import snapshot
 from tests.integration.store_process import StoreProcess
 from tests.pipeline.conftest import NODE_SHARDS
 from wal.broker import LocalKafka

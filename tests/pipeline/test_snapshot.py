@@ -13,8 +13,8 @@ from kvstore.client import Client, InvalidArgument, Op
 from kvstore.core.batch import admit, write_of
 from kvstore.core.sharding import shard_of
 from kvstore.internal.v1 import wal_entry_pb2 as pb
-from kvstore.server import snapshot
-from kvstore.server.storage import ShardStore
+from kvstore.storage import snapshot
+from kvstore.storage.shard_store import ShardStore
 from kvstore.v1 import cluster_pb2, kv_pb2
 from tests.integration.store_process import StoreProcess
 from tests.pipeline.conftest import NODE_SHARDS, cli_json

@@ -85,8 +85,8 @@ def _violations(package: str, forbidden: tuple[str, ...], *, module_level_only: 
 
 
 def test_the_sources_are_where_the_rules_expect_them() -> None:
-    for package in ("wal", "kvstore/core", "kvstore/server", "kvstore/client", "kvstore/cli", "kvstore/dev",
-                    "kvstore/pipeline", "kvstore/errors.py", "kvstore/limits.py", "kvstore/output.py"):
+    for package in ("wal", "kvstore/core", "kvstore/storage", "kvstore/server", "kvstore/client", "kvstore/cli",
+                    "kvstore/dev", "kvstore/pipeline", "kvstore/errors.py", "kvstore/limits.py", "kvstore/output.py"):
         assert _sources(package), f"{package} has no sources: update this test and docs/development.md 'Packages'"
 
 
@@ -121,8 +121,8 @@ def test_the_log_knows_nothing_of_the_store() -> None:
 
 @pytest.mark.parametrize("package", ["kvstore/client", "kvstore/errors.py", "kvstore/limits.py", "kvstore/output.py"])
 def test_the_base_install_needs_only_grpcio_and_protobuf(package: str) -> None:
-    forbidden = ("wal", "kvstore.server", "kvstore.internal", "kvstore.cli", "kvstore.dev", "kvstore.pipeline",
-                 *HEAVY)
+    forbidden = ("wal", "kvstore.server", "kvstore.storage", "kvstore.internal", "kvstore.cli", "kvstore.dev",
+                 "kvstore.pipeline", *HEAVY)
     assert not _violations(package, forbidden)
 
 
@@ -141,7 +141,8 @@ def test_the_output_helpers_need_only_the_standard_library() -> None:
 
 
 def test_the_cli_imports_anything_beyond_the_client_only_where_a_command_needs_it() -> None:
-    forbidden = ("wal", "kvstore.server", "kvstore.pipeline", "kvstore.dev", "kvstore.internal", *HEAVY)
+    forbidden = ("wal", "kvstore.server", "kvstore.storage", "kvstore.pipeline", "kvstore.dev", "kvstore.internal",
+                 *HEAVY)
     assert not _violations("kvstore/cli", forbidden, module_level_only=True)
 
 
@@ -150,11 +151,22 @@ def test_a_node_never_imports_client_side_or_spark_code() -> None:
     assert not _violations("kvstore/server", forbidden)
 
 
+def test_the_pipeline_never_reaches_into_a_node() -> None:
+    """The pipeline reads and writes the replicas' formats through kvstore.storage, the package
+    a node uses for them too; a node's internals (kvstore.server) are none of its business."""
+    assert not _violations("kvstore/pipeline", ("kvstore.server",))
+
+
+def test_storage_is_shared_by_the_node_and_the_pipeline_and_knows_neither() -> None:
+    assert not _violations("kvstore/storage", ("kvstore.server", "kvstore.pipeline", "kvstore.client", "kvstore.cli",
+                                               "kvstore.dev", "pyspark", "confluent_kafka", "grpc"))
+
+
 def test_dev_tooling_and_the_pipeline_are_leaves() -> None:
     """Only the CLI reaches the dev tools (inside the commands that need them) and the pipeline
     (through its command registry, below)."""
-    wrong = [v for package in ("wal", "kvstore/core", "kvstore/server", "kvstore/client", "kvstore/errors.py",
-                               "kvstore/limits.py", "kvstore/output.py")
+    wrong = [v for package in ("wal", "kvstore/core", "kvstore/storage", "kvstore/server", "kvstore/client",
+                               "kvstore/errors.py", "kvstore/limits.py", "kvstore/output.py")
              for v in _violations(package, ("kvstore.dev", "kvstore.pipeline"))]
     wrong += _violations("kvstore/dev", ("kvstore.pipeline",))
     assert not wrong
@@ -176,7 +188,7 @@ def test_a_registered_command_group_imports_no_job_at_parse_time(entry: str) -> 
     module, _, function = entry.partition(":")
     path = ROOT.joinpath(*module.split(".")).with_suffix(".py")
     assert path.is_file() and f"def {function}(" in path.read_text(), f"{entry}: no such function"
-    forbidden = ("wal", "kvstore.server", "kvstore.internal", "kvstore.dev", "kvstore.cli", *HEAVY)
+    forbidden = ("wal", "kvstore.server", "kvstore.storage", "kvstore.internal", "kvstore.dev", "kvstore.cli", *HEAVY)
     wrong = [f"{name} (imported by {importer})" for name, importer in sorted(_module_level_closure(module).items())
              if _within(name, forbidden)]
     assert not wrong, f"{entry} pulls in more than the base install at parse time:\n" + "\n".join(wrong)

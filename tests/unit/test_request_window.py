@@ -10,7 +10,7 @@ import pytest
 
 from kvstore.core.request_window import MemoryShard
 from kvstore.internal.v1 import wal_entry_pb2 as pb
-from kvstore.server.storage import ShardStore
+from kvstore.storage.shard_store import ShardStore
 
 HORIZON_MS, LIMIT = 1_000, 6
 

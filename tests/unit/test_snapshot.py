@@ -21,8 +21,8 @@ import pytest
 from kvstore.core.state import KeyState, RequestRecord
 from kvstore.internal.v1 import wal_entry_pb2 as pb
 from kvstore.pipeline.fold import FOLD_INPUT, FOLD_OUTPUT, FoldError, fold
-from kvstore.server import snapshot
-from kvstore.server.storage import ShardStore
+from kvstore.storage import snapshot
+from kvstore.storage.shard_store import ShardStore
 
 TOPIC = "wal-test"
 MAX_IDS = 7

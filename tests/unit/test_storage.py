@@ -1,4 +1,4 @@
-"""`kvstore.server.storage.ShardStore` on a real LevelDB under tmp_path: apply, reads, request table, rebuilds."""
+"""`kvstore.storage.shard_store.ShardStore` on a real LevelDB under tmp_path: apply, reads, request table, rebuilds."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from kvstore import limits
 from kvstore.core.request_horizon import expired
 from kvstore.core.state import KeyState, RequestRecord, apply_entries
 from kvstore.internal.v1 import wal_entry_pb2 as pb
-from kvstore.server.storage import FORMAT_VERSION, HeldKeys, ShardStore, StorageError
+from kvstore.storage.shard_store import FORMAT_VERSION, HeldKeys, ShardStore, StorageError
 
 TOPIC = "wal-test"
 GARBAGE = b"\xde\xad\xbe\xef" * 64
@@ -594,7 +594,7 @@ def test_held_keys_are_kept_only_from_an_empty_store(open_store: Callable[..., S
 
 
 def test_held_keys_that_fill_up_are_dropped(store: ShardStore, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("kvstore.server.storage.HeldKeys.MAX_KEYS", 10)
+    monkeypatch.setattr("kvstore.storage.shard_store.HeldKeys.MAX_KEYS", 10)
     store.apply([(i, put(b"k%d" % i)) for i in range(12)], 12)
     assert store._held is not None and store._held.full  # dropped at the next apply
     store.apply([(12, put(b"k0", b"again"))], 13)

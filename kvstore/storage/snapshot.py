@@ -49,7 +49,7 @@ import pyarrow.dataset as pads
 import pyarrow.fs as pafs
 
 from kvstore.core.state import KeyState, RequestRecord
-from kvstore.server.storage import ShardStore
+from kvstore.storage.shard_store import ShardStore
 
 log = logging.getLogger(__name__)
 

@@ -400,7 +400,7 @@ class ShardStore:
                       request_batches: Iterable[Sequence[RequestRecord]], *, checkpoint: int,
                       evicted_through_ms: int, on_progress: Callable[[int, int], None] | None = None) -> None:
         """Replace this replica by a snapshot's state at `checkpoint` (its cut). Keys come with
-        their state already encoded (`KeyState.encode`, or `kvstore.server.snapshot.encode_states` for a
+        their state already encoded (`KeyState.encode`, or `kvstore.storage.snapshot.encode_states` for a
         whole column at once: this is the hot loop of a bootstrap).
 
         The directory is wiped first and marked `m:loading` until the last write batch, which
