@@ -173,6 +173,16 @@ def leading(end: int = 2, config: ReplicaConfig = CONFIG) -> Drive:
     return drive
 
 
+def reading_the_end_at(checkpoint: int) -> Drive:
+    """A replica whose store holds a record and the checkpoint `checkpoint`, started: rewound,
+    and reading the end it follows to (a ReadEnd out)."""
+    store = MemoryShard()
+    store.apply([(0, entry(b"a", 0))], checkpoint)
+    drive = Drive(store=store)
+    run(drive, [(Started(), 0, ["RewindUnverified"]), (Rewound(), None, ["ReadEnd(follow)"])])
+    return drive
+
+
 def committed(drive: Drive, revision: int, count: int) -> Appended:
     offsets = tuple(range(revision, revision + count))
     return Appended(offsets, revision + count + 1, revision + count)
@@ -200,10 +210,8 @@ def test_a_standby_rewinds_loads_reads_the_end_then_tails() -> None:
 
 
 def test_a_replica_with_state_skips_the_snapshot_and_a_snapshot_loaded_is_counted() -> None:
-    store = MemoryShard()
-    store.apply([(0, entry(b"a", 0))], 2)
-    drive = Drive(store=store)
-    run(drive, [(Started(), 0, ["RewindUnverified"]), (Rewound(), None, ["ReadEnd(follow)"])])
+    drive = reading_the_end_at(2)
+    run(drive, [])
     empty = Drive()
     run(empty, [(Started(), 0, ["RewindUnverified"]), (Rewound(), None, ["LoadSnapshot(0)"])])
     empty.store.apply([], 40)  # what a loaded snapshot leaves: its cut as the checkpoint
@@ -264,12 +272,8 @@ def test_nothing_is_planned_or_fetched_until_the_store_applied_the_replayed_reco
 
 
 def test_a_checkpoint_beyond_the_end_is_waited_out_then_wiped() -> None:
-    store = MemoryShard()
-    store.apply([(0, entry(b"a", 0))], 10)
-    drive = Drive(store=store)
+    drive = reading_the_end_at(10)
     run(drive, [
-        (Started(), 0, ["RewindUnverified"]),
-        (Rewound(), None, ["ReadEnd(follow)"]),
         (EndRead(EndPurpose.FOLLOW, 5), None, []),  # beyond: wait, re-reading the end
         (Tick(), 500, ["ReadEnd(confirm)"]),
         (EndRead(EndPurpose.CONFIRM, 6), 510, []),
@@ -283,11 +287,8 @@ def test_a_checkpoint_beyond_the_end_is_waited_out_then_wiped() -> None:
 
 
 def test_a_stale_end_that_catches_up_is_no_reason_to_wipe() -> None:
-    store = MemoryShard()
-    store.apply([(0, entry(b"a", 0))], 10)
-    drive = Drive(store=store)
+    drive = reading_the_end_at(10)
     run(drive, [
-        (Started(), 0, ["RewindUnverified"]), (Rewound(), None, ["ReadEnd(follow)"]),
         (EndRead(EndPurpose.FOLLOW, 5), None, []),
         (Tick(), 500, ["ReadEnd(confirm)"]),
         (EndRead(EndPurpose.CONFIRM, 12), 510, ["Fetch(10,None)"]),  # a broker back with its real end
@@ -296,11 +297,8 @@ def test_a_stale_end_that_catches_up_is_no_reason_to_wipe() -> None:
 
 
 def test_an_end_unreadable_through_the_grace_concludes_nothing() -> None:
-    store = MemoryShard()
-    store.apply([(0, entry(b"a", 0))], 10)
-    drive = Drive(store=store)
+    drive = reading_the_end_at(10)
     run(drive, [
-        (Started(), 0, ["RewindUnverified"]), (Rewound(), None, ["ReadEnd(follow)"]),
         (EndRead(EndPurpose.FOLLOW, 5), None, []),
         (Tick(), 500, ["ReadEnd(confirm)"]),
         (EndReadFailed(EndPurpose.CONFIRM, "down"), 510, []),
@@ -397,10 +395,8 @@ def test_resigning_while_catching_up_steps_down_at_once() -> None:
 
 
 def test_the_end_moving_while_taking_over_means_taking_over_again() -> None:
-    store = MemoryShard()
-    store.apply([(0, entry(b"a", 0))], 8)
-    drive = Drive(store=store)
-    run(drive, [(Started(), 0, ["RewindUnverified"]), (Rewound(), None, ["ReadEnd(follow)"]),
+    drive = reading_the_end_at(8)
+    run(drive, [
                 (EndRead(EndPurpose.FOLLOW, 8), None, ["Fetch(8,None)"]), (LeadChanged(True), None, []),
                 (Fetched(8, (), 8), None, ["Fence"]),
                 (Fenced(5), 0, ["Note(leader_changes)", "SetTerm(6)", "RewindUnverified"]),  # a stale end
@@ -741,19 +737,15 @@ def test_what_a_driver_reads_holding_pending_and_wake_times() -> None:
 
 
 def test_a_tick_before_the_next_re_read_of_a_stale_end_waits() -> None:
-    store = MemoryShard()
-    store.apply([(0, entry(b"a", 0))], 10)
-    drive = Drive(store=store)
-    run(drive, [(Started(), 0, ["RewindUnverified"]), (Rewound(), None, ["ReadEnd(follow)"]),
+    drive = reading_the_end_at(10)
+    run(drive, [
                 (EndRead(EndPurpose.FOLLOW, 5), None, []), (Tick(), 200, [])])
     assert drive.machine.wake_at_ms() == 500
 
 
 def test_a_catch_up_beyond_a_confirmed_end_wipes_and_replays_everything() -> None:
-    store = MemoryShard()
-    store.apply([(0, entry(b"a", 0))], 10)
-    drive = Drive(store=store)
-    run(drive, [(Started(), 0, ["RewindUnverified"]), (Rewound(), None, ["ReadEnd(follow)"]),
+    drive = reading_the_end_at(10)
+    run(drive, [
                 (EndRead(EndPurpose.FOLLOW, 10), None, ["Fetch(10,None)"]), (LeadChanged(True), None, []),
                 (Fetched(10, (), 10), None, ["Fence"]),
                 (Fenced(3), 0, ["Note(leader_changes)", "SetTerm(4)", "RewindUnverified"]),  # the WAL was recreated
