@@ -20,10 +20,8 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-import os
 import shutil
 from collections.abc import Callable, Coroutine
-from pathlib import Path
 from typing import Any
 
 import wal
@@ -34,10 +32,9 @@ from kvstore import errors
 from kvstore.core import replica as core
 from kvstore.core.batch import BatchLimits, Write
 from kvstore.core.evaluate import Response
-from kvstore.core.recovery import SnapshotOffer, snapshots_to_try
 from kvstore.core.role import AppendOutcome, Role
 from kvstore.core.state import Change, KeyState, RequestRecord
-from kvstore.server import failpoints
+from kvstore.server import failpoints, restore
 from kvstore.server.clock import SYSTEM_CLOCK, Clock
 from kvstore.server.config import ReplicaConfig
 from kvstore.server.metrics import Metrics
@@ -49,7 +46,6 @@ log = logging.getLogger(__name__)
 FOLLOW_POLL_S = 0.1  # a follower's poll (a takeover waits for at most one)
 CATCH_UP_POLL_S = 0.02  # a takeover waits for the tail (often one batch and its marker): poll briskly
 REFENCE_PAUSE_S = 1.0  # after being fenced while still assigned the shard, before fencing back
-PROGRESS_LOG_S = 2.0  # how often a snapshot load logs its progress
 IDLE_TICK_S = 1.0  # the machine is looked in on at least this often
 # Kafka's default replica.lag.time.max.ms: for about this long a restarted or newly elected
 # partition leader may report a high watermark below what was acknowledged before.
@@ -99,7 +95,7 @@ class ShardReplica:
         self.metrics = metrics
         self.store = ShardStore(config.data_dir / f"shard-{config.shard}", topic=config.topic, shard=config.shard)
         # A snapshot load cut short (crash) leaves its scratch directory: never trust it.
-        shutil.rmtree(self._loading_path(), ignore_errors=True)
+        shutil.rmtree(restore.scratch_path(self.store.path), ignore_errors=True)
         self.machine = core.ReplicaMachine(machine_config(config, standby=True), _View(self))
         self.end_offset = 0  # last known high watermark
         self.watchers: set[Watcher] = set()
@@ -656,104 +652,25 @@ class ShardReplica:
 
     # ---- snapshots ---------------------------------------------------------------------------------------
 
-    def _loading_path(self) -> Path:
-        return self.store.path.with_name(self.store.path.name + ".snapshot-load")
-
     async def _load_snapshot(self, action: core.LoadSnapshot) -> None:
         machine = self.machine
+        loaded = False
         try:
-            loaded = await self._restore(action.at_least, action.why)
+            found = None
+            if self.config.snapshot_dir is not None:
+                end = await asyncio.to_thread(self.ends.high_watermark, self.config.topic, self.shard)
+                found = await restore.load_newest(self.config, self.store.applied_offset, end, action.at_least,
+                                                  action.why, self.clock)
+            if found is not None and (machine is not self.machine or machine.exited):
+                shutil.rmtree(found[0], ignore_errors=True)  # nobody waits for it any more
+            elif found is not None:
+                self.store = restore.swap_in(self.store, found[0], self.config)
+                self._after_apply([])
+                loaded = True
         except Exception as exc:
             log.warning("shard %d: loading a snapshot failed: %s", self.shard, exc)
-            loaded = False
         if machine.reader_op is core.ReaderOp.LOAD:
             self._report(machine, core.SnapshotDone(loaded))
-
-    async def _restore(self, at_least: int, why: str) -> bool:
-        """Replace this replica by the newest usable snapshot whose cut is at least `at_least`
-        and beyond its checkpoint (`kvstore serve --snapshot-dir`); True if one was loaded.
-
-        Usable: complete, of this topic, and not beyond the partition's end (a cut beyond it is
-        of another WAL, e.g. a recreated topic). One that does not load to its own digest is
-        skipped for the next older one. The load runs into a scratch directory; the swap is one
-        step on the event loop.
-        """
-        root = self.config.snapshot_dir
-        if root is None:
-            return False
-        from kvstore.storage import snapshot  # pyarrow: only nodes that use snapshots pay for it
-
-        try:
-            found = await asyncio.to_thread(snapshot.list_snapshots, root)
-        except snapshot.SnapshotFormatError as exc:
-            log.warning("shard %d: %s; cannot look for a snapshot: %s", self.shard, why, exc)
-            return False
-        end = await asyncio.to_thread(self.ends.high_watermark, self.config.topic, self.shard)
-        manifests = {name: manifest for manifest, name in found if manifest is not None}
-        offers = [SnapshotOffer(name, None) if manifest is None else
-                  SnapshotOffer(name, manifest.topic, manifest.shard(self.shard).offset,
-                                manifest.shard(self.shard).keys) for manifest, name in found]
-        usable, notes = snapshots_to_try(offers, topic=self.config.topic, at_least=at_least,
-                                         applied=self.store.applied_offset, end=end)
-        for note in notes:
-            log.warning("shard %d: %s: %s", self.shard, why, note)
-        for offer in usable:
-            manifest, cut = manifests[offer.name], offer.cut
-            keys = manifest.shard(self.shard).keys
-            log.info("shard %d: %s: loading snapshot %s (cut %d, %d keys)", self.shard, why, manifest.name, cut, keys)
-            started = self.clock.monotonic()
-            try:
-                loaded = await asyncio.to_thread(self._load_into_scratch, root, manifest)
-            except (snapshot.SnapshotFormatError, OSError, StorageError) as exc:
-                log.warning("shard %d: snapshot %s is unusable: %s", self.shard, manifest.name, exc)
-                continue
-            if self.machine.exited:
-                shutil.rmtree(loaded, ignore_errors=True)
-                return False
-            self._swap_in(loaded)
-            elapsed = self.clock.monotonic() - started
-            log.info("shard %d: loaded snapshot %s: %d keys in %.1fs (%.0f keys/s); replaying the WAL from %d",
-                     self.shard, manifest.name, keys, elapsed, keys / max(elapsed, 1e-6), cut)
-            self.metrics.applied_offset.labels(shard=str(self.shard)).set(cut)
-            return True
-        return False
-
-    def _load_into_scratch(self, root: str, manifest: Any) -> Path:
-        """In a worker thread: the snapshot into a scratch store next to ours; returns its path."""
-        from kvstore.storage import snapshot
-
-        path = self._loading_path()
-        shutil.rmtree(path, ignore_errors=True)
-        scratch = ShardStore(path, topic=self.config.topic, shard=self.shard)
-        total = manifest.shard(self.shard).keys
-        last_log = [self.clock.monotonic()]
-
-        def progress(keys: int, requests: int) -> None:
-            if self.clock.monotonic() - last_log[0] >= PROGRESS_LOG_S:
-                last_log[0] = self.clock.monotonic()
-                log.info("shard %d: loading snapshot %s: %d of %d keys, %d request ids", self.shard, manifest.name,
-                         keys, total, requests)
-
-        try:
-            snapshot.load_into(scratch, root, manifest, on_progress=progress)
-        except BaseException:
-            scratch.close()
-            shutil.rmtree(path, ignore_errors=True)
-            raise
-        scratch.close()
-        return path
-
-    def _swap_in(self, loaded: Path) -> None:
-        """Make the loaded scratch store this replica's (on the event loop: no read or apply
-        runs in between). A crash in here leaves no directory or a complete one: both are safe
-        (an empty replica loads again)."""
-        path = self.store.path
-        self.store.close()
-        shutil.rmtree(path)
-        os.replace(loaded, path)
-        self.store = ShardStore(path, topic=self.config.topic, shard=self.shard)
-        if self.store.rebuilt_reason:
-            raise StorageError(f"shard {self.shard}: the loaded snapshot did not reopen: {self.store.rebuilt_reason}")
 
 
 def append_outcome(exc: wal.WalError, writer_retired: bool) -> AppendOutcome:
