@@ -23,6 +23,7 @@ from kvstore import errors
 from kvstore.core import replica as machine_events
 from kvstore.core.batch import Answer, BatchLimits, Write
 from kvstore.core.evaluate import key_value
+from kvstore.core.recovery import SnapshotOffer, snapshots_to_try
 from kvstore.core.replica import (
     READY,
     Action,
@@ -38,7 +39,7 @@ from kvstore.v1 import kv_pb2
 from tests.sim.kafka import FetchResult
 from tests.sim.scheduler import Actor
 from tests.sim.world import World
-from tests.sim.writer import Result, SimWriter
+from tests.sim.writer import TOPIC, Result, SimWriter
 from wal import errors as wal_errors
 from wal.guard import AppendResult, Phase
 from wal.record import Verdict, WriterIdentity, judge
@@ -218,16 +219,20 @@ class Replica:
             assert isinstance(action, machine_events.Exit), action
 
     def _load_snapshot(self, at_least: int) -> bool:
-        """The newest snapshot that helps (`kvstore.core.recovery.snapshots_to_try`'s rule: a cut
-        at least `at_least` and beyond the checkpoint), loaded in place of the replica."""
-        for cut, state in reversed(self.world.snapshots.get(self.shard, [])):
-            if cut < at_least or cut <= self.store.applied_offset:
-                return False
-            self.store.load(state)
-            self.world.audit.counters["snapshot_loads"] += 1
-            self.world.trace.log(f"{self.actor.name} s{self.shard} loaded the snapshot at {cut}")
-            return True
-        return False
+        """The snapshot the node would load (`kvstore.core.recovery.snapshots_to_try`, as
+        `kvstore.server.restore.load_newest` asks it), in place of the replica."""
+        taken = dict(self.world.snapshots.get(self.shard, []))
+        offers = [SnapshotOffer(f"cut-{cut}", TOPIC, cut, len(state.keys)) for cut, state in sorted(
+            taken.items(), reverse=True)]  # newest first, as listed
+        _, end = self.world.broker.ends(self.shard)
+        usable, _notes = snapshots_to_try(offers, topic=TOPIC, at_least=at_least, applied=self.store.applied_offset,
+                                          end=end)
+        if not usable:
+            return False
+        self.store.load(taken[usable[0].cut])
+        self.world.audit.counters["snapshot_loads"] += 1
+        self.world.trace.log(f"{self.actor.name} s{self.shard} loaded the snapshot at {usable[0].cut}")
+        return True
 
     def _answer(self, ticket: int, answer: object) -> None:
         request = self._requests.pop(ticket, None)

@@ -141,7 +141,8 @@ def test_the_faults_reach_the_protocol(record_run: list[SimResult]) -> None:
     counters = ("append_fenced", "append_aborted", "append_unknown_fenced", "w3_mismatch", "w3_malformed",
                 "broker_late_end_txn_refused", "broker_duplicate_produces", "broker_init_aborts",
                 "group_expirations", "fault_crash", "fault_pause", "fault_cut_off", "fault_clock_jump",
-                "fault_broker_crash", "net_cut_off_dropped", "net_brokers_down_dropped", "leaderships", "op_ok",
+                "fault_broker_crash", "fault_truncate", "snapshot_loads", "net_cut_off_dropped",
+                "net_brokers_down_dropped", "leaderships", "op_ok",
                 "replicas_forgetting_ids")
     totals: dict[str, int] = {}
     for seed in range(12):  # bounded: some hazards are rare per seed, each shows within a few
