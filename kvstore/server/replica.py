@@ -46,7 +46,6 @@ log = logging.getLogger(__name__)
 FOLLOW_POLL_S = 0.1  # a follower's poll (a takeover waits for at most one)
 CATCH_UP_POLL_S = 0.02  # a takeover waits for the tail (often one batch and its marker): poll briskly
 REFENCE_PAUSE_S = 1.0  # after being fenced while still assigned the shard, before fencing back
-IDLE_TICK_S = 1.0  # the machine is looked in on at least this often
 # Kafka's default replica.lag.time.max.ms: for about this long a restarted or newly elected
 # partition leader may report a high watermark below what was acknowledged before.
 BROKER_REPLICA_LAG_TIME_MAX_MS = 30_000
@@ -113,7 +112,9 @@ class ShardReplica:
         self._changed = asyncio.Event()  # set after every step: waits for the machine's state
         self._applied = asyncio.Event()
         self._tasks: set[asyncio.Task[None]] = set()
-        self._ticker: asyncio.Task[None] | None = None
+        # The one timer that ticks the machine at the time it asked for (`wake_at_ms`).
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at_ms = 0.0
         self._exited = asyncio.Event()
         self._writer: wal.ShardWriter | None = None
         self._writer_call: asyncio.Future[Any] | None = None  # fence / append / settled end running in a thread
@@ -151,7 +152,6 @@ class ShardReplica:
         """Run the replica: lead while `lead` (see `set_lead`), otherwise follow the shard if
         `standby` (so a takeover replays only a short tail) or stay idle at its checkpoint."""
         self.machine.config = dataclasses.replace(self.machine.config, standby=standby)
-        self._ticker = asyncio.create_task(self._tick(), name=f"shard-{self.shard}-ticker")
         self._step(core.Started())
         if lead:
             self._step(core.LeadChanged(True))
@@ -176,9 +176,8 @@ class ShardReplica:
         if not await self._until(self._exited.is_set, bound_s):
             log.warning("shard %d: replica did not stop within %.1fs; cutting its calls short", self.shard, bound_s)
             self._cut_short()
-        if self._ticker is not None:
-            self._ticker.cancel()
-            await asyncio.gather(self._ticker, return_exceptions=True)
+        if self._timer is not None:
+            self._timer.cancel()
         if self._tasks:  # a poll, an end read, a snapshot load: each returns within its own bound
             await asyncio.wait(set(self._tasks), timeout=self.config.call_timeout_s)
         for task in list(self._tasks):
@@ -282,6 +281,7 @@ class ShardReplica:
             self._stepping = False
             self._changed.set()
             self._changed = asyncio.Event()
+        self._schedule_tick()
 
     def _report(self, machine: core.ReplicaMachine, event: core.Event) -> None:
         """The result of an action `machine` asked for: dropped if that machine is gone (started
@@ -406,17 +406,24 @@ class ShardReplica:
                 await asyncio.wait_for(self._changed.wait(), remaining)
         return True
 
-    async def _tick(self) -> None:
-        """Tick the machine when it asked to be woken (a linger, a deadline), at least every
-        IDLE_TICK_S."""
-        while not self.machine.exited:
-            wake = self.machine.wake_at_ms()
-            wait_s = IDLE_TICK_S if wake is None else min(IDLE_TICK_S, max(0.0, wake / 1000 - self.clock.monotonic()))
-            changed = self._changed
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(changed.wait(), wait_s)
-            if not changed.is_set() or (wake is not None and self.clock.monotonic() * 1000 >= wake):
-                self._step(core.Tick())
+    def _schedule_tick(self) -> None:
+        """Keep one timer at the machine's `wake_at_ms` (a linger, a deadline): rescheduled only
+        when the machine wants to be woken earlier than it is set for."""
+        wake = self.machine.wake_at_ms()
+        if wake is None or self.machine.exited:
+            return
+        if self._timer is not None:
+            if self._timer_at_ms <= wake:
+                return
+            self._timer.cancel()
+        self._timer_at_ms = wake
+        delay_s = max(0.0, wake / 1000 - self.clock.monotonic())
+        self._timer = asyncio.get_running_loop().call_later(delay_s, self._on_timer)
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        if not self.machine.exited:
+            self._step(core.Tick())
 
     def _cut_short(self) -> None:
         """The stop bound passed: report what still runs as failed, as a cancellation would."""
