@@ -147,7 +147,10 @@ def check_run(broker: Broker, nodes: Sequence[Node], history: Sequence[Operation
     if converged:
         for shard, oracle in enumerate(oracles):
             end = broker.partitions[shard].high_watermark
-            for node in nodes:
+            holders = [node for node in nodes if shard in node.stores]
+            if not holders:
+                violations.append(f"no node holds shard {shard} after healing")
+            for node in holders:
                 store, truth = node.stores[shard], oracle.store
                 if (store.applied_offset, store.keys, store.requests, store.evicted_through_ms) != (
                         end, truth.keys, truth.requests, truth.evicted_through_ms):

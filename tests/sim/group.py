@@ -13,7 +13,11 @@ make harmless. The model keeps exactly those properties:
 * cooperative rebalancing: to even out the load, a shard is first revoked from its live owner
   (its heartbeat answer no longer lists it), and moves once the owner reports it released it
   (its replica stopped leading) or after `revoke_timeout_ms` (the owner is presumed stuck);
-* members learn everything from heartbeat answers, which travel over the simulated network.
+* members learn everything from heartbeat answers, which travel over the simulated network;
+* per-shard leadership groups (kvstore.server.leadership) are modelled as one group in which each
+  member says which shards' groups it is in (`eligible`: its caught-up replicas,
+  kvstore.core.placement): a shard is only ever given to a member eligible for it, and a member
+  that leaves a shard's group has the shard revoked as in a rebalance.
 """
 
 from __future__ import annotations
@@ -29,6 +33,10 @@ TICK_MS = 100
 class _Member:
     name: str
     last_seen_ms: int
+    eligible: frozenset[int] | None = None  # the shards' groups it is in (None: every shard's)
+
+    def may_lead(self, shard: int) -> bool:
+        return self.eligible is None or shard in self.eligible
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +47,8 @@ class GroupAnswer:
     known: bool
     assigned: frozenset[int]
     owners: tuple[str | None, ...]  # the group's view of who leads each shard (leader hints)
+    members: tuple[str, ...] = ()  # every member: the membership group's listing
+    in_group: tuple[frozenset[str], ...] = ()  # per shard, the members in its leadership group
 
 
 @dataclasses.dataclass
@@ -56,24 +66,32 @@ class GroupCoordinator:
         self.revoke_timeout_ms = revoke_timeout_ms
         self.members: dict[str, _Member] = {}
         self.owner: list[str | None] = [None] * shards
-        self.moving: dict[int, tuple[str, int]] = {}  # shard -> (new owner, revoked at ms)
+        self.moving: dict[int, tuple[str | None, int]] = {}  # shard -> (new owner, revoked at ms)
         self.stats = GroupStats()
         sched.at(TICK_MS, self._tick)
 
-    def heartbeat(self, name: str, holding: frozenset[int], join: bool) -> GroupAnswer:
-        """`holding`: the shards the member's replicas still act as leader of."""
+    def heartbeat(self, name: str, holding: frozenset[int], join: bool,
+                  eligible: frozenset[int] | None = None) -> GroupAnswer:
+        """`holding`: the shards the member's replicas still act as leader of; `eligible`: the
+        shards whose leadership group it is in (None: all)."""
         member = self.members.get(name)
         if member is None:
             if not join:
-                return GroupAnswer(False, frozenset(), tuple(self.owner))
+                return self._answer(False, frozenset())
             member = self.members[name] = _Member(name, self.sched.now)
             self.stats.joins += 1
         member.last_seen_ms = self.sched.now
+        member.eligible = eligible
         for shard in sorted(self.moving):
             if self.owner[shard] == name and shard not in holding:
                 self._finish_move(shard)
         self._rebalance()
-        return GroupAnswer(True, self.assigned(name), tuple(self.owner))
+        return self._answer(True, self.assigned(name))
+
+    def _answer(self, known: bool, assigned: frozenset[int]) -> GroupAnswer:
+        members = tuple(sorted(self.members))
+        in_group = tuple(frozenset(n for n in members if self.members[n].may_lead(s)) for s in range(len(self.owner)))
+        return GroupAnswer(known, assigned, tuple(self.owner), members, in_group)
 
     def assigned(self, name: str) -> frozenset[int]:
         return frozenset(s for s, owner in enumerate(self.owner) if owner == name and s not in self.moving)
@@ -95,7 +113,8 @@ class GroupCoordinator:
 
     def _finish_move(self, shard: int) -> None:
         target, _ = self.moving.pop(shard)
-        self.owner[shard] = target if target in self.members else None
+        member = self.members.get(target) if target is not None else None
+        self.owner[shard] = target if member is not None and member.may_lead(shard) else None
         self.stats.moves += 1
 
     def _loads(self) -> dict[str, int]:
@@ -113,13 +132,21 @@ class GroupCoordinator:
         for shard, owner in enumerate(self.owner):
             if owner is None or owner not in self.members:
                 self.moving.pop(shard, None)
-                loads = self._loads()
-                self.owner[shard] = min(loads, key=lambda n: (loads[n], n))
+                loads = {n: load for n, load in self._loads().items() if self.members[n].may_lead(shard)}
+                self.owner[shard] = min(loads, key=lambda n: (loads[n], n)) if loads else None
+        for shard, owner in enumerate(self.owner):
+            # The owner left the shard's leadership group: revoked, given to an eligible member once
+            # released (or to nobody, if none is eligible).
+            if owner is not None and not self.members[owner].may_lead(shard) and shard not in self.moving:
+                loads = {n: load for n, load in self._loads().items() if self.members[n].may_lead(shard)}
+                self.moving[shard] = (min(loads, key=lambda n: (loads[n], n)) if loads else None, self.sched.now)
         if self.moving:
             return  # one move at a time
         loads = self._loads()
         most = max(loads, key=lambda n: (loads[n], n))
-        least = min(loads, key=lambda n: (loads[n], n))
-        if loads[most] - loads[least] >= 2:
-            shard = max(s for s, owner in enumerate(self.owner) if owner == most)
-            self.moving[shard] = (least, self.sched.now)
+        for shard in sorted((s for s, owner in enumerate(self.owner) if owner == most), reverse=True):
+            eligible = {n: load for n, load in loads.items() if self.members[n].may_lead(shard)}
+            least = min(eligible, key=lambda n: (eligible[n], n))
+            if loads[most] - eligible[least] >= 2:
+                self.moving[shard] = (least, self.sched.now)
+                return

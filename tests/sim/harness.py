@@ -20,6 +20,8 @@ import random
 import time
 import traceback
 
+from kvstore.core import placement
+from kvstore.core.placement import Hold
 from kvstore.core.replica import Mutation
 from kvstore.core.sharding import shard_of
 from tests.sim.checker import check_run
@@ -50,6 +52,8 @@ class SimConfig:
     faults: FaultPlan | None = dataclasses.field(default_factory=FaultPlan)
     timing: Timing = dataclasses.field(default_factory=Timing)
     mutations: frozenset[Mutation] = frozenset()  # the replica machine's broken variants
+    replication_factor: int | None = None  # placement: each shard on this many nodes (None: on every node)
+    skip_caught_up: bool = False  # the placement mutation: a learner joins its shard's group at once
 
     @property
     def variant(self) -> str:
@@ -58,6 +62,8 @@ class SimConfig:
         parts += [] if self.kafka.kip890 else [NO_KIP890]
         parts += [] if self.late_requests else ["no-late-requests"]
         parts += sorted(m.value for m in self.mutations)
+        parts += [SKIP_CAUGHT_UP] if self.skip_caught_up else []
+        parts += [f"rf{self.replication_factor}"] if self.replication_factor is not None else []
         return ",".join(parts) or "correct"
 
 
@@ -68,10 +74,12 @@ class SimConfig:
 W2_SKIPPED = "skip-w2-check"
 FENCING_SKIPPED = "skip-fencing"
 NO_KIP890 = "no-kip890"
+SKIP_CAUGHT_UP = "skip-caught-up"  # placement: a learner joins its shard's leadership group before it caught up
 MUTATIONS: dict[str, dict[str, object]] = {
     W2_SKIPPED: {"check_w2": False},
     FENCING_SKIPPED: {"kafka": KafkaVariant(fencing=False)},
     NO_KIP890: {"kafka": KafkaVariant(kip890=False)},
+    SKIP_CAUGHT_UP: {"skip_caught_up": True, "replication_factor": 2},
     **{m.value: {"mutations": frozenset({m})} for m in Mutation},
 }
 
@@ -131,7 +139,8 @@ class Simulation:
             group=GroupCoordinator(sched, config.shards, session_timeout_ms=timing.session_timeout_ms,
                                    revoke_timeout_ms=timing.revoke_timeout_ms),
             timing=timing, audit=Audit(), trace=Trace(sched), shards=config.shards, check_w2=config.check_w2,
-            late_requests=config.late_requests, mutations=config.mutations)
+            late_requests=config.late_requests, mutations=config.mutations,
+            replication_factor=config.replication_factor, skip_caught_up=config.skip_caught_up)
         self.nodes = [Node(f"n{i}", self.world) for i in range(config.nodes)]
         keys = client_keys(config.keys, config.shards)
         self.clients = [Client(i, self.world, self.nodes, keys) for i in range(config.clients)]
@@ -195,8 +204,15 @@ class Simulation:
                 return f"shard {shard} has an open transaction"
             end = partition.high_watermark
             for node in self.nodes:
-                if node.stores[shard].applied_offset != end:
-                    return f"{node.name} shard {shard} at {node.stores[shard].applied_offset}, end {end}"
+                store = node.stores.get(shard)
+                if store is not None and store.applied_offset != end:
+                    return f"{node.name} shard {shard} at {store.applied_offset}, end {end}"
+        if self.config.replication_factor is not None:
+            for node in self.nodes:  # placement settled: every node holds exactly its placed shards, serving
+                placed = placement.shards_of(node.name, node.placement)
+                if set(node.holds) != placed or any(h.hold is not Hold.SERVING for h in node.holds.values()):
+                    return (f"{node.name} holds {sorted((s, h.hold.value) for s, h in node.holds.items())}, placed "
+                            f"{sorted(placed)}")
         return ""
 
     def stats(self) -> dict[str, int]:
@@ -204,7 +220,8 @@ class Simulation:
         stats = dict(sorted(world.audit.counters.items()))
         stats["records"] = sum(p.high_watermark for p in world.broker.partitions)
         stats["leader_commits"] = len(world.audit.leader_commits)
-        stats["replicas_forgetting_ids"] = sum(1 for n in self.nodes for s in n.stores if s.evicted_through_ms)
+        stats["replicas_forgetting_ids"] = sum(1 for n in self.nodes for s in n.stores.values()
+                                              if s.evicted_through_ms)
         for name, value in dataclasses.asdict(world.broker.stats).items():
             stats[f"broker_{name}"] = value
         for name, value in dataclasses.asdict(world.group.stats).items():
@@ -250,8 +267,10 @@ def run(config: SimConfig) -> SimResult:
 
 def config_for(seed: int, steps: int, **overrides: object) -> SimConfig:
     """The cluster a seed runs: its shape varies with the seed too (3-5 nodes, 1-3 shards, 2-6
-    clients, 3-8 keys), drawn from a generator of its own so the run's stream stays untouched."""
+    clients, 3-8 keys, every shard on every node or placed on 1-3 of them), drawn from a generator
+    of its own so the run's stream stays untouched."""
     shape = random.Random(seed * 7919 + 1)
     config = SimConfig(seed=seed, steps=steps, nodes=shape.choice((3, 3, 4, 5)), shards=shape.choice((1, 2, 2, 3)),
-                       clients=shape.randint(2, 6), keys=shape.randint(3, 8))
+                       clients=shape.randint(2, 6), keys=shape.randint(3, 8),
+                       replication_factor=shape.choice((None, 1, 2, 2, 3)))
     return dataclasses.replace(config, **overrides)  # type: ignore[arg-type]

@@ -1,4 +1,5 @@
-"""A simulated store node: a replica of every shard, a group member, a request handler.
+"""A simulated store node: a replica of every shard (or, with placement, of the shards placed on
+it), a group member, a request handler.
 
 Why this split from the replica: a node is the unit that crashes, restarts and pauses. Its
 disk (one `kvstore.core.request_window.MemoryShard` per shard: keys, request-id window,
@@ -7,6 +8,13 @@ crash; everything else (replicas, producers, the
 group view, queued writes) is rebuilt from the disk and the WAL when it restarts, as a real
 node process is. A paused node keeps all of it and, when it wakes up, acts on what it knew
 before it slept until a heartbeat answer tells it otherwise.
+
+With placement (`World.replication_factor`), the node takes the same steps as a real node
+(`kvstore.core.placement.decide`, the pure function `kvstore.server.node.Node._place` runs): at
+every heartbeat answer it counts the members (with the grace period), places every shard, opens
+learners, joins a shard's leadership group (`eligible` in its heartbeats) once caught up, leaves
+it and drops the data when the shard is placed elsewhere. It checks P2 as it goes: a shard's
+group never lists it with a replica that has not caught up.
 """
 
 from __future__ import annotations
@@ -14,7 +22,10 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from kvstore import errors
+from kvstore.core import placement
 from kvstore.core.batch import Answer, write_of
+from kvstore.core.placement import Act, Hold, ShardFacts, ShardHold
+from kvstore.core.request_window import MemoryShard
 from kvstore.core.sharding import shard_of
 from kvstore.v1 import kv_pb2
 from tests.sim.group import GroupAnswer
@@ -31,30 +42,50 @@ class Node(Actor):
         super().__init__(name)
         self.alive = False  # until its first `restart` (the harness starts nodes at random moments)
         self.world = world
-        self.stores = [world.new_disk() for _ in range(world.shards)]  # the disk
-        self.replicas: list[Replica] = []
+        # The disk: a store per shard it holds (every shard without placement).
+        self.stores: dict[int, MemoryShard] = ({} if world.replication_factor is not None
+                                               else {s: world.new_disk() for s in range(world.shards)})
+        self.replicas: dict[int, Replica] = {}
+        self.holds: dict[int, ShardHold] = {}
+        self.liveness = placement.Liveness(world.timing.placement_grace_ms)
+        self.placement: tuple[tuple[str, ...], ...] = ()
+        self.started_ms = 0
         self.joined = False
         self.assigned: frozenset[int] = frozenset()
         self.owners: tuple[str | None, ...] = (None,) * world.shards
+
+    @property
+    def placing(self) -> bool:
+        return self.world.replication_factor is not None
 
     # ---- life ---------------------------------------------------------------------------------------
 
     def _boot(self) -> None:
         """Start (or restart after a crash) from what is on disk."""
-        self.replicas = [Replica(self.world, self, s, self.stores[s], self.leader_hint)
-                         for s in range(self.world.shards)]
+        self.replicas = {}
+        self.holds = {}
+        self.liveness = placement.Liveness(self.world.timing.placement_grace_ms)
+        self.started_ms = self.world.sched.now
         self.joined = False
         self.assigned = frozenset()
         self.owners = (None,) * self.world.shards
-        for replica in self.replicas:
-            replica.start()
+        for shard in sorted(self.stores):  # with placement: learners, until they caught up
+            self._open(shard)
         self._heartbeat()
+
+    def _open(self, shard: int) -> None:
+        if shard not in self.stores:
+            self.stores[shard] = self.world.new_disk()
+        replica = self.replicas[shard] = Replica(self.world, self, shard, self.stores[shard], self.leader_hint)
+        if self.placing:
+            self.holds[shard] = ShardHold(Hold.LEARNING, self.world.sched.now)
+        replica.start()
 
     def crash(self, *, lose_disk: bool = False) -> None:
         self.world.sched.crash(self)
-        self.replicas = []
+        self.replicas = {}
         if lose_disk:
-            self.stores = [self.world.new_disk() for _ in range(self.world.shards)]
+            self.stores = {s: self.world.new_disk() for s in self.stores} if not self.placing else {}
 
     def restart(self) -> None:
         """Start the process (again): from what is on disk."""
@@ -67,15 +98,27 @@ class Node(Actor):
 
     # ---- the group -------------------------------------------------------------------------------------
 
+    def _eligible(self) -> frozenset[int] | None:
+        """The shards whose leadership group it is in: those it serves (every shard without placement)."""
+        if not self.placing:
+            return None
+        serving = frozenset(s for s, hold in self.holds.items() if hold.hold is Hold.SERVING)
+        for shard in sorted(serving):  # P2: only a caught-up replica counts
+            if not self.replicas[shard].caught_up_once:
+                self.world.violation(f"P2: {self.name} is in shard {shard}'s leadership group with a replica that "
+                                     "has not caught up")
+        return serving
+
     def _heartbeat(self) -> None:
         world = self.world
-        holding = frozenset(r.shard for r in self.replicas if r.holding)
+        holding = frozenset(s for s, r in self.replicas.items() if r.holding)
         join = not self.joined
         name = self.name
+        eligible = self._eligible()
         back = world.net.answer_to(self)
 
         def at_coordinator() -> None:
-            answer = world.group.heartbeat(name, holding, join)
+            answer = world.group.heartbeat(name, holding, join, eligible)
             back(lambda: self._on_group(answer))
 
         world.net.send(at_coordinator, None, sender=self)
@@ -89,14 +132,54 @@ class Node(Actor):
             self.joined = False
             gone, self.assigned = self.assigned, frozenset()
             for shard in sorted(gone):
-                self.replicas[shard].set_lead(False)
+                if shard in self.replicas:
+                    self.replicas[shard].set_lead(False)
             return
         self.joined = True
         for shard in sorted(self.assigned - answer.assigned):
-            self.replicas[shard].set_lead(False)
+            if shard in self.replicas:
+                self.replicas[shard].set_lead(False)
         for shard in sorted(answer.assigned - self.assigned):
-            self.replicas[shard].set_lead(True)
+            if shard in self.replicas:
+                self.replicas[shard].set_lead(True)
+            else:  # a late answer from before it left the shard's group: its group member is gone
+                self.world.trace.log(f"{self.name} s{shard}: assigned without a replica (a late answer)")
         self.assigned = answer.assigned
+        if self.placing:
+            self._place(answer)
+
+    def _place(self, answer: GroupAnswer) -> None:
+        """One round of placement, as `kvstore.server.node.Node._place` takes it."""
+        world = self.world
+        assert world.replication_factor is not None
+        now = world.sched.now
+        self.liveness.observe([*answer.members, self.name], now)
+        self.placement = placement.place(world.shards, self.liveness.members(now), world.replication_factor)
+        settled = now - self.started_ms >= world.timing.placement_grace_ms
+        for shard, placed in enumerate(self.placement):
+            replica = self.replicas.get(shard)
+            facts = ShardFacts(placed_here=self.name in placed, placed=placed,
+                               caught_up=replica is not None and replica.caught_up,
+                               in_group=answer.in_group[shard] if answer.in_group else frozenset(),
+                               view_settled=settled)
+            held = self.holds.get(shard)
+            act = placement.decide(self.name, held, facts, now, settle_ms=world.timing.placement_settle_ms,
+                                   skip_caught_up=world.skip_caught_up)
+            if act is Act.NOTHING:
+                continue
+            world.trace.log(f"{self.name} s{shard} placement {act.value} (placed on {','.join(placed)})")
+            world.audit.counters[f"placement_{act.value}"] += 1
+            if act is Act.OPEN:
+                self._open(shard)
+                continue
+            hold = placement.after(held, act, now)
+            if act is Act.DROP:
+                self.replicas.pop(shard).close()
+                del self.stores[shard]
+                self.holds.pop(shard, None)
+            else:
+                assert hold is not None
+                self.holds[shard] = hold
 
     # ---- requests ----------------------------------------------------------------------------------
 
@@ -109,7 +192,10 @@ class Node(Actor):
             return
         key = request.compares[0].key if isinstance(request, kv_pb2.TxnRequest) else request.key
         shard = shard_of(key, self.world.shards)
-        replica = self.replicas[shard]
+        replica = self.replicas.get(shard)
+        if replica is None:  # placed elsewhere (or not loaded yet after a restart)
+            reply(errors.NotHeldError(shard, self.leader_hint(shard)))
+            return
         if isinstance(request, kv_pb2.GetRequest):
             replica.read(request.key, reply)
             return

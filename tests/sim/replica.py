@@ -82,6 +82,11 @@ class Replica:
         self._wake_at: int | None = None  # the Tick already scheduled
         self._dead = False
         self._applied = world.audit.applied.setdefault((actor.name, shard), [])
+        self.caught_up_once = False  # it reached the partition's end at least once (placement's P2)
+
+    def close(self) -> None:
+        """Dropped by placement: it takes no more events (its pending calls' answers are ignored)."""
+        self._dead = True
 
     def start(self) -> None:
         self._step(machine_events.Started())
@@ -89,6 +94,10 @@ class Replica:
     @property
     def role(self) -> Role:
         return self.machine.role.role
+
+    @property
+    def caught_up(self) -> bool:
+        return self.machine.caught_up
 
     @property
     def holding(self) -> bool:
@@ -141,6 +150,8 @@ class Replica:
                                  f"term {self.machine.term}")
         for action in actions:
             self._perform(action)
+        if self.machine.caught_up:
+            self.caught_up_once = True
         self._schedule_tick()
 
     def _later(self, event: Event) -> None:

@@ -22,6 +22,7 @@ from tests.sim.harness import (
     FENCING_SKIPPED,
     MUTATIONS,
     NO_KIP890,
+    SKIP_CAUGHT_UP,
     W2_SKIPPED,
     SimConfig,
     SimResult,
@@ -88,6 +89,9 @@ TEETH = [
           "there is applied by the followers and skipped by the old leader, whose replica then differs"),
     Teeth(Mutation.SKIP_REQUEST_DEDUPE.value, ("applied twice", "accepted", "not linearizable"),
           "every attempt is admitted as new: a retry after an unknown outcome is written a second time"),
+    Teeth(SKIP_CAUGHT_UP, ("P2:",),
+          "placement: a learner joins its shard's leadership group before it caught up, so it counts as a "
+          "replica (and may be chosen to lead, and a giver may drop its copy) while it still loads"),
     Teeth(Mutation.ANSWER_BEFORE_COMMIT.value, ("lost write", "W7", "not linearizable"),
           "a batch's writers are answered when it is appended: one that then aborts leaves acknowledged writes "
           "that are not in the WAL"),
@@ -143,7 +147,7 @@ def test_the_faults_reach_the_protocol(record_run: list[SimResult]) -> None:
                 "group_expirations", "fault_crash", "fault_pause", "fault_cut_off", "fault_clock_jump",
                 "fault_broker_crash", "fault_truncate", "snapshot_loads", "net_cut_off_dropped",
                 "net_brokers_down_dropped", "leaderships", "op_ok",
-                "replicas_forgetting_ids")
+                "replicas_forgetting_ids", "placement_open", "placement_join", "placement_leave", "placement_drop")
     totals: dict[str, int] = {}
     for seed in range(12):  # bounded: some hazards are rare per seed, each shows within a few
         result = run(config_for(seed, 40_000))

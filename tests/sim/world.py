@@ -52,6 +52,10 @@ class Timing:
     request_ids: int = 2_048
     request_horizon_ms: int = 15_000
     clock_skew_ms: int = 2_000
+    # Placement (kvstore.core.placement): how long a node that stopped heartbeating still counts, and
+    # how long a retiring replica waits, seeing the placed replicas caught up, before it drops.
+    placement_grace_ms: int = 2_000
+    placement_settle_ms: int = 300
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,6 +107,9 @@ class World:
     # False: a node drops a request that arrives after its client gave up.
     late_requests: bool = True
     mutations: frozenset[Mutation] = frozenset()  # the replica machine's broken variants (teeth)
+    # Placement: each shard on this many nodes (None: every node holds every shard, no placement).
+    replication_factor: int | None = None
+    skip_caught_up: bool = False  # the placement mutation: learners join their shard's group at once
     # Per shard, the snapshots taken (cut, state), oldest first: what `kvstore snapshot create`
     # leaves in a node's --snapshot-dir, built from the WAL, never from a replica.
     snapshots: dict[int, list[tuple[int, MemoryShard]]] = dataclasses.field(default_factory=dict)
