@@ -6,7 +6,8 @@ Two principals, and nobody else anything (the broker denies what no ACL allows):
 - the store's (every node): appends to the WAL through the shards' transactional ids (W4: the
   ids are what fences a stale leader, so only the store may take them), replays it, creates it
   at the first start, reads its settings (`wal.topic` checks the retention) and runs the
-  leadership consumer group;
+  membership group and the shards' leadership groups (all named after the group), and keeps
+  the operators' placement settings in the WAL's control topic (`wal.control`, `<wal topic>.control`);
 - the pipeline's (Spark jobs, `kvstore audit`, ...): reads the WAL, and keeps the registry of
   who still reads it (`wal.readers`, the topic `<wal topic>.readers`: a change feed creates it,
   records its position there and reads it back). It cannot append to the WAL, take a shard's
@@ -50,7 +51,7 @@ from confluent_kafka.admin import (
 
 from wal.clients import READER_GROUP_PREFIX, ClientSecurity, client_config, shard_transactional_id_prefix
 from wal.errors import UnavailableError
-from wal.topic import readers_topic
+from wal.topic import control_topic, readers_topic
 
 
 class Resource(enum.Enum):
@@ -94,13 +95,16 @@ def wal_grants(topic: str, group: str, store: str, pipeline: str) -> list[Grant]
     assert store != pipeline, "the store and the pipeline must be different principals"
     topic_ = (Resource.TOPIC, topic, Pattern.LITERAL)
     registry = (Resource.TOPIC, readers_topic(topic), Pattern.LITERAL)
+    control = (Resource.TOPIC, control_topic(topic), Pattern.LITERAL)
     txn = (Resource.TRANSACTIONAL_ID, shard_transactional_id_prefix(topic), Pattern.PREFIXED)
-    leaders = (Resource.GROUP, group, Pattern.LITERAL)
+    # The membership group and every shard's leadership group, `<group>.<shard>` (kvstore.server.leadership).
+    leaders = (Resource.GROUP, group, Pattern.PREFIXED)
     readers = (Resource.GROUP, READER_GROUP_PREFIX, Pattern.PREFIXED)
     rules: list[tuple[str, tuple[Resource, str, Pattern], Sequence[str]]] = [
         (store, topic_, ("WRITE", "READ", "DESCRIBE", "CREATE", "DESCRIBE_CONFIGS")),
         (store, txn, ("WRITE", "DESCRIBE")),
         (store, leaders, ("READ", "DESCRIBE")),
+        (store, control, ("WRITE", "READ", "DESCRIBE", "CREATE")),
         (store, readers, ("DESCRIBE",)),
         (pipeline, topic_, ("READ", "DESCRIBE")),
         (pipeline, registry, ("READ", "WRITE", "DESCRIBE", "CREATE")),

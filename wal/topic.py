@@ -144,8 +144,26 @@ def ensure_readers_topic(bootstrap_servers: str, wal_topic: str, timeout_s: floa
     replication factor) unless it exists; True if it was created here. An existing one is taken
     as it is: its creator (this function) set it up. Raises UnavailableError when the WAL topic
     does not exist or the brokers cannot be asked or refuse."""
-    name = readers_topic(wal_topic)
-    admin = AdminClient(client_config(bootstrap_servers, security, **{"client.id": "wal-readers-topic"}))
+    return ensure_side_topic(bootstrap_servers, wal_topic, readers_topic(wal_topic), "readers", timeout_s,
+                             security=security)
+
+
+CONTROL_SUFFIX = ".control"
+
+
+def control_topic(wal_topic: str) -> str:
+    """The WAL's control topic (wal.control): operators' settings for the store that uses it,
+    named after it like the readers registry."""
+    assert wal_topic and wal_topic.strip() == wal_topic, f"topic must be non-empty and unpadded: {wal_topic!r}"
+    return f"{wal_topic}{CONTROL_SUFFIX}"
+
+
+def ensure_side_topic(bootstrap_servers: str, wal_topic: str, name: str, what: str, timeout_s: float = 30.0, *,
+                      security: ClientSecurity | None = None) -> bool:
+    """Create the compacted one-partition topic `name` next to `wal_topic` (`readers_topic_config`,
+    the WAL's replication factor) unless it exists; True if it was created here. Raises
+    UnavailableError when the WAL topic does not exist or the brokers cannot be asked or refuse."""
+    admin = AdminClient(client_config(bootstrap_servers, security, **{"client.id": f"wal-{what}-topic"}))
     try:
         meta = admin.list_topics(timeout=timeout_s)
         existing = meta.topics.get(name)
@@ -154,7 +172,7 @@ def ensure_readers_topic(bootstrap_servers: str, wal_topic: str, timeout_s: floa
         wal = meta.topics.get(wal_topic)
         if wal is None or wal.error is not None or not wal.partitions:
             raise UnavailableError(f"WAL topic {wal_topic}: {wal.error if wal is not None else 'not found'}; its "
-                                   f"readers topic {name} is created next to it")
+                                   f"{what} topic {name} is created next to it")
         rf = max(len(p.replicas) for p in wal.partitions.values())
         futures = admin.create_topics([NewTopic(name, 1, replication_factor=rf, config=readers_topic_config(rf))],
                                       request_timeout=timeout_s)
@@ -163,12 +181,12 @@ def ensure_readers_topic(bootstrap_servers: str, wal_topic: str, timeout_s: floa
                 future.result(timeout_s)
             except KafkaException as exc:
                 if exc.args[0].code() == KafkaError.TOPIC_ALREADY_EXISTS:
-                    return False  # another reader created it meanwhile
+                    return False  # someone else created it meanwhile
                 raise
-        log.info("created WAL readers topic %s (compacted, replication factor %d)", name, rf)
+        log.info("created WAL %s topic %s (compacted, replication factor %d)", what, name, rf)
         return True
     except KafkaException as exc:
-        raise UnavailableError(f"WAL readers topic {name}: {exc.args[0]}") from exc
+        raise UnavailableError(f"WAL {what} topic {name}: {exc.args[0]}") from exc
 
 
 def partition_count(bootstrap_servers: str, topic: str, timeout_s: float = 30.0, *,
