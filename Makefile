@@ -52,8 +52,13 @@ buf_class = --config '{"version":"v2","modules":[{"path":"proto"}],"breaking":{"
 
 .PHONY: up up-secure test unit fuzz lint proto kafka spark venv bench-quick profile clean
 
+# `make up NODES=5 SHARDS=10 RF=2`: five nodes, ten shards, each on two of them (docs/design.md §9).
+# SHARDS is fixed when the WAL topic is created: a different count needs a fresh .data.
+NODES  ?= 3
+SHARDS ?= 4
+RF     ?= 3
 up: venv proto kafka
-	$(PY) -m kvstore.dev.cluster --data-dir .data
+	$(PY) -m kvstore.dev.cluster --data-dir .data --nodes $(NODES) --shards $(SHARDS) --replication-factor $(RF)
 
 # The same cluster secured (docs/security.md): gRPC over TLS with bearer tokens per role, Kafka with
 # SASL/SCRAM logins and ACLs; certificates and tokens from a development CA in .data-secure/tls/.

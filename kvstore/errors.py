@@ -158,6 +158,17 @@ class NotLeaderError(StoreError):
         return {INFO_SHARD: str(self.shard), **hint}
 
 
+class NotHeldError(NotLeaderError):
+    """This node holds no replica of the shard (placement put it elsewhere, docs/design.md §9):
+    the same refusal as NOT_LEADER, so that the request is forwarded, or a client goes, to the
+    shard's leader (or, while it has none, to another replica)."""
+
+    def __init__(self, shard: int, hint: str | None) -> None:
+        super().__init__(shard, hint)
+        where = f"; try {hint}" if hint else "; no replica of it known right now"
+        self.args = (f"this node holds no replica of shard {shard}{where}",)
+
+
 class OverloadedError(StoreError):
     """A bounded queue is full; nothing was done."""
 

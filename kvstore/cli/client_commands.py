@@ -1,5 +1,5 @@
 """The commands that are calls of `kvstore.client`: get, put, del, txn (and `txn list`), scan,
-watch, shards, fence. They need the base install only.
+watch, shards, fence, drain, move. They need the base install only.
 
 Everything that can be refused without the cluster (Txn syntax, conflicting options, a value too
 large) is checked before connecting, so a mistake costs no round trip and says what was wrong.
@@ -17,9 +17,18 @@ from kvstore import limits
 from kvstore.cli.output import ResultPrinter
 from kvstore.cli.parser import parse_endpoints
 from kvstore.cli.txn_syntax import parse_txn
-from kvstore.client import Client, ClientSecurity, Consistency, InvalidArgument, KeyValue, KvError, RequestExpired
+from kvstore.client import (
+    Client,
+    ClientSecurity,
+    Consistency,
+    InvalidArgument,
+    KeyValue,
+    KvError,
+    PlacementChange,
+    RequestExpired,
+)
 from kvstore.limits import MAX_SCAN_LIMIT
-from kvstore.output import EXIT_OK
+from kvstore.output import EXIT_ERROR, EXIT_OK
 
 
 def make_client(endpoints: Sequence[str], timeout_s: float, security: ClientSecurity | None = None) -> Client:
@@ -79,9 +88,28 @@ def run(args: argparse.Namespace, printer: ResultPrinter) -> int:
             printer.transactions(client.list_transactions(args.older_than))
         elif command == "fence":
             printer.fenced(client.fence(args.shard))
+        elif command == "drain":
+            return _follow(client, client.drain(args.node, undo=args.undo), args, printer)
+        elif command == "move":
+            return _follow(client, client.move_shard(args.shard, args.to_node, args.from_node, unpin=args.unpin),
+                           args, printer)
         else:  # pragma: no cover - argparse only lets known commands through
             raise InvalidArgument(f"unknown command {command!r}")
     return EXIT_OK
+
+
+def _follow(client: Client, changes: list[PlacementChange], args: argparse.Namespace, printer: ResultPrinter) -> int:
+    """Print the changes a drain or move asked for, then (unless --no-wait) its progress until
+    done; exit 1 if --wait-timeout passed first (the moves go on)."""
+    printer.placement_changes(changes)
+    if args.no_wait or not changes:
+        return EXIT_OK
+    result = client.wait_moves(changes, timeout_s=args.wait_timeout, on_progress=printer.move_progress)
+    if result.done:
+        return EXIT_OK
+    print(f"kvstore: not done after {args.wait_timeout:.0f} s ({len(result.left)} of {len(changes)} shard moves "
+          "left); the moves go on: `kvstore shards` shows them", file=sys.stderr)
+    return EXIT_ERROR
 
 
 def put_value(value: str | None, value_file: str | None, stdin: BinaryIO) -> str | bytes:

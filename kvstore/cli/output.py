@@ -17,12 +17,16 @@ from kvstore.client import (
     FenceResult,
     GetResult,
     KeyValue,
+    MoveProgress,
+    PlacementChange,
     PutResult,
+    ShardInfo,
     ShardMap,
     TransactionInfo,
     TxnResult,
     WatchEvent,
 )
+from kvstore.client.moves import describe
 from kvstore.output import Printer, bytes_field, display, format_table
 
 
@@ -73,10 +77,19 @@ def shard_map_record(smap: ShardMap) -> dict[str, Any]:
     return {"shard_count": smap.shard_count, "topic": smap.topic, "served_by": smap.served_by,
             "shards": [{"shard": s.shard, "leader": s.leader, "leader_id": s.leader_id, "leader_ready": s.leader_ready,
                         "term": s.term, "applied_offset": s.applied_offset, "end_offset": s.end_offset, "lag": s.lag,
-                        "open_txn_age_ms": s.open_txn_age_ms}
+                        "open_txn_age_ms": s.open_txn_age_ms, "placed_on": list(s.placed_on),
+                        "replicas": [{"node_id": r.node_id, "address": r.address, "state": r.state,
+                                      "applied_offset": r.applied_offset, "lag": r.lag} for r in s.replicas]}
                        for s in smap.shards],
             "nodes": [{"node_id": n.node_id, "address": n.address, "leads": list(n.leads), "can_lead": n.can_lead}
                       for n in smap.nodes]}
+
+
+def _replicas(shard: ShardInfo) -> str:
+    """Each copy as node:state (lag), replicas first: "n1:replica n3:learner(lag 120)"."""
+    order = {"replica": 0, "follower": 1, "learner": 2, "retiring": 3}
+    copies = sorted(shard.replicas, key=lambda r: (order.get(r.state, 4), r.node_id))
+    return " ".join(f"{r.node_id}:{r.state}" + (f"(lag {r.lag})" if r.lag else "") for r in copies) or "-"
 
 
 class ResultPrinter(Printer):
@@ -159,9 +172,9 @@ class ResultPrinter(Printer):
             return
         self.line(f"topic: {smap.topic}  shards: {smap.shard_count}  served by: {smap.served_by}")
         self.line(format_table(
-            ["SHARD", "LEADER", "NODE", "TERM", "APPLIED", "END", "LAG", "OPEN_TXN_MS"],
+            ["SHARD", "LEADER", "NODE", "TERM", "APPLIED", "END", "LAG", "OPEN_TXN_MS", "REPLICAS"],
             [[s.shard, s.leader or "-", _leader_node(s.leader_id, s.leader_ready), s.term, s.applied_offset,
-              s.end_offset, s.lag, s.open_txn_age_ms]
+              s.end_offset, s.lag, s.open_txn_age_ms, _replicas(s)]
              for s in smap.shards]))
         if smap.nodes:
             self.line("")
@@ -180,6 +193,30 @@ class ResultPrinter(Printer):
             return
         self.line(format_table(["SHARD", "FIRST_OFFSET", "END", "AGE_MS", "LEADER"],
                                [[t.shard, t.first_offset, t.end_offset, t.age_ms, t.leader_id or "-"] for t in txns]))
+
+    def placement_changes(self, changes: list[PlacementChange]) -> None:
+        if self.json:
+            self.record({"changes": [{"shard": c.shard, "before": list(c.before), "after": list(c.after)}
+                                     for c in changes]})
+            return
+        if not changes:
+            self.line("no shard moves")
+            return
+        self.line(format_table(["SHARD", "FROM", "TO"], [[c.shard, ",".join(c.before) or "-", ",".join(c.after) or "-"]
+                                                         for c in changes]))
+
+    def move_progress(self, progress: MoveProgress) -> None:
+        left = progress.left
+        if self.json:
+            self.record({"done": progress.done, "left": len(left), "total": len(progress.moves),
+                         "shards": [{"shard": m.shard, "want": list(m.want), "replicas": list(m.replicas),
+                                     "learners": [{"node_id": n, "lag": lag} for n, lag in m.learners],
+                                     "leaving": list(m.leaving)} for m in left]})
+            return
+        if progress.done:
+            self.line(f"done: {len(progress.moves)} shard moves")
+            return
+        self.line(f"{len(left)} of {len(progress.moves)} shard moves left: " + " | ".join(describe(m) for m in left))
 
     def fenced(self, result: FenceResult) -> None:
         if self.json:

@@ -177,6 +177,21 @@ def build_parser() -> argparse.ArgumentParser:
                        help="force-terminate a shard's WAL transaction (fresh init_transactions on its id)")
     p.add_argument("shard", type=_non_negative_int)
 
+    p = sub.add_parser("drain", parents=[common], help="move every shard off a node before it is removed, with "
+                       "progress until done (docs/operations.md, \"Placement\")")
+    p.add_argument("node", help="the node id")
+    p.add_argument("--undo", action="store_true", help="let the node hold shards again")
+    _wait_flags(p)
+
+    p = sub.add_parser("move", parents=[common], help="move one replica of a shard to a node, with progress until "
+                       "done (pins the shard; --unpin returns it to the placement rule)")
+    p.add_argument("shard", type=_non_negative_int)
+    p.add_argument("--to", dest="to_node", default="", metavar="NODE", help="the node to hold a replica")
+    p.add_argument("--from", dest="from_node", default="", metavar="NODE",
+                   help="the replica that gives way (default: the shard's last replica)")
+    p.add_argument("--unpin", action="store_true", help="drop the shard's pin: the placement rule decides again")
+    _wait_flags(p)
+
     p = sub.add_parser("demo", parents=[common], help="demos against the running local cluster (`make up`)")
     p.add_argument("scenario", choices=["failover"])
     p.add_argument("--data-dir", default=os.environ.get(DEV_DATA_DIR_ENV) or ".data", metavar="DIR",
@@ -193,6 +208,12 @@ def build_parser() -> argparse.ArgumentParser:
     register_all(sub, common)  # the pipeline's commands: argparse only, no pyspark import
     sub.add_parser("serve", add_help=False, help="run a server node (all further arguments go to the server)")
     return parser
+
+
+def _wait_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--no-wait", action="store_true", help="print the changes to expect and return at once")
+    p.add_argument("--wait-timeout", type=float, default=600.0, metavar="S",
+                   help="give up waiting after S seconds (exit 1; the moves go on; default 600)")
 
 
 def serve_argv(argv: Sequence[str]) -> list[str] | None:

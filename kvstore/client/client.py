@@ -24,6 +24,7 @@ from kvstore.client.errors import (
     error_from_status,
     status_code,
 )
+from kvstore.client.moves import MoveProgress, PlacementChange, progress
 from kvstore.client.requests import (
     BytesLike,
     Compare,
@@ -165,7 +166,7 @@ class Client:
             read.min_revision = min_revision
         resp = self._call(
             "Get", kv_pb2.GetRequest(key=k, read=read), kv_pb2.GetResponse,
-            key=None if consistency == "stale" else k, timeout_s=timeout_s,
+            key=k, stale=consistency == "stale", timeout_s=timeout_s,
         )
         return GetResult.from_pb(k, resp)
 
@@ -431,6 +432,41 @@ class Client:
                           key=None, timeout_s=timeout_s)
         return FenceResult(resp.shard, resp.end_offset, resp.notified)
 
+    def drain(self, node_id: str, *, undo: bool = False, timeout_s: float | None = None) -> list[PlacementChange]:
+        """Move every shard off `node_id` before it is removed (`undo`: let it hold shards again).
+        Returns at once with the changes to expect; `wait_moves` follows them."""
+        if not node_id:
+            raise InvalidArgument("drain needs a node id")
+        resp = self._call("Drain", cluster_pb2.DrainRequest(node_id=node_id, undo=undo), cluster_pb2.DrainResponse,
+                          key=None, timeout_s=timeout_s)
+        return [PlacementChange.from_pb(c) for c in resp.changes]
+
+    def move_shard(self, shard: int, to_node: str = "", from_node: str = "", *, unpin: bool = False,
+                   timeout_s: float | None = None) -> list[PlacementChange]:
+        """Move one replica of `shard` to `to_node` (replacing `from_node`, default its last
+        replica), or `unpin` it back to the placement rule. Returns at once with the changes to
+        expect; `wait_moves` follows them."""
+        if shard < 0:
+            raise InvalidArgument(f"shard must be >= 0: {shard}")
+        if unpin == bool(to_node):
+            raise InvalidArgument("give either a node to move to or unpin")
+        request = cluster_pb2.MoveShardRequest(shard=shard, to_node=to_node, from_node=from_node, unpin=unpin)
+        resp = self._call("MoveShard", request, cluster_pb2.MoveShardResponse, key=None, timeout_s=timeout_s)
+        return [PlacementChange.from_pb(c) for c in resp.changes]
+
+    def wait_moves(self, changes: Sequence[PlacementChange], *, timeout_s: float, poll_s: float = 1.0,
+                   on_progress: Callable[[MoveProgress], None] | None = None) -> MoveProgress:
+        """Poll the shard map until `changes` are done (or `timeout_s` passed: the last progress
+        is returned, not done), telling `on_progress` each time."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            current = progress(self.shard_map(), changes)
+            if on_progress is not None:
+                on_progress(current)
+            if current.done or time.monotonic() + poll_s > deadline:
+                return current
+            time.sleep(poll_s)
+
     # -- the retry seam ----------------------------------------------------------------------
     # What a call the client does not run itself (`Watch`'s stream, which outlives any one
     # deadline) needs to route and retry as the client's own calls do.
@@ -521,14 +557,15 @@ class Client:
         smap = self._cached_map(deadline)
         return smap.shard_count if smap is not None else None
 
-    def _route(self, key: bytes | None, deadline: float) -> str:
-        """The leader of `key`'s shard when known; otherwise any endpoint (which will hint)."""
+    def _route(self, key: bytes | None, deadline: float, *, stale: bool = False) -> str:
+        """The leader of `key`'s shard when known (`stale`: one of its caught-up copies, which
+        spreads stale reads over them); otherwise any endpoint (which forwards or hints)."""
         if key is None:
             return self._router.any_endpoint()
         smap = self._cached_map(deadline)
         if smap is None:
             return self._router.any_endpoint()
-        return self._router.leader_for(key, smap)
+        return self._router.replica_for(key, smap) if stale else self._router.leader_for(key, smap)
 
     # -- internals: calls and retries --------------------------------------------------------
 
@@ -686,6 +723,7 @@ class Client:
         response_type: type[R],
         *,
         key: bytes | None,
+        stale: bool = False,
         timeout_s: float | None = None,
         deadline: float | None = None,
         request_id: str | None = None,
@@ -701,8 +739,8 @@ class Client:
             size = request.ByteSize()
             if size > MAX_REQUEST_BYTES:  # refused here, never sent: definite
                 raise InvalidArgument(f"request has {size} bytes; limit MAX_REQUEST_BYTES is {MAX_REQUEST_BYTES}")
-            return self._attempts(method, request, response_type, key=key, timeout_s=timeout_s, deadline=deadline,
-                                  request_id=request_id, write=write)
+            return self._attempts(method, request, response_type, key=key, stale=stale, timeout_s=timeout_s,
+                                  deadline=deadline, request_id=request_id, write=write)
         except KvError as error:
             if write:
                 error.request_id = request_id
@@ -716,6 +754,7 @@ class Client:
         response_type: type[R],
         *,
         key: bytes | None,
+        stale: bool = False,
         timeout_s: float | None,
         deadline: float | None,
         request_id: str | None,
@@ -731,7 +770,7 @@ class Client:
             if deadline - time.monotonic() <= 0:
                 break
             attempt += 1
-            target = hint or self._route(key, deadline)
+            target = hint or self._route(key, deadline, stale=stale)
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 break

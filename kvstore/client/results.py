@@ -141,6 +141,21 @@ class WatchEvent:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class ReplicaInfo:
+    """One node's copy of a shard, as that node describes it (docs/design.md §9)."""
+
+    node_id: str
+    address: str
+    state: str  # "replica" (caught up, may lead), "learner", "retiring", "follower" (a read replica)
+    applied_offset: int
+    lag: int
+
+
+_REPLICA_STATES = {cluster_pb2.REPLICA_STATE_LEARNER: "learner", cluster_pb2.REPLICA_STATE_REPLICA: "replica",
+                   cluster_pb2.REPLICA_STATE_RETIRING: "retiring", cluster_pb2.REPLICA_STATE_FOLLOWER: "follower"}
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class ShardInfo:
     shard: int
     leader: str  # gRPC address; empty when the shard has no leader right now
@@ -151,6 +166,12 @@ class ShardInfo:
     open_txn_age_ms: int
     leader_id: str = ""  # node id of the leader (or of the node taking over)
     leader_ready: bool = False  # False while the assigned node fences and bootstraps
+    replicas: tuple[ReplicaInfo, ...] = ()  # every copy a node answered for
+    placed_on: tuple[str, ...] = ()  # the nodes the placement rule puts it on
+
+    def caught_up(self) -> tuple[str, ...]:
+        """Addresses of its caught-up copies (replicas and read replicas): where a stale read may go."""
+        return tuple(r.address for r in self.replicas if r.state in ("replica", "follower") and r.address)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -186,7 +207,10 @@ class ShardMap:
     def from_pb(cls, resp: cluster_pb2.ShardMapResponse) -> ShardMap:
         shards = tuple(
             ShardInfo(s.shard, s.leader, s.term, s.applied_offset, s.end_offset, s.lag, s.open_txn_age_ms,
-                      s.leader_id, s.leader_ready)
+                      s.leader_id, s.leader_ready,
+                      tuple(ReplicaInfo(r.node_id, r.address, _REPLICA_STATES.get(r.state, "unknown"), r.applied_offset,
+                                        r.lag) for r in s.replicas),
+                      tuple(s.placed_on))
             for s in resp.shards
         )
         nodes = tuple(NodeInfo(n.node_id, n.address, tuple(n.leads), n.can_lead) for n in resp.nodes)

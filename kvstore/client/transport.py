@@ -29,7 +29,7 @@ from kvstore.v1 import cluster_pb2_grpc, kv_pb2_grpc
 # that hints ever-new addresses.
 DEFAULT_MAX_CHANNELS = 64
 MAX_ENDPOINTS = 64  # seeds plus the nodes learned from shard maps
-CLUSTER_METHODS = frozenset({"ShardMap", "ListTransactions", "FenceShard"})
+CLUSTER_METHODS = frozenset({"ShardMap", "ListTransactions", "FenceShard", "Drain", "MoveShard"})
 # This client routes every request to its shard's leader itself: a node that does not lead the
 # shard answers NOT_LEADER with the leader's address (one round trip, then the map is right)
 # instead of forwarding the request there (a second hop on every call while the map is stale).
@@ -163,3 +163,15 @@ class Router:
     def leader_for(self, key: bytes, smap: ShardMap) -> str:
         """The leader of `key`'s shard in `smap`, else any endpoint (which will hint)."""
         return smap.leader_of(shard_of(key, smap.shard_count)) or self.any_endpoint()
+
+    def replica_for(self, key: bytes, smap: ShardMap) -> str:
+        """A caught-up copy of `key`'s shard in `smap` for a stale read, taken in turn (with "any
+        node"'s cursor) so that stale reads spread; else its leader, else any endpoint. A node
+        holding no copy would forward the read: one hop saved."""
+        shard = shard_of(key, smap.shard_count)
+        info = next((s for s in smap.shards if s.shard == shard), None)
+        copies = info.caught_up() if info is not None else ()
+        if copies:
+            with self._lock:
+                return copies[self._cursor % len(copies)]
+        return self.leader_for(key, smap)

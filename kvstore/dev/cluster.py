@@ -100,7 +100,8 @@ class _Node:
         self.log_path = data_dir / f"{node_id}.log"
         self.cmd = [sys.executable, "-m", "kvstore.server", "--node-id", node_id, "--listen", address,
                     "--data-dir", str(data_dir / node_id), "--kafka", kafka, "--cluster", args.cluster,
-                    "--shards", str(args.shards), "--session-timeout-ms", str(args.session_timeout_ms),
+                    "--shards", str(args.shards), "--replication-factor", str(args.replication_factor),
+                    "--session-timeout-ms", str(args.session_timeout_ms),
                     "--snapshot-dir", str(data_dir / "snapshots"), *login]
         self.proc: subprocess.Popen[bytes] | None = None
         self.child: children.Child | None = None
@@ -132,6 +133,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--data-dir", type=Path, default=Path(".data"))
     parser.add_argument("--nodes", type=int, default=3, choices=range(1, 10), metavar="N")
     parser.add_argument("--shards", type=int, default=4)
+    parser.add_argument("--replication-factor", type=int, default=3, metavar="R",
+                        help="replicas of each shard, capped by the node count (docs/design.md §9)")
     parser.add_argument("--cluster", default="dev")
     parser.add_argument("--session-timeout-ms", type=int, default=1500,
                         help="leadership group session timeout: SIGKILL failover takes about this + ~1 s")
@@ -192,8 +195,10 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"kafka": kafka.bootstrap_servers, "endpoints": [n.address for n in nodes],
                           "data_dir": str(data_dir), "snapshot_dir": str(snapshots), **secure,
                           **_tls_info(pki, args.mtls)}))
+        replicas = min(args.replication_factor, len(nodes))
         print(f"""
-The store is up: {len(nodes)} nodes, {args.shards} shards, WAL topic {args.cluster}.wal on {kafka.bootstrap_servers}.
+The store is up: {len(nodes)} nodes, {args.shards} shards on {replicas} nodes each, WAL topic {args.cluster}.wal
+on {kafka.bootstrap_servers}.
 
   export KVSTORE_ENDPOINTS={endpoints}{_client_login(pki, args.mtls)}
   .venv/bin/kvstore put greeting hello

@@ -48,7 +48,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
 import grpc
@@ -241,20 +241,30 @@ class Verdict:
         }
 
 
-def replica_digests(addresses: Sequence[str], shards: int,
-                    timeout_s: float) -> dict[int, list[cluster_pb2.ShardDigestResponse]]:
-    """Every reachable node's digest of every shard."""
+def replica_digests(addresses: Sequence[str], shards: int, timeout_s: float,
+                    holders: Mapping[int, set[str]] | None = None) -> dict[int, list[cluster_pb2.ShardDigestResponse]]:
+    """Every reachable node's digest of every shard it holds (`holders`: shard -> the addresses
+    of its copies; None: ask every node for every shard, skipping those it holds no copy of)."""
     out: dict[int, list[cluster_pb2.ShardDigestResponse]] = {s: [] for s in range(shards)}
     for address in addresses:
         with open_channel(address) as channel:  # TLS and credentials from the KVSTORE_* environment
             stub = cluster_pb2_grpc.ClusterServiceStub(channel)  # type: ignore[no-untyped-call]
             for shard in range(shards):
+                if holders is not None and address not in holders.get(shard, set()):
+                    continue
                 try:
                     reply = stub.ShardDigest(cluster_pb2.ShardDigestRequest(shard=shard), timeout=timeout_s)
-                except grpc.RpcError:
+                except grpc.RpcError as exc:
+                    if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                        continue  # it holds no copy of this shard (placement put it elsewhere)
                     break  # a dead node: it is not a replica any more
                 out[shard].append(reply)
     return out
+
+
+def holders_of(smap: ShardMap) -> dict[int, set[str]]:
+    """shard -> the addresses of its caught-up copies (replicas and read replicas) in `smap`."""
+    return {info.shard: set(info.caught_up()) for info in smap.shards}
 
 
 def converge(client: Client, timeout_s: float) -> tuple[bool, dict[int, list[cluster_pb2.ShardDigestResponse]]]:
@@ -271,11 +281,15 @@ def converge(client: Client, timeout_s: float) -> tuple[bool, dict[int, list[clu
             continue
         ends = {info.shard: info.end_offset for info in smap.shards}
         addresses = [n.address for n in smap.nodes]
-        digests = replica_digests(addresses, smap.shard_count, timeout_s=5)
-        # Settled: every node answered, and per shard all replicas stand at one offset, at least
-        # the last known end (writes have stopped, so they all get there).
-        settled = all(len(replies) == len(addresses) and len({r.applied_offset for r in replies}) == 1
-                      and replies[0].applied_offset >= ends[shard] for shard, replies in digests.items())
+        holders = holders_of(smap)
+        digests = replica_digests(addresses, smap.shard_count, timeout_s=5, holders=holders)
+        # Settled: every copy the map lists answered (no learner, no retiring copy left), and per
+        # shard all stand at one offset, at least the last known end (writes have stopped, so
+        # they all get there).
+        moving = {info.shard for info in smap.shards if any(r.state in ("learner", "retiring") for r in info.replicas)}
+        settled = all(replies and len(replies) == len(holders.get(shard, ())) and shard not in moving
+                      and len({r.applied_offset for r in replies}) == 1 and replies[0].applied_offset >= ends[shard]
+                      for shard, replies in digests.items())
         if settled or time.monotonic() > deadline:
             equal = settled and all(len({(r.applied_offset, r.sha256) for r in replies}) == 1
                                     for replies in digests.values())

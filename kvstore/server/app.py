@@ -18,6 +18,7 @@ import argparse
 import asyncio
 import concurrent.futures
 import contextlib
+import dataclasses
 import gc
 import json
 import logging
@@ -36,9 +37,10 @@ from prometheus_client import start_http_server
 import wal
 import wal.transactions
 from kvstore import errors, limits
-from kvstore.core import reads, validation
+from kvstore.core import placement, reads, validation
 from kvstore.core.batch import write_of
 from kvstore.core.evaluate import key_value
+from kvstore.core.placement import Hold
 from kvstore.core.role import Role
 from kvstore.core.state import ChangeType
 from kvstore.internal.v1 import peer_pb2, peer_pb2_grpc
@@ -238,20 +240,23 @@ class KVService(kv_pb2_grpc.KVServiceServicer):
             yield kv
 
     def _scan_plan(self, shards: list[int], consistency: int) -> tuple[list[int], dict[str, list[int]]]:
-        """Which shards this node reads itself, and which it forwards to which leader. Stale
-        reads are served by any replica; the others need each shard's leader."""
-        if consistency == kv_pb2.CONSISTENCY_STALE:
-            return shards, {}
+        """Which shards this node reads itself, and which it forwards to which node. Stale reads
+        are served by any copy, this node's if it holds one; the others need each shard's leader."""
         local: list[int] = []
         remote: dict[str, list[int]] = {}
         for shard in shards:
-            if self.node.replica(shard).role is Role.LEADING or self.node.leadership is None:
+            held = self.node.holds_shard(shard)
+            here = consistency == kv_pb2.CONSISTENCY_STALE or self.node.leads(shard) or not self.node.config.lead
+            if held and here:
                 local.append(shard)
                 continue
-            leader = self.node.leader_address(shard)
-            if not leader:
-                raise errors.UnavailableError(f"shard {shard} has no leader right now; retry")
-            remote.setdefault(leader, []).append(shard)
+            target = self.node.leader_address(shard)
+            if not target and consistency == kv_pb2.CONSISTENCY_STALE:
+                target = self.node.replica_address(shard)
+            if not target:
+                raise errors.UnavailableError(f"shard {shard} has no {'replica' if held else 'leader'} known right "
+                                              "now; retry")
+            remote.setdefault(target, []).append(shard)
         return local, remote
 
     async def _forward_scan(self, address: str, shards: list[int], request: kv_pb2.ScanRequest,
@@ -274,6 +279,17 @@ class KVService(kv_pb2_grpc.KVServiceServicer):
             validation.check_key(request.key)
         shards = [self.node.shard_for(request.key)] if not request.prefix else list(range(self.node.config.shards))
         starts = reads.watch_starts(request, shards, self.node.config.shards)
+        local = [s for s in shards if self.node.holds_shard(s)]
+        if len(local) == len(shards):
+            async for event in self.watch_here(request, shards, starts, context):
+                yield event
+            return
+        async for event in self._watch_spread(request, shards, starts, context):
+            yield event
+
+    async def watch_here(self, request: kv_pb2.WatchRequest, shards: list[int], starts: dict[int, int],
+                         context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[kv_pb2.WatchResponse]:
+        """The watch over `shards`, every one of which this node holds (NotHeldError otherwise)."""
         watching = sum(len(r.watchers) for r in self.node.replicas.values())
         if watching >= limits.MAX_WATCHERS:
             raise errors.OverloadedError(f"{watching} watches open; limit MAX_WATCHERS is {limits.MAX_WATCHERS}")
@@ -306,6 +322,67 @@ class KVService(kv_pb2_grpc.KVServiceServicer):
         finally:
             for replica in replicas:
                 replica.watchers.discard(watcher)
+
+    async def _watch_spread(self, request: kv_pb2.WatchRequest, shards: list[int], starts: dict[int, int],
+                            context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[kv_pb2.WatchResponse]:
+        """A watch over shards this node does not all hold: one part per node (this one for the
+        shards it holds, PeerService.WatchShards on a leader or replica for the others), merged
+        into one stream; TYPE_CREATED once every part is registered. Order holds per shard, as it
+        does on one node. A part that ends ends the watch: UNAVAILABLE, watch again from the last
+        revision seen (nothing is lost, nothing repeats)."""
+        local, remote = self._scan_plan(shards, kv_pb2.CONSISTENCY_STALE)
+        parts: list[AsyncIterator[kv_pb2.WatchResponse]] = []
+        if local:
+            parts.append(self.watch_here(request, local, {s: starts[s] for s in local if s in starts}, context))
+        for address, group in remote.items():
+            parts.append(self._watch_remote(address, request, group, starts))
+        queue: asyncio.Queue[kv_pb2.WatchResponse | BaseException | None] = asyncio.Queue(limits.WATCH_QUEUE_EVENTS)
+        created = 0
+
+        async def pump(part: AsyncIterator[kv_pb2.WatchResponse]) -> None:
+            try:
+                async for event in part:
+                    await queue.put(event)
+                await queue.put(None)
+            except BaseException as exc:  # the watch ends with it, whatever it is
+                await queue.put(exc)
+
+        tasks = [asyncio.create_task(pump(part)) for part in parts]
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, errors.StoreError):
+                    raise item
+                if isinstance(item, grpc.aio.AioRpcError):
+                    raise errors.UnavailableError(f"a part of this watch served by another node ended "
+                                                  f"({item.code().name}: {item.details()}); watch again from the "
+                                                  "last revision seen") from item
+                if item is None or isinstance(item, BaseException):
+                    raise errors.UnavailableError("a part of this watch served by another node ended; watch again "
+                                                  "from the last revision seen")
+                if item.type == kv_pb2.WatchResponse.TYPE_CREATED:
+                    created += 1
+                    if created == len(parts):
+                        yield item
+                    continue
+                yield item
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _watch_remote(self, address: str, request: kv_pb2.WatchRequest, shards: list[int],
+                            starts: dict[int, int]) -> AsyncIterator[kv_pb2.WatchResponse]:
+        watch = kv_pb2.WatchRequest(key=request.key, prefix=request.prefix)
+        if len(shards) == 1 and not request.prefix and shards[0] in starts:
+            watch.start_revision = starts[shards[0]]
+        else:
+            watch.start_revisions.extend(kv_pb2.ShardRevision(shard=s, revision=starts[s]) for s in shards
+                                         if s in starts)
+        self.node.metrics.forwarded.labels(method="Watch.part").inc()
+        stream = self.peers.peer(address).WatchShards(peer_pb2.WatchShardsRequest(watch=watch, shards=shards))
+        async for reply in stream:
+            yield reply.event
 
     async def _check_history(self, replica: ShardReplica, start: int) -> None:
         """Refuse a watch whose history starts below the shard's log start (truncated: etcd's
@@ -363,14 +440,14 @@ class ClusterService(cluster_pb2_grpc.ClusterServiceServicer):
     async def ShardMap(self, request: cluster_pb2.ShardMapRequest,
                        context: Any) -> cluster_pb2.ShardMapResponse:
         local = await local_view(self.node)
-        leadership = self.node.leadership
-        if leadership is None:
+        if not self.node.config.lead:
             return local
-        members = [m for m in leadership.members if m.address and m.member_id != self.node.config.node_id]
-        answers = await asyncio.gather(*(self._peer_view(m.address) for m in members))
-        assigned = {shard: (m.member_id, m.address) for shard in self.node.replicas
-                    if (m := leadership.owner(shard)) is not None}
-        return shardmap.merge(local, [a for a in answers if a is not None], assigned)
+        me = self.node.config.node_id
+        addresses = sorted({a for node_id, a in self.node.view.members.items() if a and node_id != me})
+        answers = await asyncio.gather(*(self._peer_view(address) for address in addresses))
+        assigned = {shard: (leader, self.node.leader_address(shard)) for shard in range(self.node.config.shards)
+                    if (leader := self.node.leader_id(shard))}
+        return shardmap.merge(local, [a for a in answers if a is not None], assigned, self.node.placement)
 
     async def ShardDigest(self, request: cluster_pb2.ShardDigestRequest,
                           context: Any) -> cluster_pb2.ShardDigestResponse:
@@ -402,10 +479,9 @@ class ClusterService(cluster_pb2_grpc.ClusterServiceServicer):
                 raise errors.UnavailableError(f"shard {shard}: cannot read the partition's offsets: {exc}") from exc
             if txn is None or txn.age_ms() < request.older_than_ms:
                 continue
-            owner = self.node.leadership.owner(shard) if self.node.leadership else None
             response.transactions.append(cluster_pb2.TransactionInfo(
                 shard=shard, first_offset=txn.first_offset, end_offset=txn.end_offset, age_ms=txn.age_ms(),
-                leader_id=owner.member_id if owner else ""))
+                leader_id=self.node.leader_id(shard)))
         return response
 
     async def FenceShard(self, request: cluster_pb2.FenceShardRequest,
@@ -431,6 +507,51 @@ class ClusterService(cluster_pb2_grpc.ClusterServiceServicer):
                     response.notified = reply.notified
         return response
 
+    def _placing(self) -> None:
+        if not self.node.config.lead:
+            raise errors.InvalidRequestError("this node is a read replica (--follower): it takes part in no "
+                                             "placement; ask a member")
+
+    async def Drain(self, request: cluster_pb2.DrainRequest, context: Any) -> cluster_pb2.DrainResponse:
+        self._placing()
+        node_id = request.node_id
+        members = self.node.members()
+        drained = self.node.overrides.drained
+        if not node_id or (node_id not in members and not (request.undo and node_id in drained)):
+            raise errors.InvalidRequestError(f"node {node_id!r} is not a member of the cluster (members: "
+                                             f"{', '.join(sorted(members)) or 'none known here'})", field="node_id")
+        overrides = dataclasses.replace(self.node.overrides, drained=drained - {node_id} if request.undo
+                                        else drained | {node_id})
+        moves = await self.node.set_override(placement.drain_entry(node_id, undo=request.undo), overrides)
+        log.warning("placement: %s %s by an operator (%d shards to move)", "undrained" if request.undo else "drained",
+                    node_id, len(moves))
+        return cluster_pb2.DrainResponse(changes=_changes(moves))
+
+    async def MoveShard(self, request: cluster_pb2.MoveShardRequest, context: Any) -> cluster_pb2.MoveShardResponse:
+        self._placing()
+        shards = self.node.config.shards
+        if request.shard >= shards:
+            raise errors.InvalidRequestError(f"shard {request.shard} out of range: the cluster has {shards} shards",
+                                             field="shard")
+        pinned = dict(self.node.overrides.pinned)
+        if request.unpin:
+            if request.to_node or request.from_node:
+                raise errors.InvalidRequestError("unpin takes no to_node or from_node", field="unpin")
+            pinned.pop(request.shard, None)
+            entry = placement.pin_entry(request.shard, None)
+        else:
+            try:
+                nodes = placement.move(self.node.placement, self.node.members(), self.node.overrides, request.shard,
+                                       request.to_node, request.from_node)
+            except placement.MoveRefused as exc:
+                raise errors.InvalidRequestError(str(exc), field="to_node") from exc
+            pinned[request.shard] = nodes
+            entry = placement.pin_entry(request.shard, nodes)
+        moves = await self.node.set_override(entry, dataclasses.replace(self.node.overrides, pinned=pinned))
+        log.warning("placement: shard %d %s by an operator", request.shard,
+                    "unpinned" if request.unpin else f"pinned to {', '.join(pinned[request.shard])}")
+        return cluster_pb2.MoveShardResponse(changes=_changes(moves))
+
     async def _peer_view(self, address: str) -> cluster_pb2.ShardMapResponse | None:
         try:
             reply = await self.peers.peer(address).LocalShardView(peer_pb2.LocalShardViewRequest(),
@@ -442,8 +563,16 @@ class ClusterService(cluster_pb2_grpc.ClusterServiceServicer):
         return reply.view
 
 
+def _changes(moves: list[tuple[int, tuple[str, ...], tuple[str, ...]]]) -> list[cluster_pb2.PlacementChange]:
+    return [cluster_pb2.PlacementChange(shard=shard, before=before, after=after) for shard, before, after in moves]
+
+
+_REPLICA_STATES = {Hold.LEARNING: cluster_pb2.REPLICA_STATE_LEARNER, Hold.SERVING: cluster_pb2.REPLICA_STATE_REPLICA,
+                   Hold.RETIRING: cluster_pb2.REPLICA_STATE_RETIRING}
+
+
 async def local_view(node: Node) -> cluster_pb2.ShardMapResponse:
-    """What `node` knows itself: its replicas, what it leads, and itself (first in `nodes`)."""
+    """What `node` knows itself: its copies of shards, what it leads, and itself (first in `nodes`)."""
     config = node.config
     response = cluster_pb2.ShardMapResponse(shard_count=config.shards, topic=config.wal_topic,
                                             served_by=config.node_id)
@@ -456,13 +585,14 @@ async def local_view(node: Node) -> cluster_pb2.ShardMapResponse:
         leading = replica.role is Role.LEADING
         if leading:
             me.leads.append(shard)
-        # Not leading: who the group assigned the shard to (enough to route a request).
-        owner = node.leadership.owner(shard) if node.leadership and not leading else None
+        hold = node.holds.get(shard)
+        state = _REPLICA_STATES[hold.hold] if hold is not None else cluster_pb2.REPLICA_STATE_FOLLOWER
         response.shards.append(cluster_pb2.ShardInfo(
             shard=shard, leader=node.leader_address(shard), term=replica.term if leading else 0,
             applied_offset=applied, end_offset=end, lag=max(0, end - applied),
-            open_txn_age_ms=replica.open_txn_age_ms(),
-            leader_id=config.node_id if leading else owner.member_id if owner else "", leader_ready=leading))
+            open_txn_age_ms=replica.open_txn_age_ms(), leader_id=node.leader_id(shard), leader_ready=leading,
+            replicas=[cluster_pb2.ReplicaInfo(node_id=config.node_id, address=node.address, state=state,
+                                              applied_offset=applied, lag=max(0, end - applied))]))
     response.nodes.append(me)
     return response
 
@@ -482,6 +612,17 @@ class PeerService(peer_pb2_grpc.PeerServiceServicer):
         if shards[-1] >= self.node.config.shards:
             raise errors.InvalidRequestError(f"shard {shards[-1]} out of range ({self.node.config.shards} shards)")
         return peer_pb2.ScanShardsResponse(scan=await self.kv.scan(request.scan, shards, context, forward=False))
+
+    async def WatchShards(self, request: peer_pb2.WatchShardsRequest,
+                          context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[peer_pb2.WatchShardsResponse]:
+        shards = sorted(set(request.shards))
+        if not shards:
+            raise errors.InvalidRequestError("WatchShards needs at least one shard")
+        if shards[-1] >= self.node.config.shards:
+            raise errors.InvalidRequestError(f"shard {shards[-1]} out of range ({self.node.config.shards} shards)")
+        starts = reads.watch_starts(request.watch, shards, self.node.config.shards)
+        async for event in self.kv.watch_here(request.watch, shards, starts, context):
+            yield peer_pb2.WatchShardsResponse(event=event)
 
     async def LocalShardView(self, request: peer_pb2.LocalShardViewRequest,
                              context: Any) -> peer_pb2.LocalShardViewResponse:

@@ -31,6 +31,7 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, Settings
 import wal.clients
 import wal.writer
 from kvstore import limits
+from kvstore.core import placement
 
 ENV_PREFIX = "KVSTORE_"
 CONFIG_VARIABLE = "KVSTORE_CONFIG"  # the TOML file, when --config is not given
@@ -53,6 +54,7 @@ OTHER_VARIABLES: Mapping[str, str] = {
     "KVSTORE_SIM_SEED": "tests: the simulation's seed",
     "KVSTORE_SIM_SEEDS": "tests: the simulation's seeds",
     "KVSTORE_SIM_STEPS": "tests: the simulation's length",
+    "KVSTORE_SIM_MUTATION": "tests: the simulation's broken variant to run",
 }
 
 # Flags that are not `--<field-name>`: (flag, the value it sets, its help). Fields mapped to None
@@ -63,6 +65,10 @@ _SPECIAL_FLAGS: Mapping[str, tuple[str, object, str] | None] = {
                                        "replay everything since the checkpoint)"),
     "kafka_password": None,
 }
+
+# A node id names its consumer group members, its placement entries in the control topic
+# (wal.control.MAX_KEY_BYTES) and its copies in every shard map: short.
+MAX_NODE_ID_BYTES = 200
 
 _FILE_VALUES: contextvars.ContextVar[Mapping[str, Any] | None] = contextvars.ContextVar("kvstore_config_file",
                                                                                         default=None)
@@ -97,19 +103,27 @@ class NodeConfig(BaseSettings):
     # Prometheus on the same network.
     metrics_host: str = Field("127.0.0.1", description="address the metrics endpoint binds (it has no authentication)")
     transaction_timeout_ms: int = Field(60_000, ge=1000, description="the WAL writer's Kafka transaction timeout")
-    replication_factor: int = Field(0, ge=0, description="the WAL topic's replication factor when the node creates it "
-                                                   "(0: min(3, number of brokers))")
+    replication_factor: int = Field(placement.DEFAULT_REPLICATION_FACTOR, ge=1, le=64,
+                                    description="replicas of each shard, capped by the number of nodes: a node "
+                                                "stores and applies only the shards placed on it (docs/design.md §9)")
+    placement_grace_ms: int = Field(placement.DEFAULT_GRACE_MS, ge=0, le=3_600_000,
+                                    description="how long a node that left or died still counts for placement before "
+                                                "its shards are placed elsewhere (a restart within it moves nothing)")
+    wal_replication_factor: int = Field(0, ge=0, description="the WAL topic's Kafka replication factor when the node "
+                                                             "creates it (0: min(3, number of brokers))")
     max_pending_writes: int = Field(limits.MAX_PENDING_WRITES_PER_SHARD, ge=1, le=1_000_000,
                                     description="writes queued per shard before RESOURCE_EXHAUSTED")
-    lead: bool = Field(True, description="lead shards when the group assigns them (false: a read replica that "
-                                         "only follows: stale reads, scans, watches)")
+    lead: bool = Field(True, description="hold the shards placed on this node and lead them when elected (false: "
+                                         "a read replica of every shard that never leads and holds no placement: "
+                                         "stale reads, scans, watches)")
     standby: bool = Field(True, description="follow the shards this node does not lead, for short takeovers "
                                             "(false: they stay at their checkpoint and a takeover replays the rest)")
     session_timeout_ms: int = Field(1500, ge=1000, le=300_000,
                                     description="leadership group session timeout: how long a dead node keeps its "
                                                 "shards (SIGKILL failover takes about this + ~1 s; at least the "
                                                 "broker's group.min.session.timeout.ms)")
-    group: str = Field("", description="the leadership consumer group (default <cluster>.leaders)")
+    group: str = Field("", description="the membership consumer group; each shard's leadership group is "
+                                       "<group>.<shard> (default <cluster>.leaders)")
     snapshot_dir: str = Field("", description="snapshots (`kvstore snapshot create --dir`) to bootstrap an empty, "
                                               "suspect or truncated-below replica from")
     # How the node logs in to Kafka (all of its clients, as one principal: docs/security.md, "Kafka security").
@@ -155,8 +169,8 @@ class NodeConfig(BaseSettings):
     @field_validator("node_id")
     @classmethod
     def _node_id(cls, value: str) -> str:
-        if not value or "@" in value:
-            raise ValueError("must be non-empty and contain no '@'")
+        if not value or "@" in value or len(value.encode()) > MAX_NODE_ID_BYTES:
+            raise ValueError(f"must be 1..{MAX_NODE_ID_BYTES} bytes and contain no '@'")
         return value
 
     @model_validator(mode="after")

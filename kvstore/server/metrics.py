@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -47,15 +48,31 @@ class Metrics:
         self.forwarded = Counter("kvstore_forwarded_requests",
                                  "client requests this node sent on to the shard's leader (kvstore.server.forward)",
                                  ["method"], registry=r)
-        # Node-wide: the leadership group cannot give up one partition, so a node with a shard it
-        # cannot lead (rebuilding, below a truncated log start) leaves the group, and rejoins later.
+        # A replica that cannot lead (rebuilding, below a truncated log start) leaves its shard's
+        # leadership group, and rejoins once it can.
         self.group_leaves = Counter("kvstore_group_leaves",
-                                    "times this node left the leadership group because a shard cannot be led here",
+                                    "times a replica left its shard's leadership group because it cannot lead",
                                     registry=r)
         self.group_rejoins = Counter("kvstore_group_rejoins",
-                                     "times this node rejoined the leadership group once every shard could be led",
+                                     "times a replica rejoined its shard's leadership group once it could lead again",
                                      registry=r)
+        # Placement (kvstore.core.placement): every step of a move, and what a learner loaded.
+        self.placement_steps = Counter("kvstore_placement_steps",
+                                       "placement steps taken here: open (a learner), join (caught up), leave "
+                                       "(no longer placed), drop (data removed)", ["step"], registry=r)
+        self.learner_bytes = Counter("kvstore_learner_bytes",
+                                     "bytes on disk of replicas when they caught up as learners", registry=r)
+        self.shards_held = Gauge("kvstore_shards_held", "replicas this node holds, by placement state", ["state"],
+                                 registry=r)
         self._request_counters: dict[tuple[str, str, str], Any] = {}
+
+    def forget_shard(self, shard: int) -> None:
+        """A replica dropped by placement: its gauges go (a frozen value would read as a live one);
+        its counters stay, since rates over them must not see a reset."""
+        label = str(shard)
+        for gauge in (self.applied_offset, self.end_offset, self.lag_records, self.open_txn_age):
+            with contextlib.suppress(KeyError):
+                gauge.remove(label)
 
     def count_request(self, method: str, code: str, reason: str = "") -> None:
         """`requests{method, code, reason}` += 1, with the labelled child cached: `labels()` takes

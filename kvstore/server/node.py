@@ -1,29 +1,67 @@
-"""A store node: the WAL topic, one replica per shard, and its leadership.
+"""A store node: the WAL topic, the replicas of the shards placed on it, and their leadership.
 
-Every node holds a replica of every shard. The consumer group (kvstore.server.leadership) tells which
-shards this node leads; the other replicas follow as standbys (`standby`), so a takeover
-replays only a short tail. The node owns no protocol logic: replicas do (kvstore.server.replica),
-the WAL does (wal/).
+Placement (docs/design.md §9, kvstore.core.placement) decides which shards a node holds: every
+`cluster_view.REFRESH_S` the node describes the membership group and every shard's leadership
+group (kvstore.server.cluster_view), counts the live members (with a grace period), places every
+shard, and takes the next step for each shard (`kvstore.core.placement.decide`): open a learner,
+join the shard's leadership group once caught up (kvstore.server.leadership), leave it when the
+shard is placed elsewhere and its placed replicas are all caught up, drop the data. The decisions
+are pure; here are only their I/O.
+
+A read replica (`--follower`) holds every shard, follows them all, never leads and is no
+member: placement does not count it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
+import shutil
+import time
+from pathlib import Path
 
 import wal
+import wal.control
+from kvstore import errors
+from kvstore.core import placement
+from kvstore.core.placement import Act, Hold, ShardFacts, ShardHold
 from kvstore.core.role import Role
 from kvstore.core.sharding import shard_of
+from kvstore.server import cluster_view
+from kvstore.server.cluster_view import ClusterView, View
 from kvstore.server.config import NodeConfig, ReplicaConfig
-from kvstore.server.leadership import Leadership
+from kvstore.server.leadership import ShardLeadership
 from kvstore.server.metrics import Metrics
 from kvstore.server.replica import ShardReplica
+from wal.membership import GroupMember
 
 log = logging.getLogger(__name__)
 
 ENDS_REFRESH_S = 1.0
 RESIGN_TIMEOUT_S = 15.0  # a batch in flight gets this long to finish when a shard is handed over
+SHARD_DIR_PREFIX = "shard-"
+CONTROL_POLL_S = 0.5
+
+
+def shard_dir(data_dir: Path, shard: int) -> Path:
+    """Where a replica of `shard` keeps its LevelDB store (kvstore.server.replica)."""
+    return data_dir / f"{SHARD_DIR_PREFIX}{shard}"
+
+
+def shards_on_disk(data_dir: Path, shard_count: int) -> list[int]:
+    """The shards this node has a store of from an earlier run (scratch directories aside)."""
+    found = []
+    for path in data_dir.glob(f"{SHARD_DIR_PREFIX}*"):
+        number = path.name[len(SHARD_DIR_PREFIX):]
+        if number.isdigit() and int(number) < shard_count and path.is_dir():
+            found.append(int(number))
+    return sorted(found)
+
+
+def directory_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
 class Node:
@@ -31,36 +69,232 @@ class Node:
         self.config = config
         self.metrics = Metrics()
         self.replicas: dict[int, ShardReplica] = {}
-        self.leadership: Leadership | None = None
-        self._ends_task: asyncio.Task[None] | None = None
+        self.holds: dict[int, ShardHold] = {}
+        self.leaderships: dict[int, ShardLeadership] = {}
+        self.placement: tuple[tuple[str, ...], ...] = ()
+        self.view: View = cluster_view.EMPTY
+        self.liveness = placement.Liveness(config.placement_grace_ms)
+        self.overrides = placement.NO_OVERRIDES  # the operators' word (drain, move), from the control topic
+        self._control: wal.control.ControlLog | None = None
+        self._unusable_entries: list[str] = []
+        self._unable: dict[int, str] = {}  # shard -> why its replica cannot lead now
+        self._membership: GroupMember | None = None
+        self._cluster_view: ClusterView | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._stale = asyncio.Event()  # a rebalance happened: describe again at once
+        self._started_s = time.monotonic()
+        self._ready_once = False  # serving() said yes once: learners no longer take the node out
         self.address = config.address
 
+    # ---- life ----------------------------------------------------------------------------------
+
     async def start(self, address: str | None = None) -> None:
-        """Start the replicas (all following), then join the leadership group, advertising
-        `address` (the bound one when the configured port was 0)."""
+        """Open the replicas this node had (learners until caught up), join the membership group
+        advertising `address` (the bound one when the configured port was 0), and start placing."""
         self.address = self.config.advertise or address or self.config.listen
+        self._started_s = time.monotonic()
         await asyncio.to_thread(self._ensure_topic)
-        for shard in range(self.config.shards):
-            replica = ShardReplica(ReplicaConfig(
-                cluster=self.config.cluster, topic=self.config.wal_topic, shard=shard,
-                bootstrap_servers=self.config.kafka, node_id=self.config.node_id,
-                data_dir=self.config.data_dir, transaction_timeout_ms=self.config.transaction_timeout_ms,
-                max_pending_writes=self.config.max_pending_writes,
-                snapshot_dir=self.config.snapshot_dir or None, kafka_security=self.config.kafka_security),
-                self.metrics)
-            self.replicas[shard] = replica
-            replica.leader_hint = functools.partial(self.leader_address, shard)
-            replica.start(lead=False, standby=self.config.standby or not self.config.lead)
-        if self.config.lead:
-            self.leadership = Leadership(
+        if not self.config.lead:  # a read replica: every shard, no placement
+            for shard in range(self.config.shards):
+                self._open(shard, standby=True)
+        else:
+            loop = asyncio.get_running_loop()
+            self._membership = GroupMember(
                 bootstrap_servers=self.config.kafka, group=self.config.leader_group, topic=self.config.wal_topic,
-                node_id=self.config.node_id, address=self.address, session_timeout_ms=self.config.session_timeout_ms,
-                replicas=self.replicas, resign_timeout_s=RESIGN_TIMEOUT_S, metrics=self.metrics,
-                security=self.config.kafka_security)
-            self.leadership.start()
-            for replica in self.replicas.values():
-                replica.on_unable_to_lead = self.leadership.set_unable
-        self._ends_task = asyncio.create_task(self._refresh_ends(), name="partition-ends")
+                member_id=self.config.node_id, address=self.address, session_timeout_ms=self.config.session_timeout_ms,
+                on_assigned=lambda _: None, on_revoked=lambda _p, _l: None,
+                on_rebalanced=lambda: self._wake_threadsafe(loop), security=self.config.kafka_security)
+            self._membership.start()
+            self._cluster_view = ClusterView(
+                bootstrap_servers=self.config.kafka, membership_group=self.config.leader_group,
+                leader_group=self.config.leader_group, topic=self.config.wal_topic, shards=self.config.shards,
+                node_id=self.config.node_id, security=self.config.kafka_security)
+            self._control = wal.control.ControlLog(self.config.kafka, self.config.wal_topic,
+                                                   security=self.config.kafka_security)
+            self._tasks.append(asyncio.create_task(self._follow_control(), name="control"))
+            for shard in shards_on_disk(self.config.data_dir, self.config.shards):
+                self._open(shard, standby=True)  # a learner: it replays its tail before it counts
+                self.holds[shard] = ShardHold(Hold.LEARNING, self._now_ms())
+            self._tasks.append(asyncio.create_task(self._place_loop(), name="placement"))
+        self._tasks.append(asyncio.create_task(self._refresh_ends(), name="partition-ends"))
+
+    async def stop(self) -> None:
+        """Hand leadership over first (batches in flight finish, the groups reassign at once),
+        then leave the membership group and stop the replicas."""
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*(leadership.leave() for leadership in self.leaderships.values()))
+        self.leaderships.clear()
+        if self._membership is not None:
+            await asyncio.to_thread(self._membership.leave)
+        await asyncio.gather(*(replica.stop() for replica in self.replicas.values()))
+        if self._control is not None:
+            await asyncio.to_thread(self._control.close)
+
+    def _wake_threadsafe(self, loop: asyncio.AbstractEventLoop) -> None:
+        loop.call_soon_threadsafe(self._stale.set)
+
+    def _now_ms(self) -> int:
+        return int(time.monotonic() * 1000)
+
+    # ---- placement -----------------------------------------------------------------------------
+
+    async def _place_loop(self) -> None:
+        assert self._cluster_view is not None
+        while True:
+            try:
+                self.view = await asyncio.to_thread(self._cluster_view.describe)
+                for shard, leadership in self.leaderships.items():
+                    if shard in self.view.groups:
+                        leadership.listed(self.config.node_id in self.view.in_group(shard))
+            except Exception as exc:  # keep the last view; the next round retries
+                log.debug("describing the cluster failed: %s", exc)
+            try:
+                await self._place()
+            except Exception:  # a bug: say so loudly, keep the node up, try again next round
+                log.exception("placing shards failed")
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stale.wait(), cluster_view.REFRESH_S)
+            self._stale.clear()
+
+    async def _place(self) -> None:
+        """One round: place every shard over the live members and take each shard's next step."""
+        now_ms = self._now_ms()
+        me = self.config.node_id
+        self.liveness.observe([*self.view.members, me], now_ms)
+        self.placement = placement.place(self.config.shards, self.liveness.members(now_ms),
+                                         self.config.replication_factor, self.overrides)
+        settled = now_ms - self._started_s * 1000 >= self.config.placement_grace_ms
+        for shard, placed in enumerate(self.placement):
+            replica = self.replicas.get(shard)
+            facts = ShardFacts(placed_here=me in placed, placed=placed,
+                               caught_up=replica is not None and replica.caught_up,
+                               in_group=self.view.in_group(shard), view_settled=settled)
+            held = self.holds.get(shard)
+            act = placement.decide(me, held, facts, now_ms)
+            if act is Act.NOTHING:
+                continue
+            log.info("shard %d: %s (placed on %s%s)", shard, act.value, ", ".join(placed) or "nobody",
+                     f"; was {held.hold.value}" if held else "")
+            await self._take(shard, act)
+            hold = placement.after(held, act, now_ms)
+            if hold is None:
+                self.holds.pop(shard, None)
+            else:
+                self.holds[shard] = hold
+            self.metrics.placement_steps.labels(step=act.value).inc()
+        for state in Hold:
+            self.metrics.shards_held.labels(state=state.value).set(
+                sum(1 for h in self.holds.values() if h.hold is state))
+
+    async def _follow_control(self) -> None:
+        """Keep `overrides` as the control topic says; a change places shards again at once."""
+        assert self._control is not None
+        while True:
+            if await asyncio.to_thread(self._control.poll, CONTROL_POLL_S):
+                overrides, unusable = placement.overrides_from(self._control.entries, self.config.shards)
+                if unusable != self._unusable_entries:
+                    self._unusable_entries = unusable
+                    if unusable:
+                        log.warning("control topic %s: unusable placement entries skipped: %s", self._control.topic,
+                                    ", ".join(unusable))
+                if overrides != self.overrides:
+                    log.info("placement overrides: drained %s, pinned %s", sorted(overrides.drained) or "none",
+                             dict(overrides.pinned) or "none")
+                    self.overrides = overrides
+                    self._stale.set()
+            await asyncio.sleep(0)
+
+    async def set_override(self, entry: tuple[str, bytes | None], overrides: placement.Overrides,
+                           ) -> list[tuple[int, tuple[str, ...], tuple[str, ...]]]:
+        """Record `entry` in the control topic (every node then places shards with `overrides`)
+        and take it here at once; the placement changes to expect. Raises UnavailableError."""
+        if not self.config.lead:
+            raise errors.InvalidRequestError("a read replica (--follower) takes part in no placement: ask a member")
+        key, value = entry
+        try:
+            await asyncio.to_thread(wal.control.write, self.config.kafka, self.config.wal_topic, key, value,
+                                    security=self.config.kafka_security)
+        except ValueError as exc:  # beyond the control topic's bounds
+            raise errors.InvalidRequestError(str(exc)) from exc
+        except wal.WalError as exc:
+            raise errors.UnavailableError(f"recording the placement change failed: {exc}; nothing may have changed, "
+                                          "or it may have: ask again") from exc
+        members = self.liveness.members(self._now_ms())
+        before = placement.place(self.config.shards, members, self.config.replication_factor, self.overrides)
+        self.overrides = overrides
+        self._stale.set()
+        after = placement.place(self.config.shards, members, self.config.replication_factor, overrides)
+        return placement.changes(before, after)
+
+    def members(self) -> frozenset[str]:
+        """The members placement counts now (live, or away less than the grace period)."""
+        return self.liveness.members(self._now_ms()) if self.config.lead else frozenset()
+
+    async def _take(self, shard: int, act: Act) -> None:
+        if act is Act.OPEN:
+            self._open(shard, standby=True)
+        elif act is Act.JOIN:
+            replica = self.replicas[shard]
+            if self.holds[shard].hold is Hold.LEARNING:
+                self.metrics.learner_bytes.inc(await asyncio.to_thread(directory_bytes, replica.store.path))
+            self._join(shard, replica)
+        elif act is Act.LEAVE:
+            leadership = self.leaderships.pop(shard, None)
+            if leadership is not None:
+                await leadership.leave()
+        else:
+            assert act is Act.DROP, act
+            leadership = self.leaderships.pop(shard, None)
+            if leadership is not None:
+                await leadership.leave()
+            replica = self.replicas.pop(shard)
+            await replica.stop()
+            path = replica.store.path
+            await asyncio.to_thread(shutil.rmtree, path, True)
+            self._unable.pop(shard, None)
+            self.metrics.forget_shard(shard)
+            log.info("shard %d: dropped its replica (%s removed)", shard, path)
+
+    def _open(self, shard: int, *, standby: bool) -> ShardReplica:
+        assert shard not in self.replicas, shard
+        replica = ShardReplica(ReplicaConfig(
+            cluster=self.config.cluster, topic=self.config.wal_topic, shard=shard,
+            bootstrap_servers=self.config.kafka, node_id=self.config.node_id,
+            data_dir=self.config.data_dir, transaction_timeout_ms=self.config.transaction_timeout_ms,
+            max_pending_writes=self.config.max_pending_writes,
+            snapshot_dir=self.config.snapshot_dir or None, kafka_security=self.config.kafka_security),
+            self.metrics)
+        assert replica.store.path == shard_dir(self.config.data_dir, shard), replica.store.path
+        self.replicas[shard] = replica
+        replica.leader_hint = functools.partial(self.leader_address, shard)
+        replica.on_unable_to_lead = self._set_unable
+        replica.start(lead=False, standby=standby)
+        return replica
+
+    def _join(self, shard: int, replica: ShardReplica) -> None:
+        if not self.config.standby:  # from now on it follows only while it leads
+            replica.set_standby(False)
+        leadership = ShardLeadership(
+            shard=shard, replica=replica, bootstrap_servers=self.config.kafka,
+            leader_group=self.config.leader_group, topic=self.config.wal_topic, node_id=self.config.node_id,
+            address=self.address, session_timeout_ms=self.config.session_timeout_ms,
+            resign_timeout_s=RESIGN_TIMEOUT_S, metrics=self.metrics, security=self.config.kafka_security,
+            on_rebalanced=self._stale.set)
+        if shard in self._unable:
+            leadership.set_unable(self._unable[shard])
+        self.leaderships[shard] = leadership
+        leadership.start()
+
+    def _set_unable(self, shard: int, reason: str | None) -> None:
+        if reason is None:
+            self._unable.pop(shard, None)
+        else:
+            self._unable[shard] = reason
+        leadership = self.leaderships.get(shard)
+        if leadership is not None:
+            leadership.set_unable(reason)
 
     async def _refresh_ends(self) -> None:
         """Keep every replica's last known high watermark fresh (for lag, metrics and the shard
@@ -69,46 +303,82 @@ class Node:
             for shard, replica in list(self.replicas.items()):
                 try:
                     end = await asyncio.to_thread(replica.ends.high_watermark, self.config.wal_topic, shard)
-                except Exception as exc:  # a broker is down or moving: keep the last value
+                except Exception as exc:  # a broker is down or moving, or the replica was dropped
                     log.debug("shard %d: high watermark: %s", shard, exc)
                     continue
                 replica.end_offset = max(replica.end_offset, end)
             await asyncio.sleep(ENDS_REFRESH_S)
 
-    async def stop(self) -> None:
-        """Hand leadership over first (batches in flight finish, the group reassigns at once),
-        then stop the replicas."""
-        if self._ends_task is not None:
-            self._ends_task.cancel()
-        if self.leadership is not None:
-            await self.leadership.leave()
-        await asyncio.gather(*(replica.stop() for replica in self.replicas.values()))
+    # ---- what the API asks ---------------------------------------------------------------------
 
     def shard_for(self, key: bytes) -> int:
         return shard_of(key, self.config.shards)
 
+    def holds_shard(self, shard: int) -> bool:
+        return shard in self.replicas
+
     def replica(self, shard: int) -> ShardReplica:
-        return self.replicas[shard]
+        """This node's replica of `shard`; raises NotHeldError (a NOT_LEADER refusal naming the
+        leader, so that the request is forwarded there) if it holds none."""
+        replica = self.replicas.get(shard)
+        if replica is None:
+            raise errors.NotHeldError(shard, self.leader_address(shard) or self.replica_address(shard))
+        return replica
+
+    def leads(self, shard: int) -> bool:
+        replica = self.replicas.get(shard)
+        return replica is not None and replica.role is Role.LEADING
 
     def serving(self) -> bool:
-        """Healthy once every replica caught up and every shard the group gave us leads."""
-        if not self.replicas or not all(r.caught_up for r in self.replicas.values()):
+        """Healthy once the node first placed its shards and every shard placed on it then is a
+        caught-up replica in its leadership group; from then on, as long as every shard its groups
+        gave it leads. A shard gained later loads as a learner without taking the node out of
+        service (its requests are forwarded meanwhile). A read replica: once every replica caught up."""
+        if not self.config.lead:
+            return bool(self.replicas) and all(r.caught_up for r in self.replicas.values())
+        if self._membership is None or not self._membership.joined or not self.placement:
             return False
-        if self.leadership is None:
-            return True
-        if not self.leadership.joined:
-            return False
-        return all(self.replicas[s].role is Role.LEADING for s in self.leadership.assigned if s in self.replicas)
+        if not self._ready_once:
+            me = self.config.node_id
+            for shard, placed in enumerate(self.placement):
+                hold = self.holds.get(shard)
+                if me in placed and (hold is None or hold.hold is not Hold.SERVING):
+                    return False
+        for shard, leadership in self.leaderships.items():
+            if not leadership.joined:
+                return False
+            if leadership.assigned and leadership.unable is None and not self.leads(shard):
+                return False
+        self._ready_once = True
+        return True
 
     def leader_address(self, shard: int) -> str:
         """Where shard's leader is, as far as this node knows ("" if nobody right now)."""
-        if self.replicas[shard].role is Role.LEADING:
+        if self.leads(shard):
             return self.address
-        if self.leadership is None:
-            return ""
-        owner = self.leadership.owner(shard)
-        return owner.address if owner is not None and owner.address != self.address else ""
+        leader = self.view.leader(shard)
+        if leader is None or leader.member_id == self.config.node_id:
+            return ""  # nobody, or a description older than our own resignation
+        return leader.address or self.view.address(leader.member_id)
+
+    def leader_id(self, shard: int) -> str:
+        """The node id of shard's leader as the group chose it ("" if nobody right now)."""
+        if self.leads(shard):
+            return self.config.node_id
+        leader = self.view.leader(shard)
+        return leader.member_id if leader is not None and leader.member_id != self.config.node_id else ""
+
+    def replica_address(self, shard: int) -> str:
+        """The address of a caught-up replica of `shard` other than this node ("" if none known):
+        where a stale read goes when the shard has no leader right now."""
+        for node_id in sorted(self.view.in_group(shard)):
+            if node_id != self.config.node_id and (address := self.view.address(node_id)):
+                return address
+        return ""
 
     def _ensure_topic(self) -> None:
         wal.ensure_wal_topic(self.config.kafka, self.config.wal_topic, self.config.shards,
-                             self.config.replication_factor or None, security=self.config.kafka_security)
+                             self.config.wal_replication_factor or None, security=self.config.kafka_security)
+        if self.config.lead:
+            wal.control.ensure_control_topic(self.config.kafka, self.config.wal_topic,
+                                             security=self.config.kafka_security)

@@ -156,6 +156,11 @@ class ShardReplica:
         if lead:
             self._step(core.LeadChanged(True))
 
+    def set_standby(self, standby: bool) -> None:
+        """Follow the shard while not leading (True) or stay at the checkpoint: from the next time
+        the replica stops leading or starts over."""
+        self.machine.config = dataclasses.replace(self.machine.config, standby=standby)
+
     def set_lead(self, lead: bool) -> None:
         """Gain (or drop, without waiting) leadership."""
         self._step(core.LeadChanged(lead))

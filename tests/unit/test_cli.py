@@ -27,14 +27,18 @@ from kvstore.client import (
     GetResult,
     InvalidArgument,
     KeyValue,
+    MoveProgress,
     NodeInfo,
     Op,
+    PlacementChange,
     PutResult,
     ReadHeader,
+    ReplicaInfo,
     RequestExpired,
     ScanPage,
     ShardInfo,
     ShardMap,
+    ShardMove,
     TransactionInfo,
     TxnResult,
     Unavailable,
@@ -271,7 +275,8 @@ class FakeClient:
 
     def shard_map(self) -> ShardMap:
         self._record("shard_map")
-        return ShardMap(2, "wal", "n1:1", (ShardInfo(0, "n1:1", 3, 10, 12, 2, 0, "n1", True),
+        copies = (ReplicaInfo("n2", "n2:1", "learner", 5, 7), ReplicaInfo("n1", "n1:1", "replica", 10, 0))
+        return ShardMap(2, "wal", "n1:1", (ShardInfo(0, "n1:1", 3, 10, 12, 2, 0, "n1", True, copies, ("n1", "n2")),
                                            ShardInfo(1, "n2:1", 0, 5, 5, 0, 0, "n2", False)),
                         (NodeInfo("n1", "n1:1", (0,), True), NodeInfo("n2", "n2:1", (), False)))
 
@@ -282,6 +287,25 @@ class FakeClient:
     def fence(self, shard: int) -> FenceResult:
         self._record("fence", shard)
         return FenceResult(shard, 12, "n1")
+
+    def drain(self, node_id: str, *, undo: bool = False) -> list[PlacementChange]:
+        self._record("drain", node_id, undo=undo)
+        return [] if undo else [PlacementChange(1, ("n2", "n1"), ("n3", "n1"))]
+
+    def move_shard(self, shard: int, to_node: str = "", from_node: str = "", *,
+                   unpin: bool = False) -> list[PlacementChange]:
+        self._record("move_shard", shard, to_node, from_node, unpin=unpin)
+        return [PlacementChange(shard, ("n1", "n2"), ("n1", to_node))]
+
+    def wait_moves(self, changes: list[PlacementChange], *, timeout_s: float,
+                   on_progress: Any = None) -> MoveProgress:
+        self._record("wait_moves", changes, timeout_s=timeout_s)
+        steps = [MoveProgress((ShardMove(c.shard, c.after, (c.after[1],), ((c.after[0], 40),), (c.before[0],)),))
+                 for c in changes]
+        steps.append(MoveProgress(tuple(ShardMove(c.shard, c.after, c.after, (), ()) for c in changes)))
+        for step in steps if timeout_s > 1 else steps[:1]:
+            on_progress(step)
+        return steps[-1] if timeout_s > 1 else steps[0]
 
 
 @pytest.fixture
@@ -492,15 +516,19 @@ def test_shards(fake: FakeClient, capsys: pytest.CaptureFixture[str]) -> None:
     rc, out, _ = run(["shards"], capsys)
     lines = out.splitlines()
     assert rc == 0 and lines[0] == "topic: wal  shards: 2  served by: n1:1"
-    assert lines[1].split() == ["SHARD", "LEADER", "NODE", "TERM", "APPLIED", "END", "LAG", "OPEN_TXN_MS"]
-    assert lines[2].split() == ["0", "n1:1", "n1", "3", "10", "12", "2", "0"]
-    assert lines[3].split() == ["1", "n2:1", "n2", "(taking", "over)", "0", "5", "5", "0", "0"]
+    assert lines[1].split() == ["SHARD", "LEADER", "NODE", "TERM", "APPLIED", "END", "LAG", "OPEN_TXN_MS",
+                                "REPLICAS"]
+    assert lines[2].split() == ["0", "n1:1", "n1", "3", "10", "12", "2", "0", "n1:replica", "n2:learner(lag", "7)"]
+    assert lines[3].split() == ["1", "n2:1", "n2", "(taking", "over)", "0", "5", "5", "0", "0", "-"]
     assert lines[5].split() == ["NODE", "ADDRESS", "LEADS", "ROLE"]  # no pid: the API carries none
     assert lines[6].split() == ["n1", "n1:1", "0", "leader-capable"]
     assert lines[7].split() == ["n2", "n2:1", "-", "read", "replica"]
     (record,) = json_lines(run(["shards", "-o", "json"], capsys)[1])
     assert record["shard_count"] == 2 and record["shards"][0]["leader"] == "n1:1"
     assert record["shards"][1]["leader_ready"] is False
+    assert record["shards"][0]["replicas"][0] == {"node_id": "n2", "address": "n2:1", "state": "learner",
+                                                  "applied_offset": 5, "lag": 7}
+    assert record["shards"][0]["placed_on"] == ["n1", "n2"]
     assert record["nodes"][1] == {"node_id": "n2", "address": "n2:1", "leads": [], "can_lead": False}
 
 
@@ -527,6 +555,30 @@ def test_txn_list_and_fence(fake: FakeClient, capsys: pytest.CaptureFixture[str]
     assert rc == 0 and fake.calls[-1] == ("fence", (3,), {})
     assert out == "shard 3 fenced at offset 12; leader n1 told to check\n"
     assert run(["fence", "-1"], capsys)[0] == 2
+
+
+def test_drain_prints_the_moves_and_follows_them_until_done(fake: FakeClient,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, _ = run(["drain", "n2"], capsys)
+    lines = out.splitlines()
+    assert rc == 0 and fake.calls[0] == ("drain", ("n2",), {"undo": False})
+    assert lines[0].split() == ["SHARD", "FROM", "TO"] and lines[1].split() == ["1", "n2,n1", "n3,n1"]
+    assert lines[2] == "1 of 1 shard moves left: shard 1 -> n3,n1: n3 learning (lag 40); n2 still holds a copy"
+    assert lines[3] == "done: 1 shard moves"
+    rc, out, _ = run(["drain", "n2", "--undo"], capsys)
+    assert rc == 0 and out == "no shard moves\n" and fake.calls[-1] == ("drain", ("n2",), {"undo": True})
+    (planned, step, done) = json_lines(run(["drain", "n2", "-o", "json"], capsys)[1])
+    assert planned == {"changes": [{"shard": 1, "before": ["n2", "n1"], "after": ["n3", "n1"]}]}
+    assert step["left"] == 1 and step["shards"][0]["learners"] == [{"node_id": "n3", "lag": 40}]
+    assert done == {"done": True, "left": 0, "total": 1, "shards": []}
+
+
+def test_move_waits_and_says_when_it_gave_up(fake: FakeClient, capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, err = run(["move", "3", "--to", "n4", "--from", "n2", "--wait-timeout", "0.5"], capsys)
+    assert rc == 1 and fake.calls[0] == ("move_shard", (3, "n4", "n2"), {"unpin": False})
+    assert "not done after 0 s (1 of 1 shard moves left)" in err
+    rc, out, _ = run(["move", "3", "--to", "n4", "--no-wait"], capsys)
+    assert rc == 0 and fake.calls[-1][0] == "move_shard" and len(out.splitlines()) == 2
 
 
 @pytest.mark.parametrize(

@@ -580,7 +580,7 @@ def test_write_whose_deadline_passed_before_any_attempt_is_deadline_exceeded() -
     client = Client(["n1:1"], timeout_s=0.01)
     s = Scripted(client, 1, {}, [put_ok()])
 
-    def slow_route(key: bytes | None, deadline: float) -> str:
+    def slow_route(key: bytes | None, deadline: float, *, stale: bool = False) -> str:
         time.sleep(max(0.0, deadline - time.monotonic()) + 0.001)
         return "n1:1"
 
@@ -1062,13 +1062,31 @@ def test_all_endpoints_dead_read_unavailable_write_unknown() -> None:
         assert info.value.request_id and info.value.attempts == 3
 
 
-def test_stale_read_goes_to_any_endpoint(cluster: FakeCluster, client: Client) -> None:
+def test_stale_read_goes_to_a_copy_of_the_shard(cluster: FakeCluster, client: Client) -> None:
     k1 = key_on(1, 2)
     client.put(k1, "v")
     result = client.get(k1, consistency="stale", min_revision=1)
-    assert result.header is not None and result.header.served_by == cluster.addresses[0]
+    # The fake's map lists no copies: the shard's leader, which holds one (a real map lists every
+    # caught-up copy, and stale reads take them in turn: test_replica_for_takes_the_copies_in_turn).
+    assert result.header is not None and result.header.served_by == cluster.leaders[1]
     (call,) = cluster.calls_to("Get")
     assert call.request.read.consistency == kv_pb2.CONSISTENCY_STALE and call.request.read.min_revision == 1
+
+
+def test_replica_for_takes_the_copies_in_turn() -> None:
+    from kvstore.client.results import ReplicaInfo, ShardInfo, ShardMap
+    from kvstore.client.transport import Router
+
+    copies = (ReplicaInfo("a", "a:1", "replica", 5, 0), ReplicaInfo("b", "b:1", "learner", 1, 4),
+              ReplicaInfo("c", "c:1", "follower", 5, 0))
+    smap = ShardMap(1, "wal", "a:1", (ShardInfo(0, "a:1", 1, 5, 5, 0, 0, "a", True, copies, ("a", "b")),))
+    router = Router(("x:1", "y:1"))
+    first = router.replica_for(b"k", smap)
+    router.rotate()
+    second = router.replica_for(b"k", smap)
+    assert {first, second} == {"a:1", "c:1"}  # never the learner: it has not caught up
+    no_copies = ShardMap(1, "wal", "a:1", (ShardInfo(0, "a:1", 1, 5, 5, 0, 0, "a", True),))
+    assert router.replica_for(b"k", no_copies) == "a:1"  # the leader
 
 
 def test_txn_over_the_wire(cluster: FakeCluster, client: Client) -> None:
@@ -1208,3 +1226,23 @@ def _free_address() -> str:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return f"127.0.0.1:{s.getsockname()[1]}"
+
+
+def test_move_progress_is_judged_from_the_copies_the_map_lists() -> None:
+    from kvstore.client.moves import PlacementChange, describe, progress
+    from kvstore.client.results import ReplicaInfo, ShardInfo, ShardMap
+
+    def smap(*copies: ReplicaInfo) -> ShardMap:
+        return ShardMap(2, "wal", "a:1", (ShardInfo(1, "a:1", 1, 5, 5, 0, 0, "a", True, copies, ("a", "c")),))
+
+    change = PlacementChange(1, ("a", "b"), ("a", "c"))
+    moving = progress(smap(ReplicaInfo("a", "a:1", "replica", 5, 0), ReplicaInfo("b", "b:1", "retiring", 5, 0),
+                           ReplicaInfo("c", "c:1", "learner", 2, 3)), [change])
+    assert not moving.done and describe(moving.left[0]) == \
+        "shard 1 -> a,c: c learning (lag 3); b still holds a copy"
+    unstarted = progress(smap(ReplicaInfo("a", "a:1", "replica", 5, 0)), [change])
+    assert describe(unstarted.left[0]) == "shard 1 -> a,c: c not started"
+    done = progress(smap(ReplicaInfo("a", "a:1", "replica", 5, 0), ReplicaInfo("c", "c:1", "replica", 5, 0),
+                         ReplicaInfo("f", "f:1", "follower", 5, 0)), [change])
+    assert done.done and describe(done.moves[0]) == "shard 1 -> a,c: done"
+    assert not progress(ShardMap(2, "wal", "a:1", ()), [change]).done  # a map without the shard: not done

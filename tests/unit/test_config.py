@@ -89,7 +89,8 @@ def test_the_node_refuses_to_start_on_an_unknown_variable(monkeypatch: pytest.Mo
                                                 "be greater than or equal to 1000"),
     ([], {"KVSTORE_LEAD": "maybe"}, "lead (env KVSTORE_LEAD): Input should be a valid boolean"),
     (["--cluster", "a.b"], {}, "cluster (flag --cluster): must be non-empty and contain no dot (got 'a.b')"),
-    (["--node-id", "a@b"], {}, "node_id (flag --node-id): must be non-empty and contain no '@'"),
+    (["--node-id", "a@b"], {}, "node_id (flag --node-id): must be 1..200 bytes and contain no '@'"),
+    (["--node-id", "n" * 201], {}, "node_id (flag --node-id): must be 1..200 bytes and contain no '@'"),
     ([], {"KVSTORE_KAFKA_SECURITY_PROTOCOL": "SASL_PLAINTEXT"}, "Kafka login"),
 ])
 def test_invalid_values_name_the_setting_and_where_it_came_from(
