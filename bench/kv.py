@@ -132,13 +132,13 @@ async def serve_empty(address: str, servicer: kv_pb2_grpc.KVServiceServicer | No
 
 
 def start_node(kafka: str, data_dir: Path, cluster: str, shards: int, log: Path,
-               metrics_port: int = 0, node_id: str = "node-1") -> tuple[Proc, str]:
+               metrics_port: int = 0, node_id: str = "node-1", extra: tuple[str, ...] = ()) -> tuple[Proc, str]:
     """A store node exactly as an operator starts it (`python -m kvstore.server`). Nodes of one
     cluster need distinct `node_id`s: the id is the node's static member id in the leadership group."""
     address = f"127.0.0.1:{free_port()}"
     cmd = [sys.executable, "-m", "kvstore.server", "--kafka", kafka, "--data-dir", str(data_dir),
            "--listen", address, "--cluster", cluster, "--shards", str(shards), "--log-format", "text",
-           "--metrics-port", str(metrics_port), "--node-id", node_id]
+           "--metrics-port", str(metrics_port), "--node-id", node_id, *extra]
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "ab") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=REPO,

@@ -11,6 +11,11 @@ the estimate in bench/README.md ("How it scales") is built from are measured her
 
     python bench/scaling.py --quick   # ~4 min: shards 1/4/16 on one node, nodes 1/3 with 4 shards
     python bench/scaling.py           # longer windows
+    python bench/scaling.py --placement --quick   # 10 shards on 1, 3 and 5 nodes with R = 1 and 2 (~6 min)
+
+`--placement` (issue 20, docs/design.md §9): each shard on R of the nodes. Per configuration, besides
+throughput: every node's CPU while it runs (the nodes that hold a shard apply its writes, the others
+hold nothing of it), its shards, and its data directory's size after the load, against R/N.
 """
 
 from __future__ import annotations
@@ -51,6 +56,12 @@ PROFILES: dict[str, dict[str, Any]] = {
 # (label, nodes, shards)
 CONFIGS = (("1 node, 1 shard", 1, 1), ("1 node, 4 shards", 1, 4), ("1 node, 16 shards", 1, 16),
            ("3 nodes, 4 shards", 3, 4))
+# --placement: (label, nodes, shards, replication factor). R = 3 on 3 nodes is the default cluster.
+PLACEMENT_SHARDS = 10
+PLACEMENT_CONFIGS = (("1 node, R 1", 1, PLACEMENT_SHARDS, 1), ("3 nodes, R 1", 3, PLACEMENT_SHARDS, 1),
+                     ("3 nodes, R 2", 3, PLACEMENT_SHARDS, 2), ("5 nodes, R 1", 5, PLACEMENT_SHARDS, 1),
+                     ("5 nodes, R 2", 5, PLACEMENT_SHARDS, 2))
+PLACEMENT_GRACE_MS = 3000  # short: the first nodes' extra copies are dropped soon after the start
 Row = dict[str, Any]
 
 
@@ -155,19 +166,41 @@ async def run_series(load: str, leader_of: dict[int, str], shards: int, clients:
     return row
 
 
-def run_config(label: str, nodes: int, shards: int, profile: dict[str, Any], tmp: Path) -> Row:
+def placed(addresses: list[str], timeout_s: float) -> dict[str, list[int]]:
+    """Once every shard is held by exactly its placed nodes (no learner, no extra copy): node id ->
+    the shards it holds."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with grpc.insecure_channel(addresses[0]) as channel, contextlib.suppress(grpc.RpcError):
+            stub: Any = cluster_pb2_grpc.ClusterServiceStub(channel)  # type: ignore[no-untyped-call]
+            smap = stub.ShardMap(cluster_pb2.ShardMapRequest(), timeout=5)
+            if all(s.placed_on and {(r.node_id, r.state) for r in s.replicas} ==
+                   {(n, cluster_pb2.REPLICA_STATE_REPLICA) for n in s.placed_on} for s in smap.shards):
+                held: dict[str, list[int]] = collections.defaultdict(list)
+                for s in smap.shards:
+                    for node in s.placed_on:
+                        held[node].append(s.shard)
+                return dict(held)
+        time.sleep(0.5)
+    raise RuntimeError(f"placement did not settle within {timeout_s} s")
+
+
+def run_config(label: str, nodes: int, shards: int, profile: dict[str, Any], tmp: Path, rf: int | None = None) -> Row:
     cluster = f"sc{uuid.uuid4().hex[:8]}"
+    extra = ("--replication-factor", str(rf), "--placement-grace-ms", str(PLACEMENT_GRACE_MS)) if rf else ()
     with kvbench.broker(tmp / "kafka") as (bootstrap, broker_pid), peer.processes() as procs:
         ports, addresses, pids = [], [], {"broker": broker_pid}
         for n in range(nodes):
             ports.append(metrics_port := free_port())
             proc, address = kvbench.start_node(bootstrap, tmp / f"node-{n + 1}", cluster, shards,
-                                               tmp / f"node-{n + 1}.log", metrics_port, node_id=f"node-{n + 1}")
+                                               tmp / f"node-{n + 1}.log", metrics_port, node_id=f"node-{n + 1}",
+                                               extra=extra)
             procs.append(proc)
             addresses.append(address)
             pids[f"node-{n + 1}"] = proc.pid
         for proc, address in zip(procs, addresses, strict=True):
             kvbench.wait_serving(proc, address, START_TIMEOUT_S)
+        held = placed(addresses, START_TIMEOUT_S) if rf else {}
         leader_of = leaders(addresses, shards, START_TIMEOUT_S)
         peer.log(f"{label}: leaders {collections.Counter(leader_of.values())}")
         rows = []
@@ -178,23 +211,33 @@ def run_config(label: str, nodes: int, shards: int, profile: dict[str, Any], tmp
             peer.log(f"{label}: {load} {row['keys_per_s']:,.0f} keys/s ({row['requests_per_s']:,.0f} req/s) "
                      f"txn {row.get('records_per_txn')} rec / {row.get('mean_commit_ms')} ms; cpu {row['cpu_cores']}")
             rows.append(row)
-    return {"config": label, "nodes": nodes, "shards": shards, "rows": rows}
+        disk = {f"node-{n + 1}": kvbench_dir_bytes(tmp / f"node-{n + 1}") for n in range(nodes)}
+    result: Row = {"config": label, "nodes": nodes, "shards": shards, "rows": rows}
+    if rf:
+        result.update(replication_factor=rf, held={k: sorted(v) for k, v in sorted(held.items())}, disk_bytes=disk)
+    return result
+
+
+def kvbench_dir_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="4 s windows")
     parser.add_argument("--only", metavar="TEXT", help="only the configurations whose label contains TEXT")
+    parser.add_argument("--placement", action="store_true", help="10 shards on 1, 3, 5 nodes with R = 1 and 2")
     args = parser.parse_args(argv)
-    profile_name = "quick" if args.quick else "full"
-    profile, wall = PROFILES[profile_name], time.monotonic()
+    profile_name = ("placement-" if args.placement else "") + ("quick" if args.quick else "full")
+    profile, wall = PROFILES["quick" if args.quick else "full"], time.monotonic()
     stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%dT%H%M%SZ")
     configs = []
-    for label, nodes, shards in CONFIGS:
+    todo = PLACEMENT_CONFIGS if args.placement else tuple((*c, None) for c in CONFIGS)
+    for label, nodes, shards, rf in todo:
         if args.only and args.only not in label:
             continue
         with tempfile.TemporaryDirectory(prefix="bench-scaling-") as tmp:
-            configs.append(run_config(label, nodes, shards, profile, Path(tmp)))
+            configs.append(run_config(label, nodes, shards, profile, Path(tmp), rf))
     report = {"bench": "scaling", "profile": profile_name, "utc": stamp, "clients": profile["clients"],
               "seconds": profile["seconds"], "batch": BATCH, "value_bytes": VALUE_BYTES,
               "machine": {"nproc": len(os.sched_getaffinity(0)), "loadavg_at_end": os.getloadavg()},
@@ -203,6 +246,8 @@ def main(argv: list[str] | None = None) -> int:
     for name in (f"scaling-{profile_name}-{stamp}.json", f"scaling-latest-{profile_name}.json"):
         (RESULTS_DIR / name).write_text(json.dumps(report, indent=2) + "\n")
     print(markdown(report))
+    if args.placement:
+        print(placement_markdown(report))
     print(json.dumps({c["config"]: {r["load"]: r["keys_per_s"] for r in c["rows"]} for c in configs}))
     return 0
 
@@ -220,6 +265,19 @@ def markdown(report: Row) -> str:
                        f"{r.get('node_cpu_us_per_key', '-')} | {r.get('broker_cpu_us_per_key', '-')} | "
                        f"{r.get('node_cpu_ms_per_txn', '-')} | {r.get('broker_cpu_ms_per_txn', '-')} | "
                        f"{nodes:.2f} + {cores.get('broker', 0):.2f} ({cores.get('machine', 0):.2f}) |")
+    return "\n".join(out)
+
+
+def placement_markdown(report: Row) -> str:
+    """Per configuration and node: shards held, data directory, CPU during the WriteBatch load."""
+    out = ["| configuration | R/N | node | shards held | data dir MB after the load | CPU cores (wbatch) |",
+           "|---|---:|---|---:|---:|---:|"]
+    for config in report["configs"]:
+        wbatch = next(r for r in config["rows"] if r["load"] == "wbatch")
+        share = min(config["replication_factor"], config["nodes"]) / config["nodes"]
+        for node, size in config["disk_bytes"].items():
+            out.append(f"| {config['config']} | {share:.2f} | {node} | {len(config['held'].get(node, []))} | "
+                       f"{size / 1e6:.1f} | {wbatch['cpu_cores'].get(node, 0):.2f} |")
     return "\n".join(out)
 
 
