@@ -90,6 +90,7 @@ class ControlLog:
         self._io = threading.Lock()  # the consumer: a close never runs while a poll does
         self.malformed = 0
         self.position = 0  # next offset to read
+        self.reached_end = False  # it read the topic to its end once: `entries` is what was there
 
     @property
     def entries(self) -> Mapping[str, bytes]:
@@ -116,7 +117,9 @@ class ControlLog:
         for message in messages:
             error = message.error()
             if error is not None:
-                if error.code() not in (KafkaError._PARTITION_EOF, KafkaError.UNKNOWN_TOPIC_OR_PART):
+                if error.code() == KafkaError._PARTITION_EOF:
+                    self.reached_end = True
+                elif error.code() != KafkaError.UNKNOWN_TOPIC_OR_PART:
                     log.debug("control topic %s: %s", self.topic, error)
                 continue
             offset = message.offset()

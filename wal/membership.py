@@ -56,6 +56,7 @@ log = logging.getLogger(__name__)
 ADDRESS_SEPARATOR = "@"
 POLL_INTERVAL_S = 0.05  # also the heartbeat cadence (see _membership) and the delay of a leave
 LEAVE_TIMEOUT_S = 5.0
+MISSING_LIMIT_S = 5.0  # not listed by the coordinator this long (at least): rejoin (`listed`)
 # Polls further apart than this share of the session timeout are logged: heartbeats then go out
 # only on librdkafka's own wake-ups (see _membership), and a stall that long is worth knowing.
 POLL_GAP_WARN_SHARE = 1 / 3
@@ -227,6 +228,8 @@ class GroupMember:
         # Member thread only: the generation of the current assignment, and a lost one on hold.
         self._generation: int | None = None
         self._hold: Hold | None = None
+        self._missing_since: float | None = None  # `listed`: when the coordinator stopped listing us
+        self.missing_limit_s = max(MISSING_LIMIT_S, 3 * session_timeout_ms / 1000)
         self.losses_held = 0  # losses librdkafka declared that the group gave back (kept or regained)
 
     def start(self) -> None:
@@ -273,6 +276,22 @@ class GroupMember:
         librdkafka believes it is in the group (seen after a broker restart: a fatal
         FENCED_INSTANCE_ID that neither poll() nor error_cb reported)."""
         self._rejoin.set()
+
+    def listed(self, listed: bool) -> None:
+        """Watchdog, fed with every description of the group: the coordinator's word is final. A
+        member it has not listed for `missing_limit_s` is not in the group, whatever the local
+        consumer believes (a dead consumer librdkafka did not report), so it starts over with a
+        new consumer (`rejoin`). Out of the group on purpose (`away`) is not missing."""
+        now = time.monotonic()
+        if self.away or listed:
+            self._missing_since = None
+        elif self._missing_since is None:
+            self._missing_since = now
+        elif now - self._missing_since > self.missing_limit_s:
+            log.warning("group %s has not listed %s for %.0fs; rejoining", self.group, self.member_id,
+                        now - self._missing_since)
+            self.rejoin()
+            self._missing_since = None
 
     def describe(self, timeout_s: float) -> list[Member]:
         """The group as its coordinator sees it now. Raises KafkaException."""
@@ -331,8 +350,11 @@ class GroupMember:
                 last = now
                 if self._hold is not None and now > self._hold.deadline:
                     self._release_hold(f"the group did not assign them again within {self._hold_s:.1f}s")
-                if message is not None and message.error() is not None:
-                    log.debug("group member %s: %s", self.member_id, message.error())
+                error = message.error() if message is not None else None
+                if error is not None:
+                    if is_fatal(error):
+                        self._fatal = error
+                    log.debug("group member %s: %s", self.member_id, error)
                 # librdkafka serves its consumer group (heartbeats included) only when its main
                 # thread wakes up, for an op or a timer: idle, that is about every 0.5 s whatever
                 # heartbeat.interval.ms says. This request is such an op, so heartbeats go out
@@ -369,7 +391,7 @@ class GroupMember:
 
     def _on_error(self, error: KafkaError) -> None:
         """librdkafka reports fatal consumer errors here (not through poll)."""
-        if error.fatal():
+        if is_fatal(error):
             self._fatal = error
         else:
             log.debug("group member %s: %s", self.member_id, error)
@@ -487,6 +509,14 @@ class GroupMember:
             self._owned.clear()
         if gone:
             self._on_revoked(gone, lost)
+
+
+def is_fatal(error: KafkaError) -> bool:
+    """A consumer that reported this is dead. librdkafka reports a fenced static member
+    (FENCED_INSTANCE_ID) as an error whose code is _FATAL but whose `fatal()` is False
+    (confluent-kafka-python issue #869): missed, the member kept a dead consumer, believed itself
+    in the group and never rejoined (seen: tests/integration/test_membership_stall.py)."""
+    return bool(error.fatal()) or error.code() == KafkaError._FATAL
 
 
 def members_from(description: object, topic: str) -> Member:

@@ -33,8 +33,6 @@ from wal.membership import GroupMember
 
 log = logging.getLogger(__name__)
 
-MISSING_LIMIT_S = 5.0  # not listed by the coordinator this long (at least): rejoin
-
 
 def shard_group(leader_group: str, shard: int) -> str:
     """The consumer group that elects `shard`'s leader among its replicas."""
@@ -52,8 +50,6 @@ class ShardLeadership:
         self._replica = replica
         self._metrics = metrics
         self._resign_timeout_s = resign_timeout_s
-        self._missing_limit_s = max(MISSING_LIMIT_S, 3 * session_timeout_ms / 1000)
-        self._missing_since: float | None = None
         self._loop = asyncio.get_running_loop()
         self._on_rebalanced = on_rebalanced
         self._member = GroupMember(bootstrap_servers=bootstrap_servers, group=self.group, topic=topic,
@@ -104,20 +100,8 @@ class ShardLeadership:
         return self.shard in self._member.owned
 
     def listed(self, listed: bool) -> None:
-        """Watchdog, fed with every description of the group: the coordinator's word is final. A
-        member it has not listed for a while is not in the group, whatever the local consumer
-        believes (seen after a broker restart: a fatal FENCED_INSTANCE_ID that neither poll()
-        nor error_cb reported), so it starts over with a new consumer."""
-        now = time.monotonic()
-        if self._member.away or listed:
-            self._missing_since = None  # out of the group on purpose, or listed
-        elif self._missing_since is None:
-            self._missing_since = now
-        elif now - self._missing_since > self._missing_limit_s:
-            log.warning("shard %d: its leadership group has not listed %s for %.0fs; rejoining", self.shard,
-                        self.node_id, now - self._missing_since)
-            self._member.rejoin()
-            self._missing_since = None
+        """Watchdog (`GroupMember.listed`): fed with every description of the shard's group."""
+        self._member.listed(listed)
 
     # ---- called on the member's thread ---------------------------------------------------------
 

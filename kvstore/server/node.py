@@ -77,6 +77,7 @@ class Node:
         self.overrides = placement.NO_OVERRIDES  # the operators' word (drain, move), from the control topic
         self._control: wal.control.ControlLog | None = None
         self._unusable_entries: list[str] = []
+        self._control_read = False  # the control topic was read to its end once (placement waits for it)
         self._unable: dict[int, str] = {}  # shard -> why its replica cannot lead now
         self._membership: GroupMember | None = None
         self._cluster_view: ClusterView | None = None
@@ -145,13 +146,19 @@ class Node:
         while True:
             try:
                 self.view = await asyncio.to_thread(self._cluster_view.describe)
+                if self._membership is not None:
+                    self._membership.listed(self.config.node_id in self.view.members)
                 for shard, leadership in self.leaderships.items():
                     if shard in self.view.groups:
                         leadership.listed(self.config.node_id in self.view.in_group(shard))
             except Exception as exc:  # keep the last view; the next round retries
                 log.debug("describing the cluster failed: %s", exc)
             try:
-                await self._place()
+                # Not before the coordinator answered once and the control topic was read once: a
+                # node that placed with only itself as a member, or without the operators'
+                # overrides, would open learners for shards that are not its own.
+                if self.view.at_s and self._control_read:
+                    await self._place()
             except Exception:  # a bug: say so loudly, keep the node up, try again next round
                 log.exception("placing shards failed")
             with contextlib.suppress(TimeoutError):
@@ -192,7 +199,9 @@ class Node:
         """Keep `overrides` as the control topic says; a change places shards again at once."""
         assert self._control is not None
         while True:
-            if await asyncio.to_thread(self._control.poll, CONTROL_POLL_S):
+            changed = await asyncio.to_thread(self._control.poll, CONTROL_POLL_S)
+            self._control_read = self._control.reached_end
+            if changed:
                 overrides, unusable = placement.overrides_from(self._control.entries, self.config.shards)
                 if unusable != self._unusable_entries:
                     self._unusable_entries = unusable

@@ -37,6 +37,7 @@ def test_the_last_value_per_key_wins_and_a_tombstone_removes(kafka: LocalKafka) 
         control.write(kafka.bootstrap_servers, wal, "placement/pin/3", b'["n4"]')
         read_until(log, {"placement/drain/n1": b"1", "placement/pin/3": b'["n4"]'})
         assert log.position >= first + 3
+        wait_until(lambda: log.poll(0.2) or log.reached_end, 30, interval_s=0.05, what="the end of the topic")
         control.write(kafka.bootstrap_servers, wal, "placement/drain/n1", None)
         read_until(log, {"placement/pin/3": b'["n4"]'})
         later = control.ControlLog(kafka.bootstrap_servers, wal)  # a node started afterwards

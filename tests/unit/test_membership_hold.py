@@ -182,3 +182,40 @@ def test_a_consumer_that_dies_under_the_member_is_held_until_the_next_one_is_ass
         member._stop.set()
         member._thread.join(10)
         assert not member._thread.is_alive(), "the member thread did not stop"
+
+
+def test_a_fenced_static_member_is_fatal_whatever_fatal_says() -> None:
+    from confluent_kafka import KafkaError
+
+    from wal.membership import is_fatal
+
+    # confluent-kafka-python issue #869: the code is _FATAL, `fatal()` is False.
+    assert is_fatal(KafkaError(KafkaError._FATAL, "Fatal error: Broker: Static consumer fenced"))
+    assert is_fatal(KafkaError(KafkaError.FENCED_INSTANCE_ID, "fenced", fatal=True))
+    assert not is_fatal(KafkaError(KafkaError._TRANSPORT, "broker down"))
+
+
+def test_a_member_the_coordinator_stops_listing_rejoins(monkeypatch: pytest.MonkeyPatch) -> None:
+    import wal.membership as membership
+
+    now = [100.0]
+    monkeypatch.setattr(membership.time, "monotonic", lambda: now[0])
+    member = membership.GroupMember(bootstrap_servers="127.0.0.1:1", group="g", topic="t", member_id="n1",
+                                    address="a:1", session_timeout_ms=1500, on_assigned=lambda _: None,
+                                    on_revoked=lambda _p, _l: None)
+    assert member.missing_limit_s == membership.MISSING_LIMIT_S
+    member.listed(False)
+    now[0] += member.missing_limit_s
+    member.listed(False)
+    assert not member._rejoin.is_set()  # at the limit: not yet
+    member.listed(True)  # listed again: the count starts over
+    member.listed(False)
+    now[0] += member.missing_limit_s + 0.1
+    member.listed(False)
+    assert member._rejoin.is_set()
+    member._rejoin.clear()
+    member.step_aside()  # out on purpose: not missing
+    member.listed(False)
+    now[0] += 60
+    member.listed(False)
+    assert not member._rejoin.is_set()
