@@ -40,8 +40,6 @@ from kvstore import errors, limits
 from kvstore.core import placement, reads, validation
 from kvstore.core.batch import write_of
 from kvstore.core.evaluate import key_value
-from kvstore.core.placement import Hold
-from kvstore.core.role import Role
 from kvstore.core.state import ChangeType
 from kvstore.internal.v1 import peer_pb2, peer_pb2_grpc
 from kvstore.server import auth, config, forward, shardmap
@@ -552,6 +550,11 @@ class ClusterService(cluster_pb2_grpc.ClusterServiceServicer):
                     "unpinned" if request.unpin else f"pinned to {', '.join(pinned[request.shard])}")
         return cluster_pb2.MoveShardResponse(changes=_changes(moves))
 
+    async def peer_view(self, address: str) -> cluster_pb2.ShardMapResponse | None:
+        """The node at `address` describing itself (LocalShardView), or None if it did not answer
+        within PEER_TIMEOUT_S."""
+        return await self._peer_view(address)
+
     async def _peer_view(self, address: str) -> cluster_pb2.ShardMapResponse | None:
         try:
             reply = await self.peers.peer(address).LocalShardView(peer_pb2.LocalShardViewRequest(),
@@ -567,34 +570,9 @@ def _changes(moves: list[tuple[int, tuple[str, ...], tuple[str, ...]]]) -> list[
     return [cluster_pb2.PlacementChange(shard=shard, before=before, after=after) for shard, before, after in moves]
 
 
-_REPLICA_STATES = {Hold.LEARNING: cluster_pb2.REPLICA_STATE_LEARNER, Hold.SERVING: cluster_pb2.REPLICA_STATE_REPLICA,
-                   Hold.RETIRING: cluster_pb2.REPLICA_STATE_RETIRING}
-
-
 async def local_view(node: Node) -> cluster_pb2.ShardMapResponse:
-    """What `node` knows itself: its copies of shards, what it leads, and itself (first in `nodes`)."""
-    config = node.config
-    response = cluster_pb2.ShardMapResponse(shard_count=config.shards, topic=config.wal_topic,
-                                            served_by=config.node_id)
-    me = cluster_pb2.NodeInfo(node_id=config.node_id, address=node.address, can_lead=config.lead)
-    for shard, replica in sorted(node.replicas.items()):
-        # The last known high watermark (refreshed every second by the node): a map must
-        # answer at once, also while a broker is down and offset queries hang.
-        end = replica.end_offset
-        applied = replica.store.applied_offset
-        leading = replica.role is Role.LEADING
-        if leading:
-            me.leads.append(shard)
-        hold = node.holds.get(shard)
-        state = _REPLICA_STATES[hold.hold] if hold is not None else cluster_pb2.REPLICA_STATE_FOLLOWER
-        response.shards.append(cluster_pb2.ShardInfo(
-            shard=shard, leader=node.leader_address(shard), term=replica.term if leading else 0,
-            applied_offset=applied, end_offset=end, lag=max(0, end - applied),
-            open_txn_age_ms=replica.open_txn_age_ms(), leader_id=node.leader_id(shard), leader_ready=leading,
-            replicas=[cluster_pb2.ReplicaInfo(node_id=config.node_id, address=node.address, state=state,
-                                              applied_offset=applied, lag=max(0, end - applied))]))
-    response.nodes.append(me)
-    return response
+    """What `node` knows itself (`Node.local_view`)."""
+    return node.local_view()
 
 
 class PeerService(peer_pb2_grpc.PeerServiceServicer):
@@ -671,7 +649,9 @@ async def serve(config: NodeConfig, ready: Callable[[str], None] | None = None) 
     peers = Peers(security.peer_credentials)
     kv_service = KVService(node, peers)
     kv_pb2_grpc.add_KVServiceServicer_to_server(kv_service, server)  # type: ignore[no-untyped-call]
-    cluster_pb2_grpc.add_ClusterServiceServicer_to_server(ClusterService(node, peers), server)  # type: ignore[no-untyped-call]
+    cluster_service = ClusterService(node, peers)
+    node.peer_view = cluster_service.peer_view  # the node's view of the shards: every member's report of itself
+    cluster_pb2_grpc.add_ClusterServiceServicer_to_server(cluster_service, server)  # type: ignore[no-untyped-call]
     # Internal, on the same port (peer.proto): left out of reflection, which lists the API.
     peer_pb2_grpc.add_PeerServiceServicer_to_server(PeerService(node, kv_service), server)  # type: ignore[no-untyped-call]
     health_servicer = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()

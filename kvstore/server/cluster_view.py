@@ -1,24 +1,28 @@
-"""The cluster as the group coordinator describes it: who is alive, and each shard's caught-up
-replicas and leader. One DescribeConsumerGroups call for the membership group and every shard's
-leadership group (kvstore.server.leadership), refreshed by the node every `REFRESH_S` and right
-after any rebalance it took part in.
+"""The cluster as this node knows it: who is alive (the membership group, as its coordinator
+describes it), and each shard's caught-up replicas and leader (as the nodes report themselves),
+refreshed by the node every `REFRESH_S` and right after any rebalance it took part in.
 
-Why the coordinator and not the nodes' own word: it is the one place that decides both who is a
-member (the placement's live members, kvstore.core.placement) and who leads a shard, so a view
-built from it never names a leader the group has not chosen. The nodes' own word (replicas still
-learning, their lag) comes from their local shard views (kvstore.server.app `local_view`).
+Why the coordinator for the members: it is the one place that knows who joined, new nodes
+included. Why the nodes' own reports for the shards (`from_reports`, pure): describing every
+shard's leadership group too made one DescribeConsumerGroups call fan out to S+1 group
+coordinators twice a second on every node, and librdkafka 2.16 aborts the process (an assertion
+in `rd_kafka_enq_once_del_source_return`, its admin client's coordinator requests) when a broker
+holding some of those coordinators dies: seen on all three nodes at once in
+tests/integration/test_three_brokers.py. One group per call is what the nodes described before
+placement, and what survived that test. A node's report of its own copies (`Node.local_view`) is
+what the shard map shows anyway: a copy in state REPLICA is in its shard's leadership group, and
+the node that says it leads (or was assigned) a shard is its leader.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from confluent_kafka.admin import AdminClient
 
-from kvstore.server.leadership import shard_group
+from kvstore.v1 import cluster_pb2
 from wal.clients import ClientSecurity, client_config
 from wal.membership import Member, members_from
 
@@ -30,23 +34,22 @@ DESCRIBE_TIMEOUT_S = 2.0
 
 @dataclasses.dataclass(frozen=True)
 class View:
-    """One description. `members`: node id -> advertised address of the membership group's
-    members (the nodes that may hold shards); `groups`: shard -> its leadership group's members,
-    only for the shards whose group could be described."""
+    """What a node knows of the cluster. `members`: node id -> advertised address of the
+    membership group's members (the nodes that may hold shards); `groups`: shard -> its caught-up
+    replicas (in its leadership group), as they reported themselves; `leaders`: shard -> the node
+    that leads it (or was assigned it and is taking over)."""
 
     members: Mapping[str, str]
     groups: Mapping[int, tuple[Member, ...]]
     at_s: float  # time.monotonic() when it was taken
+    leaders: Mapping[int, Member] = dataclasses.field(default_factory=dict)
 
     def in_group(self, shard: int) -> frozenset[str]:
         """The shard's caught-up replicas: the members of its leadership group."""
         return frozenset(member.member_id for member in self.groups.get(shard, ()))
 
     def leader(self, shard: int) -> Member | None:
-        """The member the group assigned the shard's own partition to (None: nobody right now, or
-        a description that shows it twice, which is trusted for neither)."""
-        owners = [member for member in self.groups.get(shard, ()) if shard in member.partitions]
-        return owners[0] if len(owners) == 1 else None
+        return self.leaders.get(shard)
 
     def address(self, node_id: str) -> str:
         """A node's advertised address, from any group that lists it ("" if none does)."""
@@ -62,38 +65,49 @@ class View:
 EMPTY = View({}, {}, 0.0)
 
 
-class ClusterView:
-    """The shell: an admin client and the last view (kept when a description fails)."""
+def from_reports(members: Mapping[str, str], reports: Sequence[cluster_pb2.ShardMapResponse], at_s: float) -> View:
+    """A view from the membership and every node's report of itself (`Node.local_view`: its own
+    copies, each with its state, and the shards it leads or was assigned). Pure. Of two nodes that
+    both claim a shard, the one that leads (fenced and ready) with the higher term wins; the other
+    is fenced already or about to be."""
+    groups: dict[int, list[Member]] = {}
+    claims: dict[int, list[tuple[bool, int, str, Member]]] = {}
+    for report in reports:
+        if not report.nodes:
+            continue
+        node = report.nodes[0]  # each node describes itself first
+        for info in report.shards:
+            own = [r for r in info.replicas if r.node_id == node.node_id]
+            if not own or own[0].state != cluster_pb2.REPLICA_STATE_REPLICA:
+                continue
+            claims_it = info.leader_id == node.node_id
+            member = Member(node.node_id, node.address, (info.shard,) if claims_it else ())
+            groups.setdefault(info.shard, []).append(member)
+            if claims_it:
+                claims.setdefault(info.shard, []).append((info.leader_ready, info.term, node.node_id, member))
+    leaders = {shard: max(found)[3] for shard, found in claims.items()}
+    return View(dict(members), {shard: tuple(found) for shard, found in groups.items()}, at_s, leaders)
 
-    def __init__(self, *, bootstrap_servers: str, membership_group: str, leader_group: str, topic: str, shards: int,
-                 node_id: str, security: ClientSecurity | None = None) -> None:
+
+class ClusterView:
+    """The shell: an admin client describing the membership group."""
+
+    def __init__(self, *, bootstrap_servers: str, membership_group: str, topic: str, node_id: str,
+                 security: ClientSecurity | None = None) -> None:
         self._config = client_config(bootstrap_servers, security, **{"client.id": f"{node_id}-view"})
         self._membership_group = membership_group
-        self._groups = {shard_group(leader_group, shard): shard for shard in range(shards)}
         self._topic = topic
         self._admin: AdminClient | None = None
-        self.last = EMPTY
 
-    def describe(self, timeout_s: float = DESCRIBE_TIMEOUT_S) -> View:
-        """A fresh view (blocking: call it in a thread). A group whose description failed keeps its
-        last known members; if the membership group failed, the whole call raises KafkaException."""
+    def members(self, timeout_s: float = DESCRIBE_TIMEOUT_S) -> dict[str, str]:
+        """node id -> advertised address of the membership group's members (blocking: call it in
+        a thread). Raises KafkaException."""
         if self._admin is None:
             self._admin = AdminClient(self._config)
-        names = [self._membership_group, *self._groups]
         try:
-            futures = self._admin.describe_consumer_groups(names, request_timeout=timeout_s)
+            futures = self._admin.describe_consumer_groups([self._membership_group], request_timeout=timeout_s)
             membership = futures[self._membership_group].result(timeout=timeout_s + 1)
         except Exception:
             self._admin = None  # a fresh client next time: stale metadata must not stick
             raise
-        members = {m.member_id: m.address for m in (members_from(d, self._topic) for d in membership.members)}
-        groups = dict(self.last.groups)
-        for name, shard in self._groups.items():
-            try:
-                description = futures[name].result(timeout=timeout_s + 1)
-            except Exception as exc:  # keep what we knew of this one
-                log.debug("describing %s failed: %s", name, exc)
-                continue
-            groups[shard] = tuple(members_from(d, self._topic) for d in description.members)
-        self.last = View(members, groups, time.monotonic())
-        return self.last
+        return {m.member_id: m.address for m in (members_from(d, self._topic) for d in membership.members)}

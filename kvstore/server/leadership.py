@@ -99,10 +99,6 @@ class ShardLeadership:
         """The group gave this node the shard's partition: it should lead the shard."""
         return self.shard in self._member.owned
 
-    def listed(self, listed: bool) -> None:
-        """Watchdog (`GroupMember.listed`): fed with every description of the shard's group."""
-        self._member.listed(listed)
-
     # ---- called on the member's thread ---------------------------------------------------------
 
     def _assigned(self, partitions: list[int]) -> None:

@@ -20,6 +20,7 @@ import functools
 import logging
 import shutil
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import wal
@@ -35,6 +36,7 @@ from kvstore.server.config import NodeConfig, ReplicaConfig
 from kvstore.server.leadership import ShardLeadership
 from kvstore.server.metrics import Metrics
 from kvstore.server.replica import ShardReplica
+from kvstore.v1 import cluster_pb2
 from wal.membership import GroupMember
 
 log = logging.getLogger(__name__)
@@ -42,6 +44,8 @@ log = logging.getLogger(__name__)
 ENDS_REFRESH_S = 1.0
 RESIGN_TIMEOUT_S = 15.0  # a batch in flight gets this long to finish when a shard is handed over
 SHARD_DIR_PREFIX = "shard-"
+_REPLICA_STATES = {Hold.LEARNING: cluster_pb2.REPLICA_STATE_LEARNER, Hold.SERVING: cluster_pb2.REPLICA_STATE_REPLICA,
+                   Hold.RETIRING: cluster_pb2.REPLICA_STATE_RETIRING}
 CONTROL_POLL_S = 0.5
 
 
@@ -82,6 +86,9 @@ class Node:
         self._membership: GroupMember | None = None
         self._cluster_view: ClusterView | None = None
         self._tasks: list[asyncio.Task[None]] = []
+        # How to ask another node for its report of itself (set by kvstore.server.app: the peer
+        # service's LocalShardView over the node's channels); None: no peers asked.
+        self.peer_view: Callable[[str], Awaitable[cluster_pb2.ShardMapResponse | None]] | None = None
         self._stale = asyncio.Event()  # a rebalance happened: describe again at once
         self._started_s = time.monotonic()
         self._ready_once = False  # serving() said yes once: learners no longer take the node out
@@ -108,8 +115,7 @@ class Node:
             self._membership.start()
             self._cluster_view = ClusterView(
                 bootstrap_servers=self.config.kafka, membership_group=self.config.leader_group,
-                leader_group=self.config.leader_group, topic=self.config.wal_topic, shards=self.config.shards,
-                node_id=self.config.node_id, security=self.config.kafka_security)
+                topic=self.config.wal_topic, node_id=self.config.node_id, security=self.config.kafka_security)
             self._control = wal.control.ControlLog(self.config.kafka, self.config.wal_topic,
                                                    security=self.config.kafka_security)
             self._tasks.append(asyncio.create_task(self._follow_control(), name="control"))
@@ -144,18 +150,21 @@ class Node:
     async def _place_loop(self) -> None:
         assert self._cluster_view is not None
         while True:
+            members = dict(self.view.members)
             try:
-                self.view = await asyncio.to_thread(self._cluster_view.describe)
+                members = await asyncio.to_thread(self._cluster_view.members)
                 if self._membership is not None:
-                    self._membership.listed(self.config.node_id in self.view.members)
-                for shard, leadership in self.leaderships.items():
-                    if shard in self.view.groups:
-                        leadership.listed(self.config.node_id in self.view.in_group(shard))
-            except Exception as exc:  # keep the last view; the next round retries
-                log.debug("describing the cluster failed: %s", exc)
+                    self._membership.listed(self.config.node_id in members)
+                described = True
+            except Exception as exc:  # keep the last members; the next round retries
+                log.debug("describing the membership group failed: %s", exc)
+                described = bool(self.view.at_s)
+            if described:
+                reports = [self.local_view(), *await self._peer_reports(members)]
+                self.view = cluster_view.from_reports(members, reports, time.monotonic())
             try:
-                # Not before the coordinator answered once and the control topic was read once: a
-                # node that placed with only itself as a member, or without the operators'
+                # Not before the coordinator answered once and the control topic was read to its
+                # end: a node that placed with only itself as a member, or without the operators'
                 # overrides, would open learners for shards that are not its own.
                 if self.view.at_s and self._control_read:
                     await self._place()
@@ -164,6 +173,14 @@ class Node:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._stale.wait(), cluster_view.REFRESH_S)
             self._stale.clear()
+
+    async def _peer_reports(self, members: dict[str, str]) -> list[cluster_pb2.ShardMapResponse]:
+        """Every other member's report of itself (PeerService.LocalShardView), those that answer."""
+        if self.peer_view is None:
+            return []
+        addresses = sorted({a for node_id, a in members.items() if a and node_id != self.config.node_id})
+        answers = await asyncio.gather(*(self.peer_view(address) for address in addresses))
+        return [answer for answer in answers if answer is not None]
 
     async def _place(self) -> None:
         """One round: place every shard over the live members and take each shard's next step."""
@@ -371,11 +388,40 @@ class Node:
         return leader.address or self.view.address(leader.member_id)
 
     def leader_id(self, shard: int) -> str:
-        """The node id of shard's leader as the group chose it ("" if nobody right now)."""
-        if self.leads(shard):
+        """The node id of shard's leader as the group chose it ("" if nobody right now): this
+        node's own if it leads the shard or its group assigned it the shard."""
+        leadership = self.leaderships.get(shard)
+        if self.leads(shard) or (leadership is not None and leadership.assigned):
             return self.config.node_id
         leader = self.view.leader(shard)
         return leader.member_id if leader is not None and leader.member_id != self.config.node_id else ""
+
+    def local_view(self) -> cluster_pb2.ShardMapResponse:
+        """What this node knows itself: its copies of shards (each with its state), what it leads
+        or was assigned, and itself (first in `nodes`). The peers build their view of the shards
+        from these (`cluster_view.from_reports`), and the shard map merges them."""
+        config = self.config
+        response = cluster_pb2.ShardMapResponse(shard_count=config.shards, topic=config.wal_topic,
+                                                served_by=config.node_id)
+        me = cluster_pb2.NodeInfo(node_id=config.node_id, address=self.address, can_lead=config.lead)
+        for shard, replica in sorted(self.replicas.items()):
+            # The last known high watermark (refreshed every second): a map must answer at once,
+            # also while a broker is down and offset queries hang.
+            end = replica.end_offset
+            applied = replica.store.applied_offset
+            leading = replica.role is Role.LEADING
+            if leading:
+                me.leads.append(shard)
+            hold = self.holds.get(shard)
+            state = _REPLICA_STATES[hold.hold] if hold is not None else cluster_pb2.REPLICA_STATE_FOLLOWER
+            response.shards.append(cluster_pb2.ShardInfo(
+                shard=shard, leader=self.leader_address(shard), term=replica.term if leading else 0,
+                applied_offset=applied, end_offset=end, lag=max(0, end - applied),
+                open_txn_age_ms=replica.open_txn_age_ms(), leader_id=self.leader_id(shard), leader_ready=leading,
+                replicas=[cluster_pb2.ReplicaInfo(node_id=config.node_id, address=self.address, state=state,
+                                                  applied_offset=applied, lag=max(0, end - applied))]))
+        response.nodes.append(me)
+        return response
 
     def replica_address(self, shard: int) -> str:
         """The address of a caught-up replica of `shard` other than this node ("" if none known):

@@ -144,7 +144,7 @@ def acks_grow(workload: demo.Workload, more: int = 20, timeout_s: float = 60.0) 
                what=f"{more} more acknowledged writes (had {before})")
 
 
-def test_each_node_holds_its_shards_and_a_joining_node_takes_some(placed: Placed) -> None:
+def test_each_node_holds_its_shards_and_a_joining_node_takes_some_under_a_pause(placed: Placed) -> None:
     smap = placed.wait_placed()
     for node in placed.nodes:
         mine = held_in_map(smap, node.node_id)
@@ -157,6 +157,15 @@ def test_each_node_holds_its_shards_and_a_joining_node_takes_some(placed: Placed
     acks_grow(workload)
     before = {n.node_id: held_on_disk(n) for n in placed.nodes}
     newcomer = placed.add("n6")
+    # While the newcomer's learners load, pause a node past the session timeout: its leaderships
+    # fail over, and it wakes up a zombie in the middle of the moves.
+    paused = placed.node("n3")
+    assert paused.proc is not None
+    paused.proc.send_signal(signal.SIGSTOP)
+    try:
+        time.sleep(3 * SESSION_TIMEOUT_MS / 1000)
+    finally:
+        paused.proc.send_signal(signal.SIGCONT)
     smap = placed.wait_placed(timeout_s=120)
     taken = held_in_map(smap, "n6")
     assert 2 <= len(taken) <= 4, taken

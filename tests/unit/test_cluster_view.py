@@ -92,3 +92,30 @@ def test_merge_ignores_a_claim_a_view_makes_for_another_node() -> None:
     forged.shards[0].leader_ready = True
     merged = shardmap.merge(view("a", "h:1", {}), [forged], {})
     assert merged.shards[0].leader_ready is False
+
+
+def report(node: str, shards: dict[int, tuple[int, bool, bool]]) -> cluster_pb2.ShardMapResponse:
+    """A node's report of itself: shard -> (state, claims it, ready)."""
+    out = cluster_pb2.ShardMapResponse(nodes=[cluster_pb2.NodeInfo(node_id=node, address=f"{node}:1")])
+    for shard, (state, claims, ready) in shards.items():
+        out.shards.append(cluster_pb2.ShardInfo(
+            shard=shard, leader_id=node if claims else "other", leader_ready=ready, term=7 if ready else 0,
+            replicas=[cluster_pb2.ReplicaInfo(node_id=node, address=f"{node}:1", state=state)]))
+    return out
+
+
+def test_a_view_from_the_nodes_reports_of_themselves() -> None:
+    from kvstore.server.cluster_view import from_reports
+
+    replica, learner = cluster_pb2.REPLICA_STATE_REPLICA, cluster_pb2.REPLICA_STATE_LEARNER
+    view = from_reports({"a": "a:1", "b": "b:1", "c": "c:1"}, [
+        report("a", {0: (replica, True, True), 1: (replica, False, False)}),
+        report("b", {0: (replica, False, False), 1: (replica, True, False), 2: (learner, True, True)}),
+        report("c", {1: (replica, True, True)}),  # c leads 1 (ready); b was assigned it and is taking over
+        cluster_pb2.ShardMapResponse(),  # a report without a node says nothing
+    ], 5.0)
+    assert view.in_group(0) == {"a", "b"} and view.in_group(1) == {"a", "b", "c"}
+    assert view.in_group(2) == frozenset()  # a learner is in no group, and cannot lead
+    assert view.leader(0) is not None and view.leader(0).member_id == "a"  # type: ignore[union-attr]
+    assert view.leader(1) is not None and view.leader(1).member_id == "c"  # type: ignore[union-attr]
+    assert view.leader(2) is None and view.address("b") == "b:1" and view.at_s == 5.0
