@@ -1,6 +1,8 @@
 """The cluster as this node knows it: who is alive (the membership group, as its coordinator
 describes it), and each shard's caught-up replicas and leader (as the nodes report themselves),
-refreshed by the node every `REFRESH_S` and right after any rebalance it took part in.
+refreshed by the node: the reports every `REFRESH_S` and right after any rebalance it took part
+in (a new leader is known to every node within about that), the members every
+`MEMBERS_REFRESH_S` (placement counts them with a grace period of seconds).
 
 Why the coordinator for the members: it is the one place that knows who joined, new nodes
 included. Why the nodes' own reports for the shards (`from_reports`, pure): describing every
@@ -28,7 +30,8 @@ from wal.membership import Member, members_from
 
 log = logging.getLogger(__name__)
 
-REFRESH_S = 0.5
+REFRESH_S = 0.2
+MEMBERS_REFRESH_S = 1.0
 DESCRIBE_TIMEOUT_S = 2.0
 
 

@@ -1,8 +1,8 @@
 """A store node: the WAL topic, the replicas of the shards placed on it, and their leadership.
 
 Placement (docs/design.md §9, kvstore.core.placement) decides which shards a node holds: every
-`cluster_view.REFRESH_S` the node describes the membership group and every shard's leadership
-group (kvstore.server.cluster_view), counts the live members (with a grace period), places every
+`cluster_view.REFRESH_S` the node learns the members and every shard's replicas and leader
+(kvstore.server.cluster_view), counts the live members (with a grace period), places every
 shard, and takes the next step for each shard (`kvstore.core.placement.decide`): open a learner,
 join the shard's leadership group once caught up (kvstore.server.leadership), leave it when the
 shard is placed elsewhere and its placed replicas are all caught up, drop the data. The decisions
@@ -149,16 +149,19 @@ class Node:
 
     async def _place_loop(self) -> None:
         assert self._cluster_view is not None
+        described_at = -cluster_view.MEMBERS_REFRESH_S
         while True:
             members = dict(self.view.members)
-            try:
-                members = await asyncio.to_thread(self._cluster_view.members)
-                if self._membership is not None:
-                    self._membership.listed(self.config.node_id in members)
-                described = True
-            except Exception as exc:  # keep the last members; the next round retries
-                log.debug("describing the membership group failed: %s", exc)
-                described = bool(self.view.at_s)
+            described = bool(self.view.at_s)
+            if time.monotonic() - described_at >= cluster_view.MEMBERS_REFRESH_S:
+                try:
+                    members = await asyncio.to_thread(self._cluster_view.members)
+                    described_at = time.monotonic()
+                    if self._membership is not None:
+                        self._membership.listed(self.config.node_id in members)
+                    described = True
+                except Exception as exc:  # keep the last members; the next round retries
+                    log.debug("describing the membership group failed: %s", exc)
             if described:
                 reports = [self.local_view(), *await self._peer_reports(members)]
                 self.view = cluster_view.from_reports(members, reports, time.monotonic())
