@@ -97,6 +97,10 @@ def main(argv: list[str] | None = None) -> int:
         for proc, address in zip(procs, addresses, strict=True):
             kvbench.wait_serving(proc, address, scaling.START_TIMEOUT_S)
         held = scaling.placed(addresses, scaling.START_TIMEOUT_S)
+        deadline = time.monotonic() + scaling.START_TIMEOUT_S
+        while len(held) < 2 and time.monotonic() < deadline:  # settled before the second node counted
+            time.sleep(1.0)
+            held = scaling.placed(addresses, scaling.START_TIMEOUT_S)
         giver = next(node for node, shards in held.items() if 0 in shards)
         taker = next(f"node-{n}" for n in (1, 2) if f"node-{n}" != giver)
         leader = scaling.leaders(addresses, SHARDS, scaling.START_TIMEOUT_S)[0]

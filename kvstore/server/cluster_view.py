@@ -19,16 +19,10 @@ the node that says it leads (or was assigned) a shard is its leader.
 from __future__ import annotations
 
 import dataclasses
-import logging
 from collections.abc import Mapping, Sequence
 
-from confluent_kafka.admin import AdminClient
-
 from kvstore.v1 import cluster_pb2
-from wal.clients import ClientSecurity, client_config
-from wal.membership import Member, members_from
-
-log = logging.getLogger(__name__)
+from wal.membership import Member
 
 REFRESH_S = 0.2
 MEMBERS_REFRESH_S = 1.0
@@ -90,27 +84,3 @@ def from_reports(members: Mapping[str, str], reports: Sequence[cluster_pb2.Shard
                 claims.setdefault(info.shard, []).append((info.leader_ready, info.term, node.node_id, member))
     leaders = {shard: max(found)[3] for shard, found in claims.items()}
     return View(dict(members), {shard: tuple(found) for shard, found in groups.items()}, at_s, leaders)
-
-
-class ClusterView:
-    """The shell: an admin client describing the membership group."""
-
-    def __init__(self, *, bootstrap_servers: str, membership_group: str, topic: str, node_id: str,
-                 security: ClientSecurity | None = None) -> None:
-        self._config = client_config(bootstrap_servers, security, **{"client.id": f"{node_id}-view"})
-        self._membership_group = membership_group
-        self._topic = topic
-        self._admin: AdminClient | None = None
-
-    def members(self, timeout_s: float = DESCRIBE_TIMEOUT_S) -> dict[str, str]:
-        """node id -> advertised address of the membership group's members (blocking: call it in
-        a thread). Raises KafkaException."""
-        if self._admin is None:
-            self._admin = AdminClient(self._config)
-        try:
-            futures = self._admin.describe_consumer_groups([self._membership_group], request_timeout=timeout_s)
-            membership = futures[self._membership_group].result(timeout=timeout_s + 1)
-        except Exception:
-            self._admin = None  # a fresh client next time: stale metadata must not stick
-            raise
-        return {m.member_id: m.address for m in (members_from(d, self._topic) for d in membership.members)}

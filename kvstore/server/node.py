@@ -31,7 +31,7 @@ from kvstore.core.placement import Act, Hold, ShardFacts, ShardHold
 from kvstore.core.role import Role
 from kvstore.core.sharding import shard_of
 from kvstore.server import cluster_view
-from kvstore.server.cluster_view import ClusterView, View
+from kvstore.server.cluster_view import View
 from kvstore.server.config import NodeConfig, ReplicaConfig
 from kvstore.server.leadership import ShardLeadership
 from kvstore.server.metrics import Metrics
@@ -84,7 +84,6 @@ class Node:
         self._control_read = False  # the control topic was read to its end once (placement waits for it)
         self._unable: dict[int, str] = {}  # shard -> why its replica cannot lead now
         self._membership: GroupMember | None = None
-        self._cluster_view: ClusterView | None = None
         self._tasks: list[asyncio.Task[None]] = []
         # How to ask another node for its report of itself (set by kvstore.server.app: the peer
         # service's LocalShardView over the node's channels); None: no peers asked.
@@ -113,9 +112,6 @@ class Node:
                 on_assigned=lambda _: None, on_revoked=lambda _p, _l: None,
                 on_rebalanced=lambda: self._wake_threadsafe(loop), security=self.config.kafka_security)
             self._membership.start()
-            self._cluster_view = ClusterView(
-                bootstrap_servers=self.config.kafka, membership_group=self.config.leader_group,
-                topic=self.config.wal_topic, node_id=self.config.node_id, security=self.config.kafka_security)
             self._control = wal.control.ControlLog(self.config.kafka, self.config.wal_topic,
                                                    security=self.config.kafka_security)
             self._tasks.append(asyncio.create_task(self._follow_control(), name="control"))
@@ -148,17 +144,18 @@ class Node:
     # ---- placement -----------------------------------------------------------------------------
 
     async def _place_loop(self) -> None:
-        assert self._cluster_view is not None
+        assert self._membership is not None
+        membership = self._membership
         described_at = -cluster_view.MEMBERS_REFRESH_S
         while True:
             members = dict(self.view.members)
             described = bool(self.view.at_s)
             if time.monotonic() - described_at >= cluster_view.MEMBERS_REFRESH_S:
                 try:
-                    members = await asyncio.to_thread(self._cluster_view.members)
+                    listing = await asyncio.to_thread(membership.describe, cluster_view.DESCRIBE_TIMEOUT_S)
+                    members = {m.member_id: m.address for m in listing}
                     described_at = time.monotonic()
-                    if self._membership is not None:
-                        self._membership.listed(self.config.node_id in members)
+                    membership.listed(self.config.node_id in members)
                     described = True
                 except Exception as exc:  # keep the last members; the next round retries
                     log.debug("describing the membership group failed: %s", exc)

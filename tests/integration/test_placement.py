@@ -28,6 +28,7 @@ from kvstore.v1 import kv_pb2
 from tests.conftest import unique
 from tests.integration.registers import Registers
 from tests.integration.store_process import REPO, StoreProcess
+from tests.integration.test_cluster import acks_grow
 from tests.waiting import wait_until
 from wal.broker import LocalKafka
 
@@ -136,12 +137,6 @@ def verify(cluster: Placed, workload: demo.Workload, registers: Registers) -> No
     assert verdict.replicas_equal, verdict.replicas
     assert registers.completed > 20, registers.errors[-5:]
     assert registers.check() is None
-
-
-def acks_grow(workload: demo.Workload, more: int = 20, timeout_s: float = 60.0) -> None:
-    before = len(workload.acks)
-    wait_until(lambda: len(workload.acks) >= before + more, timeout_s, interval_s=0.1,
-               what=f"{more} more acknowledged writes (had {before})")
 
 
 def test_each_node_holds_its_shards_and_a_joining_node_takes_some_under_a_pause(placed: Placed) -> None:
