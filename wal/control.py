@@ -81,6 +81,9 @@ class ControlLog:
 
     def __init__(self, bootstrap_servers: str, wal_topic: str, *, security: ClientSecurity | None = None) -> None:
         self.topic = control_topic(wal_topic)
+        # "earliest", unlike every WAL reader ("error", docs/design.md §4.1): this topic is read
+        # whole, from its first record on, and nobody's position in it matters. A log start above
+        # 0 (records deleted by hand) means "read what is left", which is all there is to know.
         self._config = consumer_config(bootstrap_servers, "read_uncommitted",
                                        {"client.id": "wal-control-reader", "auto.offset.reset": "earliest"},
                                        security)
