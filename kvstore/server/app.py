@@ -334,7 +334,7 @@ class KVService(kv_pb2_grpc.KVServiceServicer):
             parts.append(self.watch_here(request, local, {s: starts[s] for s in local if s in starts}, context))
         for address, group in remote.items():
             parts.append(self._watch_remote(address, request, group, starts))
-        queue: asyncio.Queue[kv_pb2.WatchResponse | BaseException | None] = asyncio.Queue(limits.WATCH_QUEUE_EVENTS)
+        queue: asyncio.Queue[kv_pb2.WatchResponse | Exception | None] = asyncio.Queue(limits.WATCH_QUEUE_EVENTS)
         created = 0
 
         async def pump(part: AsyncIterator[kv_pb2.WatchResponse]) -> None:
@@ -342,7 +342,9 @@ class KVService(kv_pb2_grpc.KVServiceServicer):
                 async for event in part:
                     await queue.put(event)
                 await queue.put(None)
-            except BaseException as exc:  # the watch ends with it, whatever it is
+            # The watch ends with any error of a part. Not a cancellation: that propagates, since
+            # nobody reads the queue any more and a put could wait forever.
+            except Exception as exc:
                 await queue.put(exc)
 
         tasks = [asyncio.create_task(pump(part)) for part in parts]
@@ -355,7 +357,7 @@ class KVService(kv_pb2_grpc.KVServiceServicer):
                     raise errors.UnavailableError(f"a part of this watch served by another node ended "
                                                   f"({item.code().name}: {item.details()}); watch again from the "
                                                   "last revision seen") from item
-                if item is None or isinstance(item, BaseException):
+                if item is None or isinstance(item, Exception):
                     raise errors.UnavailableError("a part of this watch served by another node ended; watch again "
                                                   "from the last revision seen")
                 if item.type == kv_pb2.WatchResponse.TYPE_CREATED:
