@@ -58,6 +58,7 @@ INFO_REQUEST_ID = "request_id"
 INFO_LIMIT = "limit"
 INFO_LOG_START = "log_start"  # COMPACTED: the oldest revision the shard's WAL still holds
 INFO_REVISION = "revision"  # COMPACTED: the revision asked for
+INFO_TXN_ID = "txn_id"  # TXN_CONFLICT: the prepared transaction holding the lock
 
 
 class Reason(enum.StrEnum):
@@ -76,6 +77,7 @@ class Reason(enum.StrEnum):
     UNAUTHENTICATED = "UNAUTHENTICATED"  # no or bad credentials
     PERMISSION_DENIED = "PERMISSION_DENIED"  # the caller's role does not allow the call
     INTERNAL = "INTERNAL"  # a bug: the outcome of a write is unknown
+    TXN_CONFLICT = "TXN_CONFLICT"  # a key is locked by a prepared cross-shard Txn (metadata["txn_id"]): retry
 
 
 # RetryInfo.retry_delay: how long a client should wait before the same request can succeed. Short:
@@ -83,6 +85,7 @@ class Reason(enum.StrEnum):
 RETRY_UNAVAILABLE_MS = 100
 RETRY_QUEUE_FULL_MS = 50
 RETRY_NO_LEADER_MS = 200
+RETRY_TXN_CONFLICT_MS = 20  # a prepared cross-shard Txn holds its locks for a few appends
 
 
 class StoreError(Exception):
@@ -183,6 +186,23 @@ class UnavailableError(StoreError):
     code = grpc.StatusCode.UNAVAILABLE
     reason = Reason.UNAVAILABLE
     retry_after_ms = RETRY_UNAVAILABLE_MS
+
+
+class TxnConflictError(StoreError):
+    """A key this write needs is locked by a prepared cross-shard transaction (docs/design.md
+    §10): nothing was queued; retrying after a moment can succeed. Definite, never a wait: a
+    write refused here cannot be part of a deadlock."""
+
+    code = grpc.StatusCode.ABORTED
+    reason = Reason.TXN_CONFLICT
+    retry_after_ms = RETRY_TXN_CONFLICT_MS
+
+    def __init__(self, message: str, *, txn_id: str = "") -> None:
+        super().__init__(message)
+        self.txn_id = txn_id
+
+    def info(self) -> dict[str, str]:
+        return {INFO_TXN_ID: self.txn_id} if self.txn_id else {}
 
 
 class UnknownOutcomeError(StoreError):

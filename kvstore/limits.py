@@ -12,6 +12,14 @@ MAX_VALUE_BYTES = 900_000
 MAX_REQUEST_BYTES = 1_000_000  # a whole request (a Txn with all its operations)
 MAX_REQUEST_ID_BYTES = 128
 MAX_TXN_OPS = 128  # compares + success ops + failure ops
+# Cross-shard transactions prepared at one shard and not resolved yet (docs/design.md §10): each
+# holds locks and a row of the prepared table, which a replica keeps in memory. Beyond it a
+# prepare is refused (RESOURCE_EXHAUSTED); in-doubt ones are resolved after TXN_IN_DOUBT_AFTER_MS.
+MAX_PREPARED_TXNS = 10_000
+# A prepare older than this (its leader time against the leader's clock) is in doubt: the
+# participant's leader asks the coordinator for the decision, which writes an abort if there is
+# none. Far above a healthy transaction's life (milliseconds), below a client's patience.
+TXN_IN_DOUBT_AFTER_MS = 5_000
 # One shard's part of a WriteBatch (one WAL record). The part's bytes are bounded by
 # MAX_REQUEST_BYTES and by the WAL's record limit; this bounds the work of one record.
 MAX_BATCH_MUTATIONS = 10_000

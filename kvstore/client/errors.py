@@ -25,6 +25,7 @@ from kvstore.errors import (
     INFO_LOG_START,
     INFO_OUTCOME,
     INFO_SHARD,
+    INFO_TXN_ID,
     LEADER_HINT_KEY,
     OUTCOME_KEY,
     OUTCOME_NONE,
@@ -192,6 +193,16 @@ class Overloaded(KvError):
     """A bounded server queue was full; nothing was done."""
 
 
+class TxnConflict(KvError):
+    """A key of the request is locked by a prepared cross-shard transaction (docs/design.md
+    §10); nothing was done. Retried with backoff (a transaction holds its locks for a few appends);
+    `txn_id` names the holder."""
+
+    @property
+    def txn_id(self) -> str | None:
+        return self.details.info.get(INFO_TXN_ID) or None
+
+
 class Compacted(KvError):
     """A Watch asked for history below a shard's log start: the WAL was truncated there (etcd's
     ErrCompacted). Nothing was started; read the current state, then watch from `log_start`."""
@@ -310,6 +321,8 @@ def error_from_status(
         # The server's own full queue. gRPC's RESOURCE_EXHAUSTED (a message above its size cap)
         # carries neither and falls through: retrying the same bytes cannot help.
         return Overloaded(message, **kwargs)
+    if reason == Reason.TXN_CONFLICT or (code == grpc.StatusCode.ABORTED and metadata.get(OUTCOME_KEY) == OUTCOME_NONE):
+        return TxnConflict(message, **kwargs)
     if reason == Reason.COMPACTED or code == grpc.StatusCode.OUT_OF_RANGE:
         return Compacted(message, **kwargs)
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:

@@ -14,6 +14,7 @@ from kvstore.client.errors import (
     NotLeader,
     Overloaded,
     RequestExpired,
+    TxnConflict,
     Unavailable,
     UnknownOutcome,
 )
@@ -42,7 +43,7 @@ def retry_action(error: KvError) -> RetryAction:
         # An unknown outcome usually means the leader lost its shard (or its connection)
         # mid-commit: look again. The retry carries the same request id.
         return RetryAction.REROUTE
-    if isinstance(error, Overloaded):
+    if isinstance(error, Overloaded | TxnConflict):
         return RetryAction.BACKOFF
     return RetryAction.FAIL
 

@@ -43,12 +43,15 @@ from kvstore.core.evaluate import (
     evaluate_put,
     evaluate_txn,
 )
+from kvstore.core.locks import NO_LOCKS, BatchLocks, LockView, conflict
 from kvstore.core.state import KeyState, Lookup, RequestRecord, effect_key, next_key_state
 from kvstore.internal.v1 import wal_entry_pb2
 from kvstore.v1 import kv_pb2
 from wal.offsets import batch_end
 
 Build = Callable[[Lookup, int], Evaluation]
+# A cross-shard transaction's record is built against the locks too (kvstore.core.txn).
+LockedBuild = Callable[[Lookup, "LockView", int], Evaluation]
 
 
 class RequestTable(Protocol):
@@ -69,6 +72,7 @@ class Write:
     response_type: type[Any]  # the response message of the request's kind: decodes a replayed answer
     first_attempt_unix_ms: int = 0
     kind: int = wal_entry_pb2.REQUEST_KIND_UNSPECIFIED  # WalEntry.request_kind: stamped into its entry
+    locked_build: LockedBuild | None = None  # instead of `build`: a transaction's prepare or resolve
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -137,6 +141,11 @@ def probe_write() -> Write:
                  kv_pb2.PutResponse)
 
 
+# A cross-shard transaction's records (kvstore.core.txn): their answers are internal messages,
+# replayed as recorded (their ids are derived from txn ids, never reused by another kind).
+TXN_RECORD_KINDS = frozenset({wal_entry_pb2.REQUEST_KIND_TXN_PREPARE, wal_entry_pb2.REQUEST_KIND_TXN_DECISION,
+                              wal_entry_pb2.REQUEST_KIND_TXN_RESOLVE})
+
 _KIND_NAMES: dict[int, str] = {wal_entry_pb2.REQUEST_KIND_PUT: "a Put", wal_entry_pb2.REQUEST_KIND_DELETE: "a Delete",
                                wal_entry_pb2.REQUEST_KIND_TXN: "a Txn",
                                wal_entry_pb2.REQUEST_KIND_WRITE_BATCH_PART: "a WriteBatch part"}
@@ -153,6 +162,9 @@ def replayed(write: Write, earlier: RequestRecord) -> Response | errors.StoreErr
     WriteBatch part's answer and the others' do not parse into one another's; Put, Delete and
     Txn answers cannot be told apart that way."""
     response_type = write.response_type
+    if write.kind in TXN_RECORD_KINDS and earlier.kind == write.kind:
+        answer: Response = response_type.FromString(earlier.response)
+        return answer
     if earlier.kind and write.kind and earlier.kind != write.kind:
         return errors.InvalidRequestError(
             f"this request id was already used by {_KIND_NAMES.get(earlier.kind, 'another request')}, which "
@@ -195,9 +207,12 @@ def admit(write: Write, table: RequestTable, in_progress: Container[str], now_un
 
 def plan_batch(writes: Sequence[Write], revision: int, lookup: Lookup, table: RequestTable, now_unix_ms: int,
                batch_limits: BatchLimits, *, horizon_ms: int = limits.REQUEST_ID_HORIZON_MS,
-               skew_ms: int = limits.MAX_CLOCK_SKEW_MS) -> Plan:
+               skew_ms: int = limits.MAX_CLOCK_SKEW_MS, locks: LockView = NO_LOCKS) -> Plan:
     """Plan the batch that starts at `revision` (the leader's upcoming offset) from `writes`, in
-    order. `lookup` reads the committed state; `table` the committed request ids.
+    order. `lookup` reads the committed state; `table` the committed request ids; `locks` the
+    prepared cross-shard transactions (docs/design.md §10): a write touching a locked key is
+    refused (`kvstore.core.txn.conflict`), and the batch's own prepares and resolves lock and
+    release for the writes after them.
 
     Stamps each entry with `now_unix_ms` as its leader time (the clock by which every replica
     forgets request ids at the same entry, `kvstore.storage.shard_store`)."""
@@ -217,6 +232,7 @@ def plan_batch(writes: Sequence[Write], revision: int, lookup: Lookup, table: Re
         return overlay[key] if key in overlay else lookup(key)
 
     in_batch: dict[str, Response] = {}  # first answer of each id planned in this batch
+    batch_locks = BatchLocks(locks)
     for index, write in enumerate(writes):
         rid = write.request_id
         if rid and rid in in_batch:
@@ -228,13 +244,22 @@ def plan_batch(writes: Sequence[Write], revision: int, lookup: Lookup, table: Re
             continue
         record_revision = revision + len(plan.payloads)
         try:
-            evaluation = write.build(current, record_revision)
+            if write.locked_build is not None:
+                evaluation = write.locked_build(current, batch_locks, record_revision)
+            else:
+                evaluation = write.build(current, record_revision)
         except ValueError as exc:  # a condition the validator could not see (e.g. an unknown compare op)
             plan.now.append((index, errors.InvalidRequestError(str(exc))))
             continue
-        except errors.InvalidRequestError as invalid:  # e.g. a Txn answer above MAX_RESPONSE_BYTES: nothing queued
-            plan.now.append((index, invalid))
+        except errors.StoreError as refused:  # e.g. a Txn answer above MAX_RESPONSE_BYTES: nothing queued
+            assert refused.definite, f"a build may only refuse definitely: {refused!r}"
+            plan.now.append((index, refused))
             continue
+        if batch_locks.has_locks():
+            held = _locked(evaluation, rid, batch_locks)
+            if held is not None:
+                plan.now.append((index, held))
+                continue
         if evaluation.entry is not None:
             evaluation.entry.leader_unix_ms = now_unix_ms
             if rid:
@@ -261,11 +286,28 @@ def plan_batch(writes: Sequence[Write], revision: int, lookup: Lookup, table: Re
                     later.append((effects, position, record_revision))
             plan.payloads.append(payload)
             plan.payload_bytes += len(payload)
+        batch_locks.planned(evaluation)
         if rid:
             in_batch[rid] = evaluation.response
         plan.after_commit.append((index, evaluation.response))
     _check(plan, len(writes))
     return plan
+
+
+def _locked(evaluation: Evaluation, request_id: str, locks: LockView) -> errors.StoreError | None:
+    """Whether a planned write touches a key a prepared transaction locked (its prepare's keys,
+    or the keys it writes and reads)."""
+    if evaluation.locks is not None:
+        prepare = evaluation.locks.prepare
+        return conflict(locks, exclusive=prepare.exclusive_keys, shared=prepare.shared_keys,
+                        request_id=prepare.request_id)
+    written: Sequence[bytes] = ()
+    if evaluation.keys is not None:
+        written = evaluation.keys
+    elif evaluation.entry is not None:
+        written = [effect_key(e) for e in evaluation.entry.effects]
+    return conflict(locks, exclusive=written, shared=evaluation.reads, request_id=request_id,
+                    own_txn=evaluation.releases)
 
 
 def _check(plan: Plan, count: int) -> None:

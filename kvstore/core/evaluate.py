@@ -15,14 +15,16 @@ anything of it is queued, read-only or not, instead of failing in gRPC's send ca
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 from kvstore import errors, limits
 from kvstore.core.reads import field_bytes
-from kvstore.core.state import KeyState, Lookup, next_key_state
+from kvstore.core.state import KeyState, Lookup, PreparedTxn, next_key_state
 from kvstore.internal.v1 import wal_entry_pb2
 from kvstore.v1 import kv_pb2
 
-Response = kv_pb2.PutResponse | kv_pb2.DeleteResponse | kv_pb2.TxnResponse | kv_pb2.ShardMutationsResult
+Response = (kv_pb2.PutResponse | kv_pb2.DeleteResponse | kv_pb2.TxnResponse | kv_pb2.ShardMutationsResult
+            | wal_entry_pb2.TxnVote | wal_entry_pb2.TxnDecided | wal_entry_pb2.TxnResolve)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,6 +36,13 @@ class Evaluation:
     entry: wal_entry_pb2.WalEntry | None
     response: Response
     keys: list[bytes] | None = None
+    # Cross-shard transactions' locks (docs/design.md §10), which the planner checks every write
+    # against: the keys it reads without writing (a Txn's compares and gets: they conflict with an
+    # exclusive lock only), the locks a prepare takes (its keys are checked instead of the
+    # effects'), and the transaction whose locks a resolve releases (its own are no conflict).
+    reads: Sequence[bytes] = ()
+    locks: PreparedTxn | None = None
+    releases: str = ""
 
 
 def key_value(key: bytes, state: KeyState) -> kv_pb2.KeyValue:
@@ -116,6 +125,62 @@ def compare_holds(compare: kv_pb2.Compare, state: KeyState | None) -> bool:
     raise ValueError(f"compare op {op} is not supported")
 
 
+@dataclasses.dataclass
+class Branch:
+    """A Txn branch's operations run against a state (`run_ops`)."""
+
+    effects: list[wal_entry_pb2.Effect]
+    keys: list[bytes]  # of `effects`, in order
+    results: list[kv_pb2.TxnOpResult]
+    reads: list[bytes]  # the keys its gets read
+    answer_bytes: int  # the encoded results (TxnResponse.results)
+
+
+def run_ops(ops: Sequence[kv_pb2.TxnOp], lookup: Lookup, write: kv_pb2.WriteResult, *, branch: str,
+            max_response_bytes: int, answer_bytes: int = 0) -> Branch:
+    """One branch's operations in order: puts and deletes see the writes before them, gets see
+    the state before the Txn (what its compares saw). Raises InvalidRequestError (limit
+    MAX_RESPONSE_BYTES) as soon as the results, with `answer_bytes` before them, exceed
+    `max_response_bytes`; ValueError for an operation of no kind. Shared by the single-shard
+    Txn and a cross-shard Txn's participants (`kvstore.core.txn`), so both answer alike."""
+    overlay: dict[bytes, KeyState | None] = {}
+
+    def current(key: bytes) -> KeyState | None:
+        return overlay[key] if key in overlay else lookup(key)
+
+    out = Branch([], [], [], [], answer_bytes)
+    for op in ops:
+        kind = op.WhichOneof("op")
+        if kind == "put":
+            effect = _put_effect(op.put.key, op.put.value)
+            new = next_key_state(current(op.put.key), effect, write.revision)
+            assert new is not None
+            overlay[op.put.key] = new
+            out.effects.append(effect)
+            out.keys.append(op.put.key)
+            out.results.append(kv_pb2.TxnOpResult(put=kv_pb2.PutResponse(result=write, version=new.version)))
+        elif kind == "delete":
+            existed = current(op.delete.key) is not None
+            overlay[op.delete.key] = None
+            out.effects.append(_delete_effect(op.delete.key))
+            out.keys.append(op.delete.key)
+            out.results.append(kv_pb2.TxnOpResult(delete=kv_pb2.DeleteResponse(result=write, deleted=existed)))
+        elif kind == "get":
+            state = lookup(op.get.key)
+            get = kv_pb2.GetResponse(found=state is not None)
+            if state is not None:
+                get.kv.CopyFrom(key_value(op.get.key, state))
+            out.reads.append(op.get.key)
+            out.results.append(kv_pb2.TxnOpResult(get=get))
+        else:
+            raise ValueError("a Txn operation must be a put, delete or get")
+        out.answer_bytes += field_bytes(out.results[-1].ByteSize())
+        if out.answer_bytes > max_response_bytes:
+            raise _answer_too_large(f"more than {max_response_bytes} bytes after {len(out.results)} of its "
+                                    f"{len(ops)} {branch} operations", branch, max_response_bytes)
+    return out
+
+
 def evaluate_txn(req: kv_pb2.TxnRequest, lookup: Lookup, shard: int, revision: int, *,
                  max_response_bytes: int = limits.MAX_RESPONSE_BYTES) -> Evaluation:
     """Compares and gets see the state before the Txn; its writes apply in order. Raises
@@ -124,55 +189,24 @@ def evaluate_txn(req: kv_pb2.TxnRequest, lookup: Lookup, shard: int, revision: i
     never holds more than the budget and one value."""
     succeeded = all(compare_holds(c, lookup(c.key)) for c in req.compares)
     branch = "success" if succeeded else "failure"
-    ops = req.success if succeeded else req.failure
-    answer_bytes = 0  # the encoded results so far (TxnResponse.results)
-    overlay: dict[bytes, KeyState | None] = {}
-
-    def current(key: bytes) -> KeyState | None:
-        return overlay[key] if key in overlay else lookup(key)
-
-    effects: list[wal_entry_pb2.Effect] = []
-    results: list[kv_pb2.TxnOpResult] = []
     write = kv_pb2.WriteResult(shard=shard, revision=revision)
-    for op in ops:
-        kind = op.WhichOneof("op")
-        if kind == "put":
-            effect = _put_effect(op.put.key, op.put.value)
-            new = next_key_state(current(op.put.key), effect, revision)
-            assert new is not None
-            overlay[op.put.key] = new
-            effects.append(effect)
-            results.append(kv_pb2.TxnOpResult(put=kv_pb2.PutResponse(result=write, version=new.version)))
-        elif kind == "delete":
-            existed = current(op.delete.key) is not None
-            overlay[op.delete.key] = None
-            effects.append(_delete_effect(op.delete.key))
-            results.append(kv_pb2.TxnOpResult(delete=kv_pb2.DeleteResponse(result=write, deleted=existed)))
-        elif kind == "get":
-            state = lookup(op.get.key)
-            get = kv_pb2.GetResponse(found=state is not None)
-            if state is not None:
-                get.kv.CopyFrom(key_value(op.get.key, state))
-            results.append(kv_pb2.TxnOpResult(get=get))
-        else:
-            raise ValueError("a Txn operation must be a put, delete or get")
-        answer_bytes += field_bytes(results[-1].ByteSize())
-        if answer_bytes > max_response_bytes:
-            raise _answer_too_large(f"more than {max_response_bytes} bytes after {len(results)} of its {len(ops)} "
-                                    f"{branch} operations", branch, max_response_bytes)
-    if not effects and not (req.request_id and _may_write(req)):
+    ran = run_ops(req.success if succeeded else req.failure, lookup, write, branch=branch,
+                  max_response_bytes=max_response_bytes)
+    reads = [c.key for c in req.compares] + ran.reads
+    if not ran.effects and not (req.request_id and _may_write(req)):
         # Only gets, whichever branch: nothing to record, answered after a read barrier.
-        response = kv_pb2.TxnResponse(succeeded=succeeded, results=results, result=kv_pb2.WriteResult(shard=shard))
+        response = kv_pb2.TxnResponse(succeeded=succeeded, results=ran.results,
+                                      result=kv_pb2.WriteResult(shard=shard))
         _check_answer(response, branch, max_response_bytes)
-        return Evaluation(None, response)
+        return Evaluation(None, response, reads=reads)
     # A branch that writes nothing in a Txn that could have written (a compare-and-set whose
     # compare failed) is still recorded under its request id, as an entry without effects: an
     # earlier attempt of the same id that reaches the leader late (delayed in transit past the
     # client's deadline) must find this answer and replay it, never write after the client was
     # told the other branch ran (found by the simulation, tests/sim).
-    response = kv_pb2.TxnResponse(succeeded=succeeded, results=results, result=write)
+    response = kv_pb2.TxnResponse(succeeded=succeeded, results=ran.results, result=write)
     _check_answer(response, branch, max_response_bytes)
-    return Evaluation(_entry(req.request_id, effects, response), response)
+    return Evaluation(_entry(req.request_id, ran.effects, response), response, ran.keys, reads=reads)
 
 
 def _check_answer(response: kv_pb2.TxnResponse, branch: str, max_response_bytes: int) -> None:

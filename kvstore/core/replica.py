@@ -41,6 +41,7 @@ from kvstore import errors
 from kvstore import limits as store_limits
 from kvstore.core.batch import Answer, BatchLimits, RequestTable, Write, admit, plan_batch, probe_write
 from kvstore.core.evaluate import Response
+from kvstore.core.locks import LockView
 from kvstore.core.recovery import Beyond, beyond_end
 from kvstore.core.role import (
     BROKEN,
@@ -102,6 +103,11 @@ class StateView(RequestTable, Protocol):
     def applied_offset(self) -> int: ...
 
     def get(self, key: bytes) -> KeyState | None: ...
+
+    @property
+    def locks(self) -> LockView:
+        """The prepared cross-shard transactions and their locks (docs/design.md §10)."""
+        ...
 
 
 # ---- events (what happened) -----------------------------------------------------------------------
@@ -1056,7 +1062,7 @@ class ReplicaMachine:
         if Mutation.SKIP_REQUEST_DEDUPE in self.config.mutations:
             table = _Forgetful(self.view)
         plan = plan_batch([p.write for p in taken], upcoming, self.view.get, table, self._unix_ms, bounds,
-                          **self._horizon())
+                          locks=self.view.locks, **self._horizon())
         for index, answer in plan.now:  # refusals and replays: definite, independent of the append
             self._answer_pending(taken[index], answer)
         for index in reversed(plan.carry):

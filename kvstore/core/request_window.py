@@ -34,6 +34,7 @@ import dataclasses
 from collections.abc import Callable, Iterator, Sequence
 
 from kvstore import limits
+from kvstore.core.locks import LockIndex
 from kvstore.core.state import Applied, KeyState, RequestRecord, apply_entries
 from wal.offsets import past_marker
 
@@ -114,6 +115,7 @@ class MemoryShard:
     applied_offset: int = 0  # the checkpoint: every record below it applied, none above
     evicted_through_ms: int = 0
     unverified: int | None = None  # the marker slot a leader assumed, not read (`ShardStore.unverified`)
+    locks: LockIndex = dataclasses.field(default_factory=LockIndex)  # prepared cross-shard transactions
 
     def get(self, key: bytes) -> KeyState | None:
         return self.keys.get(key)
@@ -134,7 +136,8 @@ class MemoryShard:
             count=len(self.requests), evicted_through_ms=self.evicted_through_ms, limit=self.max_request_ids,
             horizon_ms=self.request_id_horizon_ms)
         applied = apply_entries(self.get, window.seen, records, on_request=window.add,
-                                on_leader_time=window.forget_older)
+                                on_leader_time=window.forget_older, prepared=self.locks.prepared_txn)
+        self.locks.change(applied.prepared)
         for key, state in applied.writes.items():
             if state is None:
                 self.keys.pop(key, None)
@@ -163,7 +166,7 @@ class MemoryShard:
     def load(self, snapshot: MemoryShard) -> None:
         """Become a copy of `snapshot` (a snapshot loaded: its cut is the checkpoint)."""
         loaded = snapshot.copy()
-        self.keys, self.requests = loaded.keys, loaded.requests
+        self.keys, self.requests, self.locks = loaded.keys, loaded.requests, loaded.locks
         self.applied_offset, self.evicted_through_ms, self.unverified = (loaded.applied_offset,
                                                                          loaded.evicted_through_ms, None)
 
@@ -171,10 +174,11 @@ class MemoryShard:
         """`ShardStore.wipe`: empty, at checkpoint 0, every request id forgotten."""
         self.keys.clear()
         self.requests.clear()
+        self.locks = LockIndex()
         self.applied_offset, self.evicted_through_ms, self.unverified = 0, 0, None
 
     def copy(self) -> MemoryShard:
         """A durable copy (what survives a crash in the simulation: LevelDB's state and checkpoint)."""
         return MemoryShard(self.max_request_ids, self.request_id_horizon_ms, dict(self.keys),
                            collections.OrderedDict(self.requests), self.applied_offset, self.evicted_through_ms,
-                           self.unverified)
+                           self.unverified, LockIndex(self.locks.prepared()))

@@ -83,6 +83,40 @@ class RequestRecord:
     kind: int = 0
 
 
+# ---- cross-shard transactions: what a replica keeps of them (docs/design.md §10) ------------------------
+# A transaction's records carry request ids derived from its txn id, in a prefix no client may use
+# (`kvstore.core.validation.check_request_id`): the request-id table then gives every record of a
+# transaction exactly-once appends and replays, and the first decision of a txn id wins (T1).
+TXN_ID_PREFIX = "kvstore.txn/"
+
+
+def prepare_id(txn_id: str) -> str:
+    return f"{TXN_ID_PREFIX}p/{txn_id}"
+
+
+def decision_id(txn_id: str) -> str:
+    return f"{TXN_ID_PREFIX}d/{txn_id}"
+
+
+def resolve_id(txn_id: str) -> str:
+    return f"{TXN_ID_PREFIX}r/{txn_id}"
+
+
+class PreparedTxn(NamedTuple):
+    """A transaction prepared at this shard and not resolved yet: it holds locks on its keys."""
+
+    prepare: wal_entry_pb2.TxnPrepare
+    revision: int  # the prepare's offset
+    leader_unix_ms: int  # when its leader built it (0: not known): how long it has been in doubt
+
+    @property
+    def txn_id(self) -> str:
+        return self.prepare.txn_id
+
+
+PreparedLookup = Callable[[str], "PreparedTxn | None"]
+
+
 @dataclasses.dataclass
 class Applied:
     """The outcome of applying accepted entries: writes to make, in one batch with the checkpoint.
@@ -96,6 +130,11 @@ class Applied:
     requests: list[RequestRecord] = dataclasses.field(default_factory=list)
     duplicates: int = 0  # entries skipped because their request id was already applied
     malformed: int = 0  # accepted WAL records whose payload is not a WalEntry
+    # Cross-shard transactions (docs/design.md §10): the prepared table's changes, in order (a
+    # txn id prepared here, or None: released by its resolve), and the transaction records not
+    # applied because they break a rule (`txn_record_rule`), counted like malformed ones.
+    prepared: dict[str, PreparedTxn | None] = dataclasses.field(default_factory=dict)
+    txn_skipped: int = 0
     # Each effect applied, as three flat columns (key, new state or None, revision): no object per effect.
     changed: tuple[list[bytes], list[KeyState | None], list[int]] = dataclasses.field(
         default_factory=lambda: ([], [], []), repr=False)
@@ -191,8 +230,10 @@ def decode_fields(payload: bytes) -> Decoded | None:
 def _decode_protobuf(payload: bytes) -> Decoded | None:
     """`decode_fields` through protobuf (`decode_entry`): for every payload of unusual shape."""
     entry = decode_entry(payload)
-    if entry is None:
-        return None
+    return None if entry is None else _fields_of(entry)
+
+
+def _fields_of(entry: wal_entry_pb2.WalEntry) -> Decoded:
     effects: list[tuple[bytes, bytes | None]] = []
     for effect in entry.effects:  # bounded by the entry
         if effect.WhichOneof("kind") == "put":
@@ -348,6 +389,7 @@ def apply_entries(
     records: Sequence[tuple[int, bytes]],
     on_request: Callable[[RequestRecord], None] | None = None,
     on_leader_time: Callable[[int], None] | None = None,
+    prepared: PreparedLookup | None = None,
 ) -> Applied:
     """Apply accepted WAL records (offset, payload) in offset order; pure.
 
@@ -364,6 +406,11 @@ def apply_entries(
     duplicate check (an id is never forgotten from under its own retry) and before its request
     reaches `on_request`. That is the clock by which a bounded table forgets ids by age.
 
+    `prepared` reads the shard's prepared table (cross-shard transactions, docs/design.md §10):
+    None for a caller with no transaction state, which then sees every resolve as an orphan (the
+    Spark jobs, which keep no locks, pass their own). A transaction's record is applied by
+    `txn_record_rule`; its changes to the table are `Applied.prepared`.
+
     Replay runs this loop once per record (a bootstrap: millions), so it works on plain values
     (`decode_fields`), looks a key up only for a put (a delete's new state is none, whatever
     was there), and keeps the batch's states in `writes`, which later records read first.
@@ -377,11 +424,15 @@ def apply_entries(
         assert offset > previous, f"records out of order: {offset} after {previous}"
         previous = offset
         entry = _decode_canonical(payload)  # `decode_fields`, inline: hot loop
-        if entry is None:
-            entry = _decode_protobuf(payload)
-            if entry is None:
+        txn: wal_entry_pb2.WalEntry | None = None
+        if entry is None:  # every transaction record comes this way (fields 6-8 are not canonical)
+            message = decode_entry(payload)
+            if message is None:
                 out.malformed += 1
                 continue
+            entry = _fields_of(message)
+            if _is_txn_record(message):
+                txn = message
         request_id, effects, response, leader_ms, kind = entry
         # Without `on_request` this call keeps the ids it applied itself; `request_seen` is
         # asked only about the others.
@@ -397,6 +448,26 @@ def apply_entries(
         if duplicate:
             out.duplicates += 1
             continue
+        extra: RequestRecord | None = None
+        if txn is not None:
+            def seen(rid: str) -> bool:
+                return (on_request is None and rid in seen_here) or request_seen(rid)
+
+            def prepared_now(txn_id: str) -> PreparedTxn | None:
+                if txn_id in out.prepared:
+                    return out.prepared[txn_id]
+                return prepared(txn_id) if prepared is not None else None
+
+            rule = txn_record_rule(txn, offset, leader_ms, seen, prepared_now)
+            if rule.skip:
+                out.txn_skipped += 1
+                if not rule.record_id:
+                    continue
+            if rule.change is not None:
+                out.prepared[rule.change[0]] = rule.change[1]
+            if not rule.apply_effects:
+                effects = []
+            extra = rule.client_request
         for key, value in effects:  # bounded by the entry
             new_state = None if value is None else put_state(writes[key] if key in writes else lookup(key),
                                                               value, offset)
@@ -410,4 +481,68 @@ def apply_entries(
             requests.append(request)
             if on_request is not None:
                 on_request(request)
+        if extra is not None:  # a commit decision's client request id, with the Txn's answer
+            seen_here.add(extra.request_id)
+            requests.append(extra)
+            if on_request is not None:
+                on_request(extra)
     return out
+
+
+def _is_txn_record(entry: wal_entry_pb2.WalEntry) -> bool:
+    return entry.HasField("prepare") or entry.HasField("decision") or entry.HasField("resolve")
+
+
+@dataclasses.dataclass(frozen=True)
+class TxnRule:
+    """What applying one transaction record does (`txn_record_rule`)."""
+
+    skip: bool = False  # the record breaks a rule: counted in Applied.txn_skipped
+    record_id: bool = True  # its request id is recorded (a skipped orphan resolve's still is)
+    apply_effects: bool = False  # its effects are applied (a commit's resolve of a prepared txn)
+    change: tuple[str, PreparedTxn | None] | None = None  # the prepared table's change
+    client_request: RequestRecord | None = None  # a commit decision's client request id
+
+
+_SKIP = TxnRule(skip=True, record_id=False)
+
+
+def txn_record_rule(entry: wal_entry_pb2.WalEntry, offset: int, leader_ms: int, seen: RequestSeen,
+                    prepared: PreparedLookup) -> TxnRule:
+    """The rules of a cross-shard transaction's record (docs/design.md §10), applied by every
+    replayer alike; any record that breaks one is skipped and counted, never applied:
+
+    * exactly one of prepare / decision / resolve, its request id the one derived from its txn id
+      (`prepare_id`, ...), and no effects but a resolve's;
+    * a prepare locks its keys unless its transaction is prepared here already or resolved (a
+      prepare arriving after its resolve must not lock again: its resolve id is remembered);
+    * a decision records itself under its id, so a second decision of the txn id is a duplicate
+      and never applied (T1); a commit records the client's request id with the Txn's answer;
+    * a resolve applies its effects only for a transaction prepared here and a commit (T2), and
+      releases the locks; an orphan resolve (nothing prepared) applies nothing but keeps its id.
+    """
+    kinds = int(entry.HasField("prepare")) + int(entry.HasField("decision")) + int(entry.HasField("resolve"))
+    if kinds != 1:
+        return _SKIP
+    if entry.HasField("prepare"):
+        prepare = entry.prepare
+        if not prepare.txn_id or entry.request_id != prepare_id(prepare.txn_id) or len(entry.effects):
+            return _SKIP
+        if seen(resolve_id(prepare.txn_id)) or prepared(prepare.txn_id) is not None:
+            return TxnRule(skip=True)
+        return TxnRule(change=(prepare.txn_id, PreparedTxn(prepare, offset, leader_ms)))
+    if entry.HasField("decision"):
+        decision = entry.decision
+        if not decision.txn_id or entry.request_id != decision_id(decision.txn_id) or len(entry.effects):
+            return _SKIP
+        client = decision.request_id
+        if not (decision.commit and client) or client.startswith(TXN_ID_PREFIX) or seen(client):
+            return TxnRule()
+        return TxnRule(client_request=RequestRecord(client, offset, bytes(decision.answer), leader_ms,
+                                                    wal_entry_pb2.REQUEST_KIND_TXN))
+    resolve = entry.resolve
+    if not resolve.txn_id or entry.request_id != resolve_id(resolve.txn_id):
+        return _SKIP
+    if prepared(resolve.txn_id) is None:
+        return TxnRule(skip=True)  # an orphan: nothing to apply or release, its id kept
+    return TxnRule(apply_effects=resolve.commit, change=(resolve.txn_id, None))

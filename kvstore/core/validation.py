@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from kvstore import limits
 from kvstore.core.sharding import shard_of
+from kvstore.core.state import TXN_ID_PREFIX
 from kvstore.errors import InvalidRequestError
 from kvstore.v1 import kv_pb2
 
@@ -34,6 +35,11 @@ def check_request_id(request_id: str, field: str = "request_id") -> None:
         raise InvalidRequestError(f"request_id has {len(request_id.encode())} bytes; "
                                   f"limit MAX_REQUEST_ID_BYTES is {limits.MAX_REQUEST_ID_BYTES}",
                                   field=field, limit="MAX_REQUEST_ID_BYTES")
+    if request_id.startswith(TXN_ID_PREFIX):
+        # The store's own ids for a cross-shard transaction's records (kvstore.core.state): a
+        # client's request under one could replay, or be taken for, a transaction's record.
+        raise InvalidRequestError(f"request ids starting with {TXN_ID_PREFIX!r} are reserved for the store's "
+                                  "cross-shard transactions", field=field)
 
 
 def check_size(size: int) -> None:

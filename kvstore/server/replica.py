@@ -32,6 +32,7 @@ from kvstore import errors
 from kvstore.core import replica as core
 from kvstore.core.batch import BatchLimits, Write
 from kvstore.core.evaluate import Response
+from kvstore.core.locks import LockView
 from kvstore.core.role import AppendOutcome, Role
 from kvstore.core.state import Change, KeyState, RequestRecord
 from kvstore.server import failpoints, restore
@@ -74,6 +75,10 @@ class _View:
 
     def request(self, request_id: str) -> RequestRecord | None:
         return self._replica.store.request(request_id)
+
+    @property
+    def locks(self) -> LockView:
+        return self._replica.store.locks
 
 
 def machine_config(config: ReplicaConfig, standby: bool) -> core.ReplicaConfig:

@@ -6,6 +6,9 @@ Layout (one LevelDB directory per shard, all keys prefixed):
     r<request id>          -> revision (8 bytes) + leader_unix_ms (8 bytes) + request kind (1 byte)
                               + original response
     q<revision:8><id>      -> leader_unix_ms (8 bytes)   (request ids in commit order, to bound the table)
+    t<txn id>              -> revision (8 bytes) + leader_unix_ms (8 bytes) + TxnPrepare
+                              (cross-shard transactions prepared here and not resolved: their
+                              locks, docs/design.md §10; held in memory too, `locks`)
     m:format, m:topic, m:shard, m:checkpoint, m:requests (ids kept), m:evicted_through (ms)
     m:loading              present while a snapshot is being loaded (`load_snapshot`)
 
@@ -30,8 +33,10 @@ from pathlib import Path
 
 import plyvel
 
+from kvstore.core.locks import LockIndex
 from kvstore.core.request_window import RequestWindow
-from kvstore.core.state import Applied, KeyState, RequestRecord, apply_entries
+from kvstore.core.state import Applied, KeyState, PreparedTxn, RequestRecord, apply_entries
+from kvstore.internal.v1 import wal_entry_pb2
 from kvstore.limits import MAX_REQUEST_IDS, REQUEST_ID_HORIZON_MS
 from wal.offsets import past_marker
 
@@ -46,10 +51,12 @@ _MIGRATES_FROM = b"2"
 _DATA = b"d"
 _REQUEST = b"r"
 _REQUEST_ORDER = b"q"
+_PREPARED = b"t"
 _META = b"m:"
 _U64 = struct.Struct(">Q")
 _REQUEST_HEAD = struct.Struct(">QQB")  # revision, leader_unix_ms, request kind
 _REQUEST_HEAD_V2 = struct.Struct(">QQ")  # format 2: revision, leader_unix_ms
+_PREPARED_HEAD = struct.Struct(">QQ")  # revision, leader_unix_ms
 
 
 # A Bloom filter per table: applying a record looks its key up first, and during a bootstrap or
@@ -134,6 +141,7 @@ class ShardStore:
         self.rebuilt_reason: str | None = None
         self._db = self._open()
         self._held = self._held_keys()
+        self.locks = self._stored_locks()
 
     # ---- opening and rebuilding ----------------------------------------------------------------
 
@@ -219,6 +227,18 @@ class ShardStore:
         self._db.close()
         self._db = self._wipe_and_create(why)
         self._held = self._held_keys()
+        self.locks = LockIndex()
+
+    def _stored_locks(self) -> LockIndex:
+        """The prepared table, read whole: bounded by the transactions prepared and not resolved
+        (the planner refuses prepares beyond `kvstore.limits.MAX_PREPARED_TXNS`)."""
+        index = LockIndex()
+        for raw_key, raw_value in self._db.iterator(prefix=_PREPARED):
+            revision, leader_ms = _PREPARED_HEAD.unpack_from(raw_value)
+            prepare = wal_entry_pb2.TxnPrepare.FromString(raw_value[_PREPARED_HEAD.size:])
+            assert raw_key[len(_PREPARED):].decode() == prepare.txn_id, raw_key
+            index.add(PreparedTxn(prepare, revision, leader_ms))
+        return index
 
     def _held_keys(self) -> HeldKeys | None:
         """A `HeldKeys` filter if the store holds no key now (fresh, wiped, rebuilt), else None."""
@@ -356,7 +376,7 @@ class ShardStore:
                                evicted_through_ms=self.evicted_through_ms, limit=self.max_request_ids,
                                horizon_ms=self.request_id_horizon_ms)
         applied = apply_entries(self.get, window.seen, records, on_request=window.add,
-                                on_leader_time=window.forget_older)
+                                on_leader_time=window.forget_older, prepared=self.locks.prepared_txn)
         held = self._held
         if held is not None and held.full:
             held = self._held = None
@@ -380,6 +400,12 @@ class ShardStore:
                 rid = req.request_id.encode()
                 batch.put(_REQUEST + rid, _REQUEST_HEAD.pack(req.revision, req.leader_unix_ms, req.kind) + req.response)
                 batch.put(_REQUEST_ORDER + _U64.pack(req.revision) + rid, _U64.pack(req.leader_unix_ms))
+            for txn_id, txn in applied.prepared.items():  # bounded by the records
+                if txn is None:
+                    batch.delete(_PREPARED + txn_id.encode())
+                else:
+                    batch.put(_PREPARED + txn_id.encode(),
+                              _PREPARED_HEAD.pack(txn.revision, txn.leader_unix_ms) + txn.prepare.SerializeToString())
             batch.put(_META + b"requests", _U64.pack(window.count))
             batch.put(_META + b"evicted_through", _U64.pack(window.evicted_through_ms))
             batch.put(_META + b"checkpoint", _U64.pack(new_checkpoint))
@@ -387,6 +413,7 @@ class ShardStore:
                 batch.put(_META + b"unverified", _U64.pack(unverified))
             elif new_checkpoint > current:
                 batch.delete(_META + b"unverified")
+        self.locks.change(applied.prepared)  # after the write: a failed write changed nothing
         return applied
 
     def _stored_requests(self) -> Iterator[tuple[int, str, int]]:
@@ -414,6 +441,7 @@ class ShardStore:
         shutil.rmtree(self.path, ignore_errors=True)
         self._db = plyvel.DB(str(self.path), **_DB_OPTIONS)
         self.rebuilt_reason = None
+        self.locks = LockIndex()  # a snapshot carries no prepared transactions yet (docs/design.md §12)
         self._initialise(self._db)
         self._db.put(_META + b"loading", b"1", sync=True)
         keys = requests = 0

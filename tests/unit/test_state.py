@@ -285,7 +285,7 @@ def _reference_fields(payload: bytes) -> tuple[str, list[tuple[bytes, bytes | No
         return None
     effects = [(f.put.key, f.put.value) if f.WhichOneof("kind") == "put" else (f.delete.key, None)
                for f in decoded.effects]
-    kind = decoded.request_kind if decoded.request_kind in (1, 2, 3, 4) else 0
+    kind = decoded.request_kind if decoded.request_kind in (1, 2, 3, 4, 5, 6, 7) else 0
     return decoded.request_id, effects, decoded.response, decoded.leader_unix_ms, kind
 
 
@@ -394,9 +394,10 @@ def test_canonical_entries_take_the_fast_path() -> None:
 
 def _reference_apply_entries(lookup: Lookup, request_seen: RequestSeen, records: list[tuple[int, bytes]],
                              on_request: Callable[[RequestRecord], None] | None = None,
-                             on_leader_time: Callable[[int], None] | None = None) -> Applied:
+                             on_leader_time: Callable[[int], None] | None = None, prepared: object = None) -> Applied:
     """apply_entries as it was before the replay fast path (protobuf objects, `apply_effects`),
-    kept as the reference the fast one must equal."""
+    kept as the reference the fast one must equal (over records without transactions: those are
+    tests/unit/test_txn.py's)."""
     out = Applied()
     seen_here: set[str] = set()
     for offset, payload in records:

@@ -12,7 +12,7 @@ import pytest
 
 from kvstore import limits
 from kvstore.core.request_horizon import expired
-from kvstore.core.state import KeyState, RequestRecord, apply_entries
+from kvstore.core.state import KeyState, PreparedTxn, RequestRecord, apply_entries, prepare_id, resolve_id
 from kvstore.internal.v1 import wal_entry_pb2 as pb
 from kvstore.storage.shard_store import FORMAT_VERSION, HeldKeys, ShardStore, StorageError
 
@@ -100,6 +100,31 @@ def test_reopen_keeps_state_checkpoint_and_requests(open_store: Callable[..., Sh
     assert (again.rebuilt_reason, again.applied_offset) == (None, 4)
     assert dict(again.keys()) == {b"a": KeyState(b"v", 1, 0, 0)}
     assert again.request("r1") == RequestRecord("r1", 0, b"ok")
+
+
+def test_reopen_keeps_the_prepared_transactions(open_store: Callable[..., ShardStore]) -> None:
+    """Cross-shard transactions' locks are state like keys (docs/design.md §10): written with
+    the checkpoint, read back when the directory is opened again, gone once resolved."""
+    prepare = pb.TxnPrepare(txn_id="t", exclusive_keys=[b"a"], shared_keys=[b"b"],
+                            success=pb.TxnBranch(effects=[pb.Effect(put=pb.PutEffect(key=b"a", value=b"1"))]))
+    store = open_store()
+    store.apply([(0, pb.WalEntry(request_id=prepare_id("t"), prepare=prepare, leader_unix_ms=5).SerializeToString())],
+                1)
+    assert store.locks.lock_holders(b"a") == {"t": True}
+    store.close()
+    again = open_store()
+    assert again.locks.prepared_txn("t") == PreparedTxn(prepare, 0, 5)
+    assert again.locks.lock_holders(b"b") == {"t": False}
+    resolve = pb.WalEntry(request_id=resolve_id("t"), resolve=pb.TxnResolve(txn_id="t", commit=True, succeeded=True),
+                          effects=prepare.success.effects)
+    again.apply([(1, resolve.SerializeToString())], 2)
+    assert not again.locks.has_locks() and again.get(b"a") == KeyState(b"1", 1, 1, 1)
+    again.close()
+    assert not open_store().locks.has_locks()
+    wiped = open_store(tmp := again.path.parent / "other")
+    wiped.apply([(0, pb.WalEntry(request_id=prepare_id("t"), prepare=prepare).SerializeToString())], 1)
+    wiped.wipe("test")
+    assert not wiped.locks.has_locks() and tmp.exists()
 
 
 # ---- reads ---------------------------------------------------------------------------------------

@@ -323,3 +323,9 @@ def test_write_batch_part_over_the_mutation_limit_is_refused_naming_it() -> None
                                   if shard_of(k, SHARDS) == 3), limits.MAX_BATCH_MUTATIONS + 1))
     with pytest.raises(InvalidRequestError, match="MAX_BATCH_MUTATIONS"):
         check_write_batch(batch(part(3, keys, value=b"")), SHARDS)
+
+
+def test_the_stores_transaction_ids_are_reserved() -> None:
+    with pytest.raises(InvalidRequestError, match="reserved"):
+        check_request_id("kvstore.txn/d/abc")
+    check_request_id("kvstore.txn")  # only the prefix with its slash

@@ -37,10 +37,14 @@ def test_field_numbers_and_types_are_pinned() -> None:
     assert pb.DESCRIPTOR.package == "kvstore.internal.v1"
     assert fields(pb.WalEntry) == {"request_id": (1, t.TYPE_STRING), "effects": (2, t.TYPE_MESSAGE),
                                    "response": (3, t.TYPE_BYTES), "leader_unix_ms": (4, t.TYPE_INT64),
-                                   "request_kind": (5, t.TYPE_ENUM)}  # added (issue 18); old entries: 0
+                                   "request_kind": (5, t.TYPE_ENUM),  # added (issue 18); old entries: 0
+                                   # added (issue 21): cross-shard transactions' records
+                                   "prepare": (6, t.TYPE_MESSAGE), "decision": (7, t.TYPE_MESSAGE),
+                                   "resolve": (8, t.TYPE_MESSAGE)}
     assert dict(pb.RequestKind.items()) == {"REQUEST_KIND_UNSPECIFIED": 0, "REQUEST_KIND_PUT": 1,
                                             "REQUEST_KIND_DELETE": 2, "REQUEST_KIND_TXN": 3,
-                                            "REQUEST_KIND_WRITE_BATCH_PART": 4}
+                                            "REQUEST_KIND_WRITE_BATCH_PART": 4, "REQUEST_KIND_TXN_PREPARE": 5,
+                                            "REQUEST_KIND_TXN_DECISION": 6, "REQUEST_KIND_TXN_RESOLVE": 7}
     assert fields(pb.Effect) == {"put": (1, t.TYPE_MESSAGE), "delete": (2, t.TYPE_MESSAGE)}
     assert fields(pb.PutEffect) == {"key": (1, t.TYPE_BYTES), "value": (2, t.TYPE_BYTES)}
     assert fields(pb.DeleteEffect) == {"key": (1, t.TYPE_BYTES)}
