@@ -59,6 +59,7 @@ INFO_LIMIT = "limit"
 INFO_LOG_START = "log_start"  # COMPACTED: the oldest revision the shard's WAL still holds
 INFO_REVISION = "revision"  # COMPACTED: the revision asked for
 INFO_TXN_ID = "txn_id"  # TXN_CONFLICT: the prepared transaction holding the lock
+INFO_SAME_REQUEST = "same_request"  # TXN_CONFLICT: the holder is an attempt of the same request
 
 
 class Reason(enum.StrEnum):
@@ -197,12 +198,18 @@ class TxnConflictError(StoreError):
     reason = Reason.TXN_CONFLICT
     retry_after_ms = RETRY_TXN_CONFLICT_MS
 
-    def __init__(self, message: str, *, txn_id: str = "") -> None:
+    def __init__(self, message: str, *, txn_id: str = "", same_request: bool = False) -> None:
         super().__init__(message)
         self.txn_id = txn_id
+        # The holder is an earlier attempt of the same client request (docs/design.md §10): that
+        # request's outcome is unknown, though this write was not queued.
+        self.same_request = same_request
 
     def info(self) -> dict[str, str]:
-        return {INFO_TXN_ID: self.txn_id} if self.txn_id else {}
+        info = {INFO_TXN_ID: self.txn_id} if self.txn_id else {}
+        if self.same_request:
+            info[INFO_SAME_REQUEST] = "true"
+        return info
 
 
 class UnknownOutcomeError(StoreError):

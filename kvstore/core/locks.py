@@ -157,9 +157,10 @@ def conflict(locks: LockView, *, exclusive: Iterable[bytes], shared: Iterable[by
              own_txn: str = "") -> errors.StoreError | None:
     """Why a write touching these keys may not be planned now, or None. A key written
     (`exclusive`) conflicts with any lock of another transaction, a key only read (`shared`) with
-    another's exclusive lock. The refusal is definite and retriable (`TxnConflictError`), except
-    when the holder is an attempt of the same client request (`request_id`): that attempt may
-    still commit, so this one's outcome is unknown (W7), never a definite failure."""
+    another's exclusive lock. The refusal is definite and retriable (`TxnConflictError`); when the
+    holder is an attempt of the same client request (`request_id`) it says so (`same_request`):
+    that attempt may still commit, so the request's outcome is unknown (W7), though this write
+    was not queued."""
     if not locks.has_locks():
         return None
     for key in exclusive:
@@ -176,9 +177,9 @@ def conflict(locks: LockView, *, exclusive: Iterable[bytes], shared: Iterable[by
 def _refusal(locks: LockView, txn_id: str, key: bytes, request_id: str) -> errors.StoreError:
     holder = locks.prepared_txn(txn_id)
     if request_id and holder is not None and holder.prepare.request_id == request_id:
-        return errors.UnknownOutcomeError(
-            f"an earlier attempt of this request (transaction {txn_id}) is prepared and not decided yet; "
-            "retry with the same request id")
+        return errors.TxnConflictError(
+            f"an earlier attempt of this request (transaction {txn_id}) is prepared and not decided yet: its "
+            "outcome is unknown; retry with the same request id", txn_id=txn_id, same_request=True)
     return errors.TxnConflictError(
         f"key {key[:64]!r} is locked by the prepared cross-shard transaction {txn_id}; nothing was done: retry",
         txn_id=txn_id)

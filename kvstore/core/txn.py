@@ -166,11 +166,16 @@ def _no_build(lookup: Lookup, revision: int) -> Evaluation:
     raise AssertionError("a transaction's record is built against the locks (Write.locked_build)")
 
 
-def prepare_write(txn_id: str, req: kv_pb2.TxnRequest, shard: int, shard_count: int, *,
+def prepare_write(txn_id: str, req: kv_pb2.TxnRequest, shard: int, shard_count: int, table: RequestTable, *,
                   first_attempt_unix_ms: int = 0) -> Write:
     """A participant's prepare, queued like any write: its id (`prepare_id`) makes a retried
-    prepare replay the recorded vote; its keys are checked against the locks when planned."""
+    prepare replay the recorded vote; its keys are checked against the locks when planned. A
+    prepare arriving after its transaction was resolved here (a resolver aborted it while the
+    prepare was in transit) is refused: it must not lock again."""
     def build(lookup: Lookup, locks: LockView, revision: int) -> Evaluation:
+        if table.request(resolve_id(txn_id)) is not None:
+            raise errors.TxnConflictError(f"transaction {txn_id} was already resolved at shard {shard} (a resolver "
+                                          "aborted it); nothing was done: retry", txn_id=txn_id)
         if locks.prepared_count() >= limits.MAX_PREPARED_TXNS:
             raise errors.OverloadedError(f"shard {shard}: {limits.MAX_PREPARED_TXNS} cross-shard transactions "
                                          "prepared and not resolved (limit MAX_PREPARED_TXNS); back off")
@@ -180,16 +185,18 @@ def prepare_write(txn_id: str, req: kv_pb2.TxnRequest, shard: int, shard_count: 
                  wal_entry_pb2.REQUEST_KIND_TXN_PREPARE, locked_build=build)
 
 
-def decision_write(decision: wal_entry_pb2.TxnDecision, table: RequestTable, *,
-                   first_attempt_unix_ms: int = 0) -> Write:
+def decision_write(decision: wal_entry_pb2.TxnDecision, table: RequestTable, *, first_attempt_unix_ms: int = 0,
+                   second_decision: bool = False) -> Write:
     """The coordinator's decision: its id (`decision_id`) makes admission answer with the
-    decision already recorded, whoever asks (the driver, a resolver, an operator): T1."""
+    decision already recorded, whoever asks (the driver, a resolver, an operator): T1.
+    `second_decision` is the simulation's mutation of that rule (no admission by id: a second
+    decision is appended and answered as if it were the first)."""
     def build(_lookup: Lookup, _locks: LockView, revision: int) -> Evaluation:
         earlier = table.request(decision.request_id) if decision.commit and decision.request_id else None
         return evaluate_decision(decision, earlier, revision)
 
-    return Write(decision_id(decision.txn_id), _no_build, wal_entry_pb2.TxnDecided, first_attempt_unix_ms,
-                 wal_entry_pb2.REQUEST_KIND_TXN_DECISION, locked_build=build)
+    return Write("" if second_decision else decision_id(decision.txn_id), _no_build, wal_entry_pb2.TxnDecided,
+                 first_attempt_unix_ms, wal_entry_pb2.REQUEST_KIND_TXN_DECISION, locked_build=build)
 
 
 def resolve_write(resolve: wal_entry_pb2.TxnResolve, *, first_attempt_unix_ms: int = 0) -> Write:

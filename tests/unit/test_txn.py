@@ -101,7 +101,7 @@ def drive(shards: list[Shard], req: kv.TxnRequest, txn_id: str = "x1", *, resolv
           ) -> tuple[pb.TxnDecided | errors.StoreError, dict[int, Any]]:
     """The driver's course, step by step: prepare everywhere, decide at the coordinator, resolve."""
     parts = txn.participants(req, SHARDS)
-    votes = {s: shards[s].one(txn.prepare_write(txn_id, req, s, SHARDS)) for s in parts}
+    votes = {s: shards[s].one(txn.prepare_write(txn_id, req, s, SHARDS, shards[s].store)) for s in parts}
     prepared = {s: v for s, v in votes.items() if isinstance(v, pb.TxnVote)}
     if len(prepared) == len(parts):
         answer = txn.combine(req, prepared, parts[0])
@@ -173,7 +173,8 @@ def test_a_failed_compare_commits_the_failure_branch_everywhere() -> None:
 
 def test_a_conflict_aborts_and_applies_nothing_anywhere() -> None:
     shards = cluster(A=b"1")
-    shards[1].one(txn.prepare_write("other", kv.TxnRequest(success=[put_op(B, b"x"), put_op(C, b"y")]), 1, SHARDS))
+    other = kv.TxnRequest(success=[put_op(B, b"x"), put_op(C, b"y")])
+    shards[1].one(txn.prepare_write("other", other, 1, SHARDS, shards[1].store))
     decided, votes = drive(shards, transfer())
     assert isinstance(votes[1], errors.TxnConflictError) and votes[1].txn_id == "other"
     assert isinstance(decided, pb.TxnDecided) and not decided.commit
@@ -203,7 +204,7 @@ def test_a_batch_sees_its_own_prepares_and_resolves() -> None:
     shards = cluster(A=b"1")
     s0 = shards[0]
     req = kv.TxnRequest(success=[put_op(A, b"2"), put_op(B, b"2")])
-    plan = s0.run([txn.prepare_write("p", req, 0, SHARDS), write_of(kv.PutRequest(key=A, value=b"z"), 0)])
+    plan = s0.run([txn.prepare_write("p", req, 0, SHARDS, s0.store), write_of(kv.PutRequest(key=A, value=b"z"), 0)])
     assert [type(a).__name__ for _, a in plan.now] == ["TxnConflictError"]  # locked by the prepare before it
     plan = s0.run([txn.resolve_write(pb.TxnResolve(txn_id="p", commit=True, succeeded=True)),
                    write_of(kv.PutRequest(key=A, value=b"z"), 0)])
@@ -216,10 +217,10 @@ def test_a_batch_sees_its_own_prepares_and_resolves() -> None:
 def test_a_prepare_conflicting_with_an_attempt_of_the_same_request_is_an_unknown_outcome() -> None:
     shards = cluster(A=b"1")
     drive(shards, transfer("same"), "first", resolve=False)
-    retry = shards[0].one(txn.prepare_write("second", transfer("same"), 0, SHARDS))
-    assert isinstance(retry, errors.UnknownOutcomeError) and not retry.definite
-    other = shards[0].one(txn.prepare_write("third", transfer("another"), 0, SHARDS))
-    assert isinstance(other, errors.TxnConflictError)
+    retry = shards[0].one(txn.prepare_write("second", transfer("same"), 0, SHARDS, shards[0].store))
+    assert isinstance(retry, errors.TxnConflictError) and retry.same_request and retry.info()["same_request"]
+    other = shards[0].one(txn.prepare_write("third", transfer("another"), 0, SHARDS, shards[0].store))
+    assert isinstance(other, errors.TxnConflictError) and not other.same_request
 
 
 def test_records_are_exactly_once_and_the_first_decision_wins() -> None:
@@ -227,7 +228,7 @@ def test_records_are_exactly_once_and_the_first_decision_wins() -> None:
     decided, votes = drive(shards, transfer(), resolve=False)
     assert isinstance(decided, pb.TxnDecided)
     # A retried prepare replays its vote; it does not lock twice.
-    again = shards[1].one(txn.prepare_write("x1", transfer(), 1, SHARDS))
+    again = shards[1].one(txn.prepare_write("x1", transfer(), 1, SHARDS, shards[1].store))
     assert again == votes[1]
     # T1: an abort asked after the commit is answered with the commit; nothing is appended.
     revision = shards[0].store.applied_offset
@@ -246,7 +247,7 @@ def test_an_abort_first_makes_the_drivers_commit_an_abort() -> None:
     shards = cluster(A=b"1")
     req = transfer()
     parts = txn.participants(req, SHARDS)
-    votes = {s: shards[s].one(txn.prepare_write("x1", req, s, SHARDS)) for s in parts}
+    votes = {s: shards[s].one(txn.prepare_write("x1", req, s, SHARDS, shards[s].store)) for s in parts}
     first = shards[0].one(txn.decision_write(pb.TxnDecision(txn_id="x1", participants=parts, reason="timeout"),
                                              shards[0].store))
     answer = txn.combine(req, votes, 0)
@@ -275,15 +276,19 @@ def test_a_resolve_of_a_transaction_not_prepared_here_is_kept_and_refuses_a_late
     answer = s1.one(txn.resolve_write(pb.TxnResolve(txn_id="lost", commit=False)))
     assert isinstance(answer, pb.TxnResolve)
     assert resolve_id("lost") in s1.store.requests
-    s1.one(txn.prepare_write("lost", transfer(), 1, SHARDS))
-    assert not s1.store.locks.has_locks()  # applied as skipped: the transaction is over
+    late = s1.one(txn.prepare_write("lost", transfer(), 1, SHARDS, s1.store))
+    assert isinstance(late, errors.TxnConflictError) and "already resolved" in str(late)
+    # Applied as skipped, had a prepare been appended anyway (every replayer alike).
+    prepare = pb.WalEntry(request_id=prepare_id("lost"), prepare=pb.TxnPrepare(txn_id="lost", exclusive_keys=[B]))
+    applied = s1.store.apply([(s1.store.applied_offset, prepare.SerializeToString())], s1.store.applied_offset + 1)
+    assert applied.txn_skipped == 1 and not s1.store.locks.has_locks()
 
 
 def test_limits_prepared_and_answer_size() -> None:
     shards = cluster()
     many = LockIndex(PreparedTxn(pb.TxnPrepare(txn_id=f"t{i}"), i, 0) for i in range(limits.MAX_PREPARED_TXNS))
     shards[0].store.locks = many
-    refused = shards[0].one(txn.prepare_write("x", transfer(), 0, SHARDS))
+    refused = shards[0].one(txn.prepare_write("x", transfer(), 0, SHARDS, shards[0].store))
     assert isinstance(refused, errors.OverloadedError) and "MAX_PREPARED_TXNS" in str(refused)
     big = {0: pb.TxnVote(compares_held=True, success=pb.TxnBranch(op_indices=[0], results=kv.TxnResponse(
         results=[kv.TxnOpResult(get=kv.GetResponse(found=True, kv=kv.KeyValue(key=A, value=b"v" * 600)))]
@@ -298,14 +303,15 @@ def test_limits_prepared_and_answer_size() -> None:
 def test_a_participant_part_too_large_or_malformed_is_refused_at_prepare() -> None:
     shards = cluster(C=b"c" * 5000)
     req = kv.TxnRequest(success=[put_op(A, b"1"), get_op(C)])
-    small = txn.prepare_write("x", req, 2, SHARDS)
+    small = txn.prepare_write("x", req, 2, SHARDS, shards[2].store)
     plan = plan_batch([dataclasses.replace(small, locked_build=lambda lookup, locks, rev: txn.evaluate_prepare(
         "x", req, 2, SHARDS, lookup, rev, max_response_bytes=1000))], 0, shards[2].store.get, shards[2].store,
         NOW_MS, WIDE)
     assert isinstance(plan.now[0][1], errors.InvalidRequestError)
     bad = kv.TxnRequest(compares=[kv.Compare(key=A, target=kv.Compare.TARGET_VERSION, op=9)],
                         success=[put_op(B, b"1")])
-    assert isinstance(shards[0].one(txn.prepare_write("y", bad, 0, SHARDS)), errors.InvalidRequestError)
+    refused = shards[0].one(txn.prepare_write("y", bad, 0, SHARDS, shards[0].store))
+    assert isinstance(refused, errors.InvalidRequestError)
 
 
 # ---- locks ---------------------------------------------------------------------------------------------------
@@ -440,8 +446,8 @@ def test_a_memory_replica_copy_keeps_the_locks() -> None:
 
 def test_replayed_records_answer_with_their_recorded_answers() -> None:
     shards = cluster(A=b"1")
-    shards[0].one(txn.prepare_write("x", transfer(), 0, SHARDS))
-    write = txn.prepare_write("x", transfer(), 0, SHARDS)
+    shards[0].one(txn.prepare_write("x", transfer(), 0, SHARDS, shards[0].store))
+    write = txn.prepare_write("x", transfer(), 0, SHARDS, shards[0].store)
     assert isinstance(admit(write, shards[0].store, (), NOW_MS), pb.TxnVote)
     with pytest.raises(AssertionError, match="locked_build"):
         write.build(lambda k: None, 0)
