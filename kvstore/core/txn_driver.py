@@ -200,7 +200,7 @@ class TxnDriver:
 
     def wake_at_ms(self) -> float | None:
         times = list(self.retry_at.values())
-        if not self.finished:
+        if self.phase is Phase.PREPARING:  # the only phase the deadline ends (the others wait for answers)
             times.append(self.deadline_ms)
         if self.resolve_until_ms is not None:
             times.append(self.resolve_until_ms)

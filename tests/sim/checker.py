@@ -16,7 +16,13 @@ WAL). The oracle replays each log the way any reader must (read_committed, then 
   (and accepted) twice, nor applied twice (a retry let through after its id was forgotten);
   and the history is linearizable, per key;
 * **convergence** once the faults stopped and everything caught up, every replica of a shard
-  holds exactly the oracle's keys and request table, at the log's end.
+  holds exactly the oracle's keys and request table, at the log's end;
+* **cross-shard transactions** (`check_txns`, docs/design.md §10) T1: at most one decision record
+  per transaction; T2 and atomicity: a committed transaction is applied in every participant
+  (which prepared it) with the decided branch, an aborted or undecided one in none; T3: nothing
+  stays prepared once the run healed; T5: no client request committed twice; and the bank's
+  answers: every sum a read-only Txn saw is 0, every acknowledged transfer committed, none
+  reported failed did, and the accounts sum to 0 at the end.
 """
 
 from __future__ import annotations
@@ -28,7 +34,9 @@ from collections.abc import Callable, Sequence
 from kvstore.core.request_window import MemoryShard
 from kvstore.core.sharding import shard_of
 from kvstore.core.state import RequestRecord, decode_entry
+from kvstore.internal.v1 import wal_entry_pb2
 from tests.sim import linearizability
+from tests.sim.bank import BankKind, BankOp, balance
 from tests.sim.client import Kind, Operation, Outcome
 from tests.sim.kafka import Broker, Partition
 from tests.sim.node import Node
@@ -88,7 +96,8 @@ def replay(shard: int, partition: Partition, producer_id: int | None, store: Mem
 
 
 def check_run(broker: Broker, nodes: Sequence[Node], history: Sequence[Operation], audit: Audit,
-              new_disk: Callable[[], MemoryShard], *, converged: bool) -> list[str]:
+              new_disk: Callable[[], MemoryShard], *, converged: bool, bank: Sequence[BankOp] = (),
+              accounts: Sequence[bytes] = ()) -> list[str]:
     """Every check that applies; the violations found (empty: the run is correct)."""
     shards = len(broker.partitions)
     violations: list[str] = []
@@ -144,6 +153,8 @@ def check_run(broker: Broker, nodes: Sequence[Node], history: Sequence[Operation
         if why is not None:
             violations.append(f"not linearizable on key {key!r}: {why}")
 
+    violations += check_txns(oracles, bank, accounts, converged=converged)
+
     if converged:
         for shard, oracle in enumerate(oracles):
             end = broker.partitions[shard].high_watermark
@@ -157,4 +168,88 @@ def check_run(broker: Broker, nodes: Sequence[Node], history: Sequence[Operation
                     violations.append(f"divergence: {node.name} shard {shard} at {store.applied_offset} "
                                       f"({len(store.keys)} keys) differs from the WAL's replay at {end} "
                                       f"({len(oracle.store.keys)} keys)")
+    return violations
+
+
+@dataclasses.dataclass
+class _Resolved:
+    commit: bool
+    succeeded: bool
+    applied: bool  # the transaction was prepared there when its resolve was applied
+
+
+def check_txns(oracles: Sequence[Oracle], bank: Sequence[BankOp], accounts: Sequence[bytes], *,
+               converged: bool) -> list[str]:
+    """T1, T2 and atomicity, T3, T5, and the bank's answers, from the WALs (the module docstring)."""
+    violations: list[str] = []
+    decisions: dict[str, list[tuple[int, int, wal_entry_pb2.TxnDecision]]] = collections.defaultdict(list)
+    resolves: dict[str, dict[int, _Resolved]] = collections.defaultdict(dict)
+    for shard, oracle in enumerate(oracles):
+        prepared: set[str] = set()
+        for offset in sorted(oracle.accepted):
+            entry = decode_entry(oracle.accepted[offset])
+            if entry is None:
+                continue
+            if entry.HasField("prepare"):
+                prepared.add(entry.prepare.txn_id)
+            elif entry.HasField("decision"):
+                decisions[entry.decision.txn_id].append((shard, offset, entry.decision))
+            elif entry.HasField("resolve") and shard not in resolves[entry.resolve.txn_id]:
+                txn_id = entry.resolve.txn_id
+                resolves[txn_id][shard] = _Resolved(entry.resolve.commit, entry.resolve.succeeded, txn_id in prepared)
+                prepared.discard(txn_id)
+    for txn_id, records in sorted(decisions.items()):
+        if len(records) > 1:
+            violations.append(f"T1: transaction {txn_id} has {len(records)} decision records: "
+                              f"{[(s, o, d.commit) for s, o, d in records]}")
+        _, _, decision = records[0]
+        for shard, resolved in sorted(resolves.get(txn_id, {}).items()):
+            if decision.commit and resolved.commit and not resolved.applied:
+                violations.append(f"atomicity: transaction {txn_id} committed, but shard {shard} never prepared it "
+                                  "(its resolve applied nothing)")
+            elif decision.commit and (not resolved.commit or resolved.succeeded != decision.succeeded):
+                violations.append(f"atomicity: transaction {txn_id} committed ({decision.succeeded}), shard {shard} "
+                                  f"resolved it as commit={resolved.commit} succeeded={resolved.succeeded}")
+            elif not decision.commit and resolved.commit and resolved.applied:
+                violations.append(f"T2: shard {shard} applied transaction {txn_id}, whose decision is abort")
+        if decision.commit and converged:
+            for shard in decision.participants:
+                if shard not in resolves.get(txn_id, {}):
+                    violations.append(f"T3: transaction {txn_id} committed, shard {shard} never resolved it")
+    for txn_id, by_shard in sorted(resolves.items()):
+        if txn_id not in decisions:
+            for shard, resolved in sorted(by_shard.items()):
+                if resolved.commit and resolved.applied:
+                    violations.append(f"T2: shard {shard} applied transaction {txn_id}, which has no decision")
+    commits = collections.Counter(records[0][2].request_id for records in decisions.values()
+                                  if records[0][2].commit and records[0][2].request_id)
+    for request_id, count in sorted(commits.items()):
+        if count > 1:
+            violations.append(f"T5: request {request_id} committed by {count} transactions")
+    if converged:
+        for shard, oracle in enumerate(oracles):
+            if oracle.store.locks.has_locks():
+                left = [p.txn_id for p in oracle.store.locks.prepared()]
+                violations.append(f"T3: shard {shard} still holds prepared transactions after healing: {left[:5]}")
+
+    def committed(request_id: str) -> bool:
+        return any(request_id in oracle.applied for oracle in oracles)
+
+    for op in bank:
+        if op.kind is BankKind.SUM:
+            if op.outcome is Outcome.OK and op.balances is not None and sum(op.balances.values()) != 0:
+                violations.append(f"bank: a read-only Txn of client {op.client} saw the accounts sum to "
+                                  f"{sum(op.balances.values())}: {op.balances}")
+            continue
+        if op.outcome is Outcome.OK and not committed(op.request_id):
+            violations.append(f"bank: transfer {op.request_id} was acknowledged but never committed")
+        if op.outcome is Outcome.FAILED and committed(op.request_id):
+            violations.append(f"W7: bank transfer {op.request_id} was answered as definitely failed but committed")
+    if converged and accounts:
+        total = 0
+        for key in accounts:
+            state = oracles[shard_of(key, len(oracles))].store.keys.get(key)
+            total += balance(state.value) if state is not None else 0
+        if total != 0:
+            violations.append(f"bank: the accounts sum to {total} after healing")
     return violations

@@ -24,6 +24,8 @@ from kvstore.core import placement
 from kvstore.core.placement import Hold
 from kvstore.core.replica import Mutation
 from kvstore.core.sharding import shard_of
+from kvstore.core.txn_driver import TxnMutation
+from tests.sim.bank import BankClient, BankOp, accounts
 from tests.sim.checker import check_run
 from tests.sim.client import Client, Operation
 from tests.sim.faults import FaultInjector, FaultPlan
@@ -54,6 +56,9 @@ class SimConfig:
     mutations: frozenset[Mutation] = frozenset()  # the replica machine's broken variants
     replication_factor: int | None = None  # placement: each shard on this many nodes (None: on every node)
     skip_caught_up: bool = False  # the placement mutation: a learner joins its shard's group at once
+    bank_clients: int = 1  # transfers and sums over accounts in every shard (cross-shard Txns)
+    bank_accounts: int = 4
+    txn_mutations: frozenset[TxnMutation] = frozenset()  # the transaction protocol's broken variants
 
     @property
     def variant(self) -> str:
@@ -62,6 +67,7 @@ class SimConfig:
         parts += [] if self.kafka.kip890 else [NO_KIP890]
         parts += [] if self.late_requests else ["no-late-requests"]
         parts += sorted(m.value for m in self.mutations)
+        parts += sorted(m.value for m in self.txn_mutations)
         parts += [SKIP_CAUGHT_UP] if self.skip_caught_up else []
         parts += [f"rf{self.replication_factor}"] if self.replication_factor is not None else []
         return ",".join(parts) or "correct"
@@ -81,6 +87,9 @@ MUTATIONS: dict[str, dict[str, object]] = {
     NO_KIP890: {"kafka": KafkaVariant(kip890=False)},
     SKIP_CAUGHT_UP: {"skip_caught_up": True, "replication_factor": 2},
     **{m.value: {"mutations": frozenset({m})} for m in Mutation},
+    # The transaction protocol's (`kvstore.core.txn_driver.TxnMutation`): on clusters whose bank
+    # clients' transfers span shards.
+    **{m.value: {"txn_mutations": frozenset({m}), "shards": 3, "bank_clients": 2} for m in TxnMutation},
 }
 
 
@@ -140,13 +149,17 @@ class Simulation:
                                    revoke_timeout_ms=timing.revoke_timeout_ms),
             timing=timing, audit=Audit(), trace=Trace(sched), shards=config.shards, check_w2=config.check_w2,
             late_requests=config.late_requests, mutations=config.mutations,
-            replication_factor=config.replication_factor, skip_caught_up=config.skip_caught_up)
+            replication_factor=config.replication_factor, skip_caught_up=config.skip_caught_up,
+            txn_mutations=config.txn_mutations)
         self.nodes = [Node(f"n{i}", self.world) for i in range(config.nodes)]
+        self.world.peers.update({node.name: node for node in self.nodes})
         keys = client_keys(config.keys, config.shards)
         self.clients = [Client(i, self.world, self.nodes, keys) for i in range(config.clients)]
+        self.accounts = accounts(config.bank_accounts, config.shards)
+        self.bank = [BankClient(i, self.world, self.nodes, self.accounts) for i in range(config.bank_clients)]
         # Every clock within half the skew bound of true time: any two within the bound.
         half = timing.clock_skew_ms // 2
-        for actor in (*self.nodes, *self.clients):
+        for actor in (*self.nodes, *self.clients, *self.bank):
             actor.clock_skew_ms = sched.between(-half, half)
         self.faults = FaultInjector(self.world, self.nodes, config.faults) if config.faults else None
 
@@ -155,7 +168,7 @@ class Simulation:
         sched, world = self.sched, self.world
         for node in self.nodes:
             sched.at(sched.between(0, 50), node.restart)
-        for client in self.clients:
+        for client in (*self.clients, *self.bank):
             client.start()
         if self.faults is not None:
             self.faults.start()
@@ -166,7 +179,7 @@ class Simulation:
             if self.faults is not None:
                 self.faults.heal()
             world.trace.log("HEAL: faults stopped, clients finishing")
-            for client in self.clients:
+            for client in (*self.clients, *self.bank):
                 client.finish()
             limit = sched.steps + self.config.heal_steps
             while sched.steps < limit:
@@ -179,7 +192,7 @@ class Simulation:
                 world.violation(f"no convergence {self.config.heal_steps} steps after healing: {self.unsettled()}")
             violations = list(world.audit.violations)
             violations += check_run(world.broker, self.nodes, self.history(), world.audit, world.new_disk,
-                                    converged=converged)
+                                    converged=converged, bank=self.bank_history(), accounts=self.accounts)
         except Exception as exc:  # a core's assertion or a simulation bug: report it with the seed
             tb = "".join(traceback.format_exception(exc)[-6:])
             violations = [*world.audit.violations,
@@ -191,13 +204,20 @@ class Simulation:
     def history(self) -> list[Operation]:
         return [op for client in self.clients for op in client.history]
 
+    def bank_history(self) -> list[BankOp]:
+        return [op for client in self.bank for op in client.history]
+
     def settled(self) -> bool:
         return not self.unsettled()
 
     def unsettled(self) -> str:
         """Why the cluster has not converged yet ('' once it has)."""
-        if not all(client.done for client in self.clients):
+        if not all(client.done for client in (*self.clients, *self.bank)):
             return "clients still running"
+        for node in self.nodes:  # T3: every prepared transaction resolved, by its driver or a resolver
+            for shard, store in sorted(node.stores.items()):
+                if store.locks.has_locks():
+                    return f"{node.name} shard {shard} holds prepared transactions"
         broker = self.world.broker
         for shard, partition in enumerate(broker.partitions):
             if partition.last_stable_offset != partition.high_watermark:
@@ -243,6 +263,9 @@ class Simulation:
         for op in self.history():
             h.update(f"{op.client}:{op.kind.value}:{op.key!r}:{op.value!r}:{op.invoke}:{op.complete}:"
                      f"{op.outcome}:{op.output}:{op.revision}".encode())
+        for bank_op in self.bank_history():
+            h.update(f"{bank_op.client}:{bank_op.kind.value}:{bank_op.request_id}:{bank_op.invoke}:"
+                     f"{bank_op.complete}:{bank_op.outcome}:{bank_op.succeeded}:{bank_op.balances}".encode())
         h.update(str(self.sched.steps).encode())
         return h.hexdigest()
 
@@ -272,5 +295,6 @@ def config_for(seed: int, steps: int, **overrides: object) -> SimConfig:
     shape = random.Random(seed * 7919 + 1)
     config = SimConfig(seed=seed, steps=steps, nodes=shape.choice((3, 3, 4, 5)), shards=shape.choice((1, 2, 2, 3)),
                        clients=shape.randint(2, 6), keys=shape.randint(3, 8),
-                       replication_factor=shape.choice((None, 1, 2, 2, 3)))
+                       replication_factor=shape.choice((None, 1, 2, 2, 3)), bank_clients=shape.choice((0, 1, 2, 2)),
+                       bank_accounts=shape.randint(3, 6))
     return dataclasses.replace(config, **overrides)  # type: ignore[arg-type]

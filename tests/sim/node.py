@@ -22,8 +22,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from kvstore import errors
-from kvstore.core import placement
-from kvstore.core.batch import Answer, write_of
+from kvstore.core import placement, txn
+from kvstore.core.batch import Answer, Write, write_of
 from kvstore.core.placement import Act, Hold, ShardFacts, ShardHold
 from kvstore.core.request_window import MemoryShard
 from kvstore.core.sharding import shard_of
@@ -31,6 +31,7 @@ from kvstore.v1 import kv_pb2
 from tests.sim.group import GroupAnswer
 from tests.sim.replica import Replica
 from tests.sim.scheduler import Actor
+from tests.sim.txn import TxnShell
 from tests.sim.world import World
 
 Request = kv_pb2.PutRequest | kv_pb2.DeleteRequest | kv_pb2.TxnRequest | kv_pb2.GetRequest
@@ -53,6 +54,7 @@ class Node(Actor):
         self.joined = False
         self.assigned: frozenset[int] = frozenset()
         self.owners: tuple[str | None, ...] = (None,) * world.shards
+        self.txns = TxnShell(self)
 
     @property
     def placing(self) -> bool:
@@ -69,9 +71,11 @@ class Node(Actor):
         self.joined = False
         self.assigned = frozenset()
         self.owners = (None,) * self.world.shards
+        self.txns = TxnShell(self)  # the drivers died with the process
         for shard in sorted(self.stores):  # with placement: learners, until they caught up
             self._open(shard)
         self._heartbeat()
+        self.txns.start()
 
     def _open(self, shard: int) -> None:
         if shard not in self.stores:
@@ -187,10 +191,13 @@ class Node(Actor):
         """A client request arrived here (gRPC in the real node), to be answered by `deadline_ms`."""
         if not self.world.late_requests and self.world.sched.now > deadline_ms:
             return  # the client cancelled it already: gRPC drops the call (DEADLINE_EXCEEDED)
-        if isinstance(request, kv_pb2.TxnRequest) and not request.compares:
-            reply(errors.InvalidRequestError("a Txn without compares"))
-            return
-        key = request.compares[0].key if isinstance(request, kv_pb2.TxnRequest) else request.key
+        if isinstance(request, kv_pb2.TxnRequest):
+            if len(txn.participants(request, self.world.shards)) > 1:
+                self.txns.begin(request, reply)  # this node drives it, wherever its shards are led
+                return
+            key = txn.txn_keys(request)[0]
+        else:
+            key = request.key
         shard = shard_of(key, self.world.shards)
         replica = self.replicas.get(shard)
         if replica is None:  # placed elsewhere (or not loaded yet after a restart)
@@ -200,3 +207,12 @@ class Node(Actor):
             replica.read(request.key, reply)
             return
         replica.write(write_of(request, shard), None if self.world.late_requests else deadline_ms, reply)
+
+    def handle_record(self, shard: int, make: Callable[[MemoryShard], Write], reply: Callable[[Answer], None]) -> None:
+        """A peer's call for a cross-shard transaction's record at `shard` (prepare, decision,
+        resolve): queued like any write at this node's replica, refused if it holds none."""
+        replica = self.replicas.get(shard)
+        if replica is None:
+            reply(errors.NotHeldError(shard, self.leader_hint(shard)))
+            return
+        replica.write(make(replica.store), None, reply)

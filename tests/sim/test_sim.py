@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from kvstore.core.replica import Mutation
+from kvstore.core.txn_driver import TxnMutation
 from tests.sim.faults import FaultPlan
 from tests.sim.harness import (
     FENCING_SKIPPED,
@@ -95,6 +96,15 @@ TEETH = [
     Teeth(Mutation.ANSWER_BEFORE_COMMIT.value, ("lost write", "W7", "not linearizable"),
           "a batch's writers are answered when it is appended: one that then aborts leaves acknowledged writes "
           "that are not in the WAL"),
+    Teeth(TxnMutation.DECIDE_BEFORE_PREPARED.value, ("atomicity", "bank:"),
+          "a cross-shard transaction's driver counts a refused prepare as a vote: its commit decision is written "
+          "before every prepare is durable, and the participant that never prepared applies nothing"),
+    Teeth(TxnMutation.APPLY_WITHOUT_DECISION.value, ("T2:", "atomicity", "bank:"),
+          "a participant's resolver commits a prepare in doubt on its own, without the coordinator's decision: "
+          "a transaction aborted elsewhere is applied here"),
+    Teeth(TxnMutation.SECOND_DECISION.value, ("T1:", "accepted"),
+          "the coordinator appends a decision even when one is recorded: a resolver's abort lands after the "
+          "driver's commit (or the other way round) and is answered as if it were the decision"),
 ]
 
 

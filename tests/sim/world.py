@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+from typing import Any
 
 from kvstore.core.replica import Mutation
 from kvstore.core.request_window import MemoryShard
+from kvstore.core.txn_driver import TxnMutation
 from tests.sim.group import GroupCoordinator
 from tests.sim.kafka import Broker
 from tests.sim.network import Network
@@ -56,6 +58,14 @@ class Timing:
     # how long a retiring replica waits, seeing the placed replicas caught up, before it drops.
     placement_grace_ms: int = 2_000
     placement_settle_ms: int = 300
+    # Cross-shard transactions (kvstore.core.txn_driver): a peer call's timeout, a driver's budget
+    # for its prepares, how long its answer waits for the resolves, and when a prepare is in doubt
+    # (its resolvers look every `txn_resolve_every_ms`): the node's ratios, shrunk.
+    txn_call_timeout_ms: int = 800
+    txn_deadline_ms: int = 4_000
+    txn_resolve_wait_ms: int = 800
+    txn_in_doubt_ms: int = 1_500
+    txn_resolve_every_ms: int = 300
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,6 +123,8 @@ class World:
     # Per shard, the snapshots taken (cut, state), oldest first: what `kvstore snapshot create`
     # leaves in a node's --snapshot-dir, built from the WAL, never from a replica.
     snapshots: dict[int, list[tuple[int, MemoryShard]]] = dataclasses.field(default_factory=dict)
+    txn_mutations: frozenset[TxnMutation] = frozenset()  # the transaction protocol's broken variants (teeth)
+    peers: dict[str, Any] = dataclasses.field(default_factory=dict)  # every node by name (peer calls)
     _ids: int = 0
 
     def next_id(self) -> int:

@@ -175,10 +175,12 @@ def test_a_decision_not_read_back_is_an_unknown_outcome() -> None:
     assert names(d.step(Tick(), now_ms=41)) == ["SendDecide(commit)"]
     out = d.step(DecideAnswered(errors.UnknownOutcomeError("timed out")), now_ms=42)  # attempts run out
     assert names(out) == ["Reply(UnknownOutcomeError)", "Finished(None)"]
-    # Past the deadline the decide still out is waited for (its answer always comes), not retried.
+    # Past the deadline the decide still out is waited for (its answer always comes), not retried;
+    # the deadline wakes nobody then (the simulation found a driver ticking forever at it).
     d = begin(deadline_ms=20)
     d.step(Started(), now_ms=0)
     prepared_all(d)
+    assert d.wake_at_ms() is None
     assert d.step(Tick(), now_ms=25) == []
     assert names(d.step(DecideAnswered(errors.UnavailableError("x")), now_ms=26)) == [
         "Reply(UnknownOutcomeError)", "Finished(None)"]
