@@ -303,3 +303,32 @@ def _packed(message: object) -> any_pb2.Any:
     packed = any_pb2.Any()
     packed.Pack(message)  # type: ignore[arg-type]
     return packed
+
+
+def from_status(code: grpc.StatusCode, details: str, trailing: Trailers | None) -> StoreError:
+    """A peer node's refusal, as this node's own error: the inverse of `to_status`, for the calls
+    nodes make to each other (a cross-shard transaction's records, kvstore.server.txns). Definite
+    only when the peer said so (outcome "none"); whatever it did not say (a lost connection, a
+    deadline, another domain's status) is an unknown outcome. Pure."""
+    reason, info = "", {}
+    raw = dict(trailing or ()).get(STATUS_DETAILS_KEY)
+    if isinstance(raw, bytes):
+        try:
+            status = status_pb2.Status.FromString(raw)
+        except Exception:  # a status we cannot read says nothing
+            status = status_pb2.Status()
+        for detail in status.details:
+            found = error_details_pb2.ErrorInfo()
+            if detail.Unpack(found) and found.domain == DOMAIN:
+                reason, info = found.reason, dict(found.metadata)
+    text = f"{code.name}: {details}"
+    if reason == Reason.TXN_CONFLICT:
+        return TxnConflictError(details, txn_id=info.get(INFO_TXN_ID, ""),
+                                same_request=info.get(INFO_SAME_REQUEST) == "true")
+    if reason == Reason.REQUEST_ID_EXPIRED:
+        return RequestExpiredError(details)
+    if reason in (Reason.INVALID_ARGUMENT, Reason.LIMIT_EXCEEDED):
+        return InvalidRequestError(details, limit=info.get(INFO_LIMIT, ""))
+    if info.get(INFO_OUTCOME) == OUTCOME_NONE:
+        return UnavailableError(text)
+    return UnknownOutcomeError(text)

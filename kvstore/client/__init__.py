@@ -96,6 +96,7 @@ from kvstore.client.requests import (
     Op,
     to_bytes,
     txn_keys,
+    txn_route_key,
     txn_shard,
 )
 from kvstore.client.results import (
@@ -189,6 +190,7 @@ __all__ = [
     "revisions_of",
     "to_bytes",
     "txn_keys",
+    "txn_route_key",
     "txn_shard",
     "write_attempt_is_definite",
 ]

@@ -36,8 +36,7 @@ from kvstore.client.requests import (
     make_request_id,
     scan_request,
     to_bytes,
-    txn_keys,
-    txn_shard,
+    txn_route_key,
 )
 from kvstore.client.results import (
     BatchResult,
@@ -219,19 +218,18 @@ class Client:
         timeout_s: float | None = None,
         first_attempt_unix_ms: int | None = None,
     ) -> TxnResult:
-        """Run `success` if every compare holds, else `failure`, atomically, within one shard.
-
-        Raises `CrossShardTxn` before sending when the keys span shards. Ids and outcomes as in
-        `put` (a Txn is a write, even when its branch only reads).
+        """Run `success` if every compare holds, else `failure`, atomically and strictly
+        serializably, over keys of any shards. Keys of one shard take one WAL record; keys of
+        several are a cross-shard transaction (docs/design.md §10), sent to the leader of its
+        coordinator shard (the lowest), which drives it. Its result then names the coordinator
+        shard and the decision's revision; each operation's result names its own shard. A key
+        locked by another cross-shard transaction is retried (`TxnConflict`). Ids and outcomes as
+        in `put` (a Txn is a write, even when its branch only reads).
         """
         rid = make_request_id(request_id)
         first_ms = make_first_attempt_unix_ms(first_attempt_unix_ms, request_id)
         deadline = self._deadline(timeout_s)
-        keys = txn_keys(compares, success, failure)
-        shard_count = self._known_shard_count(deadline)
-        if shard_count is not None:
-            txn_shard(compares, success, failure, shard_count)
-        # else: no node answered the map; the server applies the same check.
+        route = txn_route_key(compares, success, failure, self._known_shard_count(deadline))
         request = kv_pb2.TxnRequest(
             compares=[c.to_pb() for c in compares],
             success=[o.to_pb() for o in success],
@@ -240,7 +238,7 @@ class Client:
             first_attempt_unix_ms=first_ms,
         )
         resp = self._call(
-            "Txn", request, kv_pb2.TxnResponse, key=keys[0] if keys else None, deadline=deadline, request_id=rid,
+            "Txn", request, kv_pb2.TxnResponse, key=route, deadline=deadline, request_id=rid,
             write=True, first_attempt_unix_ms=first_ms,
         )
         branch = success if resp.succeeded else failure

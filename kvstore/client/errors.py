@@ -156,7 +156,9 @@ class InvalidArgument(KvError, ValueError):
 
 
 class CrossShardTxn(InvalidArgument):
-    """A Txn whose keys map to more than one shard; refused before anything is sent."""
+    """A Txn whose keys map to more than one shard, refused by a server older than cross-shard
+    transactions (docs/design.md §10). This client no longer raises it itself; kept for callers
+    that catch it."""
 
 
 class NotLeader(KvError):

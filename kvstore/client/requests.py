@@ -15,7 +15,7 @@ from collections.abc import Iterable, Mapping
 from typing import Literal, get_args
 
 from kvstore import limits
-from kvstore.client.errors import CrossShardTxn, InvalidArgument
+from kvstore.client.errors import InvalidArgument
 from kvstore.core.sharding import shard_of
 from kvstore.v1 import kv_pb2
 
@@ -197,20 +197,22 @@ def txn_keys(compares: Iterable[Compare], success: Iterable[Op], failure: Iterab
 def txn_shard(
     compares: Iterable[Compare], success: Iterable[Op], failure: Iterable[Op], shard_count: int
 ) -> int | None:
-    """The one shard a Txn's keys live on (None for a Txn without keys).
+    """The shard a Txn is sent to (None for a Txn without keys): its keys' one shard, or, for a
+    Txn whose keys span shards, the lowest of them: its coordinator shard (docs/design.md §10),
+    whose leader then drives the transaction with one hop less."""
+    shards = {shard_of(key, shard_count) for key in txn_keys(compares, success, failure)}
+    return min(shards) if shards else None
 
-    A Txn is atomic only within a shard (one WAL partition), so keys on different shards are
-    refused here, with the offending keys named, instead of as a bare INVALID_ARGUMENT later.
-    """
-    by_shard: dict[int, list[bytes]] = {}
-    for key in txn_keys(compares, success, failure):
-        by_shard.setdefault(shard_of(key, shard_count), []).append(key)
-    if len(by_shard) > 1:
-        detail = "; ".join(
-            f"shard {s}: {', '.join(show_key(k) for k in keys)}" for s, keys in sorted(by_shard.items())
-        )
-        raise CrossShardTxn(f"a txn must stay within one shard, but its keys span {len(by_shard)} shards ({detail})")
-    return next(iter(by_shard), None)
+
+def txn_route_key(
+    compares: Iterable[Compare], success: Iterable[Op], failure: Iterable[Op], shard_count: int | None
+) -> bytes | None:
+    """A key of the shard the Txn is sent to (`txn_shard`); without a shard count, its first key."""
+    keys = txn_keys(compares, success, failure)
+    if not keys or shard_count is None:
+        return keys[0] if keys else None
+    coordinator = min(shard_of(key, shard_count) for key in keys)
+    return next(key for key in keys if shard_of(key, shard_count) == coordinator)
 
 
 def show_key(key: bytes) -> str:

@@ -69,8 +69,9 @@ def txn_keys(req: kv_pb2.TxnRequest) -> list[bytes]:
     return keys
 
 
-def check_txn(req: kv_pb2.TxnRequest, shard_count: int) -> int:
-    """Validate a Txn and return its shard; all its keys must live in one shard."""
+def check_txn(req: kv_pb2.TxnRequest, shard_count: int) -> tuple[int, ...]:
+    """Validate a Txn and return its participants: the shards of its keys, ascending. One shard:
+    the one-record path; more: a cross-shard transaction (docs/design.md §10)."""
     check_request_id(req.request_id)
     ops = len(req.compares) + len(req.success) + len(req.failure)
     if ops == 0:
@@ -91,12 +92,8 @@ def check_txn(req: kv_pb2.TxnRequest, shard_count: int) -> int:
     keys = txn_keys(req)
     for key in keys:
         check_key(key, "Txn key", "key")
-    shards = {shard_of(key, shard_count) for key in keys}
-    if len(shards) > 1:
-        raise InvalidRequestError(
-            f"Txn keys span shards {sorted(shards)}; a Txn is atomic within one shard only")
     check_size(req.ByteSize())
-    return shards.pop()
+    return tuple(sorted({shard_of(key, shard_count) for key in keys}))
 
 
 def check_write_batch(req: kv_pb2.WriteBatchRequest, shard_count: int) -> None:

@@ -41,13 +41,14 @@ from kvstore.core import placement, reads, validation
 from kvstore.core.batch import write_of
 from kvstore.core.evaluate import key_value
 from kvstore.core.state import ChangeType
-from kvstore.internal.v1 import peer_pb2, peer_pb2_grpc
+from kvstore.internal.v1 import peer_pb2, peer_pb2_grpc, wal_entry_pb2
 from kvstore.server import auth, config, forward, shardmap
 from kvstore.server.config import NodeConfig
 from kvstore.server.interceptor import ErrorInterceptor
 from kvstore.server.node import Node
 from kvstore.server.peers import Peers
 from kvstore.server.replica import ShardReplica
+from kvstore.server.txns import Transactions, keys_locked, range_locked
 from kvstore.server.watch import Watcher, decode_changes
 from kvstore.v1 import cluster_pb2, cluster_pb2_grpc, kv_pb2, kv_pb2_grpc
 
@@ -100,6 +101,8 @@ class KVService(kv_pb2_grpc.KVServiceServicer):
             response = await self._forward(refusal, "Get", request, context, write=False)
             assert isinstance(response, kv_pb2.GetResponse)
             return response
+        if request.read.consistency in (kv_pb2.CONSISTENCY_UNSPECIFIED, kv_pb2.CONSISTENCY_LINEARIZABLE):
+            await self.node.txns.wait_unlocked(replica, keys_locked([request.key]), context.time_remaining())
         state = replica.store.get(request.key)
         response = kv_pb2.GetResponse(header=self._header(replica), found=state is not None)
         if state is not None:
@@ -140,8 +143,10 @@ class KVService(kv_pb2_grpc.KVServiceServicer):
         return response
 
     async def Txn(self, request: kv_pb2.TxnRequest, context: Any) -> kv_pb2.TxnResponse:
-        shard = validation.check_txn(request, self.node.config.shards)
-        response = await self._write("Txn", request, shard, context)
+        participants = validation.check_txn(request, self.node.config.shards)
+        if len(participants) > 1:  # a cross-shard transaction: this node drives it (docs/design.md §10)
+            return await self.node.txns.run(request, context.time_remaining())
+        response = await self._write("Txn", request, participants[0], context)
         assert isinstance(response, kv_pb2.TxnResponse)
         return response
 
@@ -206,6 +211,9 @@ class KVService(kv_pb2_grpc.KVServiceServicer):
         local, remote = self._scan_plan(shards, request.read.consistency) if forward else (shards, {})
         replicas = [await self._read_ready(shard, request.read.consistency, floors.get(shard), context)
                     for shard in local]
+        if request.read.consistency in (kv_pb2.CONSISTENCY_UNSPECIFIED, kv_pb2.CONSISTENCY_LINEARIZABLE):
+            for replica in replicas:  # T4: never a decided transaction's keys from before it
+                await self.node.txns.wait_unlocked(replica, range_locked(start, end), context.time_remaining())
         forwarded = await asyncio.gather(*(self._forward_scan(address, group, request, context)
                                            for address, group in remote.items()))
         response = kv_pb2.ScanResponse(headers=[self._header(r) for r in replicas])
@@ -608,6 +616,43 @@ class PeerService(peer_pb2_grpc.PeerServiceServicer):
                              context: Any) -> peer_pb2.LocalShardViewResponse:
         return peer_pb2.LocalShardViewResponse(view=await local_view(self.node))
 
+    def _shard(self, shard: int) -> int:
+        if shard >= self.node.config.shards:
+            raise errors.InvalidRequestError(f"shard {shard} out of range: the cluster has {self.node.config.shards} "
+                                             "shards")
+        return shard
+
+    async def PrepareTxn(self, request: peer_pb2.PrepareTxnRequest, context: Any) -> wal_entry_pb2.TxnVote:
+        participants = validation.check_txn(request.txn, self.node.config.shards)
+        if self._shard(request.shard) not in participants or len(participants) < 2 or not request.txn_id:
+            raise errors.InvalidRequestError(f"shard {request.shard} is no participant of this cross-shard Txn")
+        txns = self.node.txns
+        answer = await txns.record(request.shard, txns.prepare_write(request), request.ByteSize())
+        assert isinstance(answer, wal_entry_pb2.TxnVote), type(answer)
+        return answer
+
+    async def DecideTxn(self, request: peer_pb2.DecideTxnRequest, context: Any) -> wal_entry_pb2.TxnDecided:
+        decision = request.decision
+        if not decision.txn_id or len(decision.participants) < 2:
+            raise errors.InvalidRequestError("a decision needs a txn id and its participants")
+        txns = self.node.txns
+        answer = await txns.record(self._shard(decision.participants[0]), txns.decide_write(request),
+                                   request.ByteSize())
+        assert isinstance(answer, wal_entry_pb2.TxnDecided), type(answer)
+        return answer
+
+    async def ResolveTxn(self, request: peer_pb2.ResolveTxnRequest, context: Any) -> wal_entry_pb2.TxnResolve:
+        if not request.resolve.txn_id:
+            raise errors.InvalidRequestError("a resolve needs a txn id")
+        txns = self.node.txns
+        answer = await txns.record(self._shard(request.shard), txns.resolve_write(request), request.ByteSize())
+        assert isinstance(answer, wal_entry_pb2.TxnResolve), type(answer)
+        return answer
+
+    async def PreparedTxns(self, request: peer_pb2.PreparedTxnsRequest, context: Any) -> peer_pb2.PreparedTxnsResponse:
+        return peer_pb2.PreparedTxnsResponse(node_id=self.node.config.node_id,
+                                             prepared=self.node.txns.prepared(request.older_than_ms))
+
     async def CheckFenced(self, request: peer_pb2.CheckFencedRequest, context: Any) -> peer_pb2.CheckFencedResponse:
         if request.shard >= self.node.config.shards:
             raise errors.InvalidRequestError(
@@ -649,6 +694,7 @@ async def serve(config: NodeConfig, ready: Callable[[str], None] | None = None) 
                                       ("grpc.max_send_message_length", limits.GRPC_MAX_MESSAGE_BYTES),
                                       ("grpc.so_reuseport", 0)])
     peers = Peers(security.peer_credentials)
+    node.txns = Transactions(node, peers)
     kv_service = KVService(node, peers)
     kv_pb2_grpc.add_KVServiceServicer_to_server(kv_service, server)  # type: ignore[no-untyped-call]
     cluster_service = ClusterService(node, peers)
@@ -692,6 +738,7 @@ async def serve(config: NodeConfig, ready: Callable[[str], None] | None = None) 
     except wal.WalError:  # the WAL topic is wrong or the brokers unreachable: nothing to serve
         await server.stop(grace=None)
         raise
+    node.txns.start()
     health_task = asyncio.create_task(_health_loop(node, health_servicer, stop))
     log.info("serving", extra={"event": "serving", "address": address, "node": config.node_id,
                                "shards": config.shards, "topic": config.wal_topic, "security": security.mode})
@@ -702,6 +749,7 @@ async def serve(config: NodeConfig, ready: Callable[[str], None] | None = None) 
     # Stop taking new RPCs (in-flight ones, waiting on commits, get the grace period) and at the
     # same time hand the shards over: the other nodes take them while this one drains.
     stopping = asyncio.create_task(server.stop(grace=10))
+    await node.txns.stop()
     await node.stop()
     await stopping
     await health_task

@@ -77,7 +77,8 @@ _METHODS: dict[str, Role | None] = {
     **{f"/kvstore.v1.ClusterService/{m}": Role.READ for m in ("ShardMap", "ShardDigest", "ListTransactions")},
     **{f"/kvstore.v1.ClusterService/{m}": Role.ADMIN for m in ("FenceShard", "Drain", "MoveShard")},
     **{f"/kvstore.internal.v1.PeerService/{m}": Role.NODE for m in ("ScanShards", "LocalShardView", "CheckFenced",
-                                                                            "WatchShards")},
+                                                                            "WatchShards", "PrepareTxn", "DecideTxn",
+                                                                            "ResolveTxn", "PreparedTxns")},
 }
 _SERVICES: dict[str, Role | None] = {
     "kvstore.internal.v1.PeerService": Role.NODE,  # an RPC added later is still node-only

@@ -11,7 +11,9 @@ from __future__ import annotations
 import os
 
 ENV = "KVSTORE_FAILPOINTS"
-KNOWN = frozenset({"apply-after-commit", "bookkeeping-after-commit"})
+# txn-stop-after-decision: a cross-shard transaction's driver stops (as if its node died) right
+# after its decision is in the WAL, before any resolve: the prepares stay locked (T3, T4).
+KNOWN = frozenset({"apply-after-commit", "bookkeeping-after-commit", "txn-stop-after-decision"})
 
 
 class FailpointError(OSError):

@@ -64,6 +64,15 @@ class Metrics:
                                      "bytes on disk of replicas when they caught up as learners", registry=r)
         self.shards_held = Gauge("kvstore_shards_held", "replicas this node holds, by placement state", ["state"],
                                  registry=r)
+        # Cross-shard transactions (docs/design.md §10; kvstore.server.txns).
+        self.txns = Counter("kvstore_txns", "cross-shard transactions this node drove, by the client's outcome: "
+                            "committed, aborted (definite), unknown", ["outcome"], registry=r)
+        self.txn_recoveries = Counter("kvstore_txn_recoveries",
+                                      "prepares in doubt this node's resolvers finished, by the decision learned "
+                                      "(unknown: the coordinator did not answer, or forgot)", ["outcome"], registry=r)
+        self.txn_in_doubt_age = Gauge("kvstore_txn_in_doubt_oldest_seconds",
+                                      "age of the oldest prepared cross-shard transaction at the shards this node "
+                                      "leads (0: none)", registry=r)
         self._request_counters: dict[tuple[str, str, str], Any] = {}
 
     def forget_shard(self, shard: int) -> None:

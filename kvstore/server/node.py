@@ -22,6 +22,7 @@ import shutil
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import wal
 import wal.control
@@ -38,6 +39,9 @@ from kvstore.server.metrics import Metrics
 from kvstore.server.replica import ShardReplica
 from kvstore.v1 import cluster_pb2
 from wal.membership import GroupMember
+
+if TYPE_CHECKING:
+    from kvstore.server.txns import Transactions
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +96,8 @@ class Node:
         self._started_s = time.monotonic()
         self._ready_once = False  # serving() said yes once: learners no longer take the node out
         self.address = config.address
+        # Cross-shard transactions: set by kvstore.server.app, which has the peers' channels.
+        self.txns: Transactions
 
     # ---- life ----------------------------------------------------------------------------------
 

@@ -234,6 +234,11 @@ class ShardReplica:
         self._step(core.ProbeRequested())
         return True
 
+    async def next_apply(self, timeout_s: float) -> None:
+        """Until the store applies anything more (or `timeout_s` passes, silently)."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._applied.wait(), timeout_s)
+
     async def wait_applied(self, offset: int, timeout_s: float) -> None:
         """Until everything below `offset` is applied here (a stale read's freshness floor)."""
         deadline = self.clock.monotonic() + timeout_s

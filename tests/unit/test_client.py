@@ -48,6 +48,7 @@ from kvstore.client import (
     revisions_of,
     to_bytes,
     txn_keys,
+    txn_route_key,
     txn_shard,
     write_attempt_is_definite,
 )
@@ -261,12 +262,12 @@ def test_txn_shard_single_shard() -> None:
     assert txn_keys([Compare.exists(a)], [Op.put(b, "x"), Op.get(a)], [Op.delete(b)]) == [a, b]
 
 
-def test_txn_shard_refuses_keys_on_two_shards_and_names_them() -> None:
+def test_a_txn_over_two_shards_goes_to_its_coordinator_shard() -> None:
     a, b = key_on(0, 4, "a"), key_on(2, 4, "b")
-    with pytest.raises(CrossShardTxn) as info:
-        txn_shard([Compare.version(a, "==", 0)], [Op.put(b, "x")], [], 4)
-    message = str(info.value)
-    assert a.decode() in message and b.decode() in message and "shard 0" in message and "shard 2" in message
+    assert txn_shard([Compare.version(b, "==", 0)], [Op.put(a, "x")], [], 4) == 0
+    assert txn_route_key([Compare.version(b, "==", 0)], [Op.put(a, "x")], [], 4) == a
+    assert txn_route_key([Compare.version(b, "==", 0)], [Op.put(a, "x")], [], None) == b
+    assert txn_route_key([], [], [], 4) is None
 
 
 # ============================================================================================
@@ -675,13 +676,12 @@ def test_deadline_bounds_the_whole_call_and_each_attempt_gets_the_rest() -> None
     assert timeouts[0] <= 0.3 and timeouts == sorted(timeouts, reverse=True)
 
 
-def test_txn_spanning_shards_is_refused_before_sending() -> None:
+def test_txn_spanning_shards_is_sent_once_to_its_coordinator_shard() -> None:
     client = Client(["n1:1"])
-    s = Scripted(client, 4, {}, [kv_pb2.TxnResponse()])
+    s = Scripted(client, 4, {}, [kv_pb2.TxnResponse(succeeded=True, result=kv_pb2.WriteResult(shard=0, revision=9))])
     a, b = key_on(0, 4), key_on(3, 4)
-    with pytest.raises(CrossShardTxn):
-        client.txn([Compare.version(a, "==", 0)], [Op.put(b, "x")])
-    assert s.calls("Txn") == []
+    result = client.txn([Compare.version(b, "==", 0)], [Op.put(a, "x")])
+    assert len(s.calls("Txn")) == 1 and result.shard == 0 and result.revision == 9
 
 
 def test_txn_is_routed_to_the_leader_of_its_shard_and_results_are_parsed() -> None:

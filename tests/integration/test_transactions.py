@@ -1,0 +1,259 @@
+"""Cross-shard transactions on real nodes and a real broker (docs/design.md §10).
+
+The bank: accounts on every shard, each starting at 100; transfers between random accounts are
+cross-shard Txns whose compares check both balances (the failure branch reads them back), and
+read-only Txns sum every account. Under leader SIGKILL and SIGSTOP: every sum a read-only Txn
+saw equals the total, the accounts end at the total, no account was written more often than the
+transfers that may have touched it (nothing applied twice), every replica of every shard ends
+with the same state, and nothing stays prepared.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import random
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvstore.client import Client, Compare, KvError, Op, TxnConflict, UnknownOutcome
+from kvstore.core.sharding import shard_of
+from kvstore.dev import demo
+from kvstore.internal.v1 import peer_pb2, peer_pb2_grpc
+from tests.integration.test_cluster import SHARDS, Cluster
+from tests.waiting import wait_until
+from wal.broker import LocalKafka
+
+pytestmark = [pytest.mark.kafka, pytest.mark.slow]
+
+ACCOUNTS = 8
+START = 100
+
+
+@pytest.fixture
+def cluster(kafka: LocalKafka, tmp_path: Path) -> Iterator[Cluster]:
+    c = Cluster(kafka.bootstrap_servers, tmp_path).start()
+    try:
+        yield c
+    finally:
+        c.stop()
+
+
+def account_keys() -> list[bytes]:
+    keys = [f"acct-{i}".encode() for i in range(ACCOUNTS)]
+    assert {shard_of(k, SHARDS) for k in keys} == set(range(SHARDS)), "every shard holds an account"
+    return keys
+
+
+def test_a_cross_shard_txn_commits_atomically_and_reads_a_consistent_cut(cluster: Cluster) -> None:
+    a, b = next(k for k in account_keys() if shard_of(k, SHARDS) == 0), next(
+        k for k in account_keys() if shard_of(k, SHARDS) == 3)
+    with cluster.client() as client:
+        client.put(a, b"10")
+        client.put(b, b"5")
+        result = client.txn([Compare.value(a, "==", b"10"), Compare.value(b, "==", b"5")],
+                            [Op.put(a, b"7"), Op.put(b, b"8")], [Op.get(a), Op.get(b)], request_id="move-3")
+        assert result.succeeded and result.shard == 0 and result.revision is not None
+        assert client.get(a).value == b"7" and client.get(b).value == b"8"
+        again = client.txn([Compare.value(a, "==", b"10"), Compare.value(b, "==", b"5")],
+                           [Op.put(a, b"7"), Op.put(b, b"8")], [Op.get(a), Op.get(b)], request_id="move-3")
+        assert again.succeeded and again.replayed and client.get(a).kv.version == 2  # once, not twice
+        failed = client.txn([Compare.value(a, "==", b"10")], [Op.put(b, b"0")], [Op.get(a), Op.get(b)])
+        assert not failed.succeeded and [r.value for r in failed.results] == [b"7", b"8"]
+        snapshot = client.txn([], [Op.get(a), Op.get(b)])
+        assert [r.value for r in snapshot.results] == [b"7", b"8"]
+
+
+@pytest.fixture
+def stopping_cluster(kafka: LocalKafka, tmp_path: Path) -> Iterator[Cluster]:
+    """Every node's first driven transaction stops right after its decision (a failpoint)."""
+    c = Cluster(kafka.bootstrap_servers, tmp_path)
+    for node in c.nodes:
+        node.env["KVSTORE_FAILPOINTS"] = "txn-stop-after-decision=1"
+    c.start()
+    try:
+        yield c
+    finally:
+        c.stop()
+
+
+def test_a_read_of_a_locked_key_waits_for_the_decision_and_resolves_it(stopping_cluster: Cluster) -> None:
+    """T3 and T4: the driver stops after its commit decision; the prepares stay locked. A
+    linearizable Get of a written key waits, has the prepare resolved from the coordinator's WAL
+    (the commit), and returns the committed value; the other participant is resolved too."""
+    cluster = stopping_cluster
+    a = next(k for k in account_keys() if shard_of(k, SHARDS) == 0)
+    b = next(k for k in account_keys() if shard_of(k, SHARDS) == 2)
+    with cluster.client() as client:
+        client.put(a, b"old")
+        client.put(b, b"old")
+    with Client(cluster.endpoints, timeout_s=20, max_attempts=1) as once, pytest.raises(UnknownOutcome):
+        once.txn([], [Op.put(a, b"new"), Op.put(b, b"new")], request_id="stopped")
+    assert prepared(cluster), "the stopped driver left its prepares"
+    with cluster.client() as client:
+        assert client.get(b).value == b"new"  # waited, resolved: the decision was commit
+        assert client.get(a).value == b"new"
+        retry = client.txn([], [Op.put(a, b"new"), Op.put(b, b"new")], request_id="stopped")
+        assert retry.replayed  # the request committed once
+    wait_until(lambda: not prepared(cluster), 30, interval_s=0.5, what="no transaction left prepared")
+
+
+class Bank:
+    """Transfers and sums from threads, each with its own client."""
+
+    def __init__(self, cluster: Cluster, keys: list[bytes]) -> None:
+        self.cluster = cluster
+        self.keys = keys
+        self.stop = threading.Event()
+        self.lock = threading.Lock()
+        self.sums: list[int] = []
+        self.acked: dict[bytes, int] = dict.fromkeys(keys, 0)  # transfers acknowledged, per account
+        self.unknown: dict[bytes, int] = dict.fromkeys(keys, 0)  # transfers whose outcome stayed unknown
+        self.outcomes: collections.Counter[str] = collections.Counter()  # how transfers ended, for the report
+        self.threads: list[threading.Thread] = []
+
+    def start(self, transferers: int = 4, summers: int = 1) -> None:
+        for i in range(transferers):
+            self.threads.append(threading.Thread(target=self._transfers, args=(i,), daemon=True))
+        for _ in range(summers):
+            self.threads.append(threading.Thread(target=self._sums, daemon=True))
+        for t in self.threads:
+            t.start()
+
+    def finish(self) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join(timeout=120)
+        assert not any(t.is_alive() for t in self.threads), "a bank thread hangs"
+
+    def _client(self) -> Client:
+        return Client(self.cluster.endpoints, timeout_s=30, max_attempts=200, max_backoff_s=0.2)
+
+    def _transfers(self, index: int) -> None:
+        rng = random.Random(index)
+        with self._client() as client:
+            known: dict[bytes, bytes] = {}
+            serial = 0
+            while not self.stop.is_set():
+                a, b = rng.sample(self.keys, 2)
+                if a not in known or b not in known:
+                    snapshot = client.txn([], [Op.get(a), Op.get(b)])
+                    known[a], known[b] = snapshot.results[0].value or b"", snapshot.results[1].value or b""
+                amount = rng.randint(1, 5)
+                va, vb = int(known[a]), int(known[b])
+                serial += 1
+                try:
+                    result = client.txn([Compare.value(a, "==", known[a]), Compare.value(b, "==", known[b])],
+                                        [Op.put(a, str(va - amount).encode()), Op.put(b, str(vb + amount).encode())],
+                                        [Op.get(a), Op.get(b)], request_id=f"t{index}-{serial}")
+                except UnknownOutcome:
+                    with self.lock:
+                        self.outcomes["unknown"] += 1
+                        self.unknown[a] += 1
+                        self.unknown[b] += 1
+                    known.pop(a, None)
+                    known.pop(b, None)
+                    continue
+                except (TxnConflict, KvError) as exc:  # definite: nothing was applied; read again
+                    with self.lock:
+                        self.outcomes[type(exc).__name__] += 1
+                    known.pop(a, None)
+                    known.pop(b, None)
+                    if not isinstance(exc, TxnConflict):
+                        time.sleep(0.05)
+                    continue
+                with self.lock:
+                    self.outcomes["succeeded" if result.succeeded else "compare failed"] += 1
+                if result.succeeded:
+                    known[a], known[b] = str(va - amount).encode(), str(vb + amount).encode()
+                    with self.lock:
+                        self.acked[a] += 1
+                        self.acked[b] += 1
+                else:
+                    known[a], known[b] = result.results[0].value or b"", result.results[1].value or b""
+
+    def _sums(self) -> None:
+        with self._client() as client:
+            while not self.stop.is_set():
+                try:
+                    snapshot = client.txn([], [Op.get(k) for k in self.keys])
+                except KvError:
+                    time.sleep(0.05)
+                    continue
+                total = sum(int(r.value) for r in snapshot.results if r.found)
+                with self.lock:
+                    self.sums.append(total)
+                # A sum locks every account (shared) until it resolves, and a transfer meeting a
+                # lock is refused, not queued (docs/design.md §10): sums back to back starve them.
+                time.sleep(0.1)
+
+
+def _settle_and_check(cluster: Cluster, bank: Bank) -> None:
+    total = START * len(bank.keys)
+    assert len(bank.sums) > 10 and all(s == total for s in bank.sums), \
+        f"a read-only Txn saw a sum other than {total}: {sorted(set(bank.sums))[:10]}"
+    with cluster.client() as client:
+        def final() -> list[tuple[bytes, int, int]] | None:
+            try:
+                snapshot = client.txn([], [Op.get(k) for k in bank.keys])
+            except KvError:
+                return None
+            return [(k, int(r.value), r.kv.version) for k, r in zip(bank.keys, snapshot.results, strict=True)]
+
+        accounts = wait_until(final, 60, interval_s=0.5, what="the accounts read")
+    assert sum(balance for _, balance, _ in accounts) == total
+    for key, _, version in accounts:  # one write per applied transfer, after the first put
+        applied = version - 1
+        assert bank.acked[key] <= applied <= bank.acked[key] + bank.unknown[key], (
+            f"{key!r}: {applied} transfers applied, {bank.acked[key]} acknowledged, {bank.unknown[key]} unknown")
+    acked = sum(bank.acked.values()) // 2
+    assert acked > 20, f"only {acked} transfers acknowledged: the workload did not run ({bank.outcomes})"
+    print(f"bank: {len(bank.sums)} sums, transfers {dict(bank.outcomes)}")
+
+    wait_until(lambda: not prepared(cluster), 60, interval_s=0.5, what="no transaction left prepared")
+    with cluster.client() as client:
+        equal, digests = demo.converge(client, 90)
+    assert equal, f"replicas differ: {digests}"
+
+
+def prepared(cluster: Cluster) -> list[str]:
+    """The transactions prepared at the shards the live nodes lead."""
+    out: list[str] = []
+    for node in cluster.nodes:
+        if node.proc is None or node.proc.poll() is not None or node.channel is None:
+            continue
+        reply = peer_pb2_grpc.PeerServiceStub(node.channel).PreparedTxns(  # type: ignore[no-untyped-call]
+            peer_pb2.PreparedTxnsRequest(), timeout=10)
+        out += [p.txn_id for p in reply.prepared]
+    return out
+
+
+def test_bank_under_leader_sigkill_and_sigstop(cluster: Cluster) -> None:
+    keys = account_keys()
+    with cluster.client() as client:
+        for key in keys:
+            client.put(key, str(START).encode())
+    bank = Bank(cluster, keys)
+    bank.start()
+    try:
+        time.sleep(4)
+        victim = cluster.leader_of(0)  # the coordinator shard of most transfers
+        victim.stop(signal.SIGKILL)
+        time.sleep(3)
+        victim.start(timeout_s=90)
+        cluster.wait_settled(timeout_s=90)
+        time.sleep(2)
+        paused = cluster.leader_of(1)
+        os.kill(paused.pid, signal.SIGSTOP)
+        time.sleep(4)
+        os.kill(paused.pid, signal.SIGCONT)
+        cluster.wait_settled(timeout_s=90)
+        time.sleep(3)
+    finally:
+        bank.finish()
+    _settle_and_check(cluster, bank)
