@@ -16,6 +16,12 @@ What counts as an anomaly, and why a healthy cluster has none:
 - *Request ids accepted twice*: the store applies an id at most once (W7) and a leader checks its
   table before it appends, so the WAL should never carry an id twice; replay skips the second
   (counted by the fold as `duplicates_skipped`), but a leader that appended it misbehaved.
+- *Transactions not atomic* (cross-shard transactions, docs/design.md §10): more than one decision
+  for a transaction (T1); a committed transaction resolved differently at a participant, or
+  resolved there without its prepare (its effects never applied); an aborted or undecided one
+  applied somewhere (T2). Read from the accepted records of every shard with the apply rule's
+  bookkeeping (`atomicity`). A transaction decided but not yet resolved everywhere at the cut is
+  in doubt, a note, not an anomaly (its resolvers finish it).
 - *Digests that differ*: the newest snapshot's manifest against the same state recomputed from
   its own base plus the WAL, and every replica (ClusterService.ShardDigest) against the WAL's state at
   that replica's checkpoint. Both sides run the same `ShardStore` code (`kvstore.pipeline.fold`),
@@ -82,6 +88,19 @@ class NodeDigest:
     keys: int
 
 
+class TxnRecord(NamedTuple):
+    """One accepted record of a cross-shard transaction (the JVM decoder's `entry.txn`)."""
+
+    shard: int
+    offset: int
+    kind: str  # prepare | decision | resolve
+    txn_id: str
+    commit: bool
+    succeeded: bool
+    participants: tuple[int, ...]
+    records: int  # how many of the three the entry holds (the apply rule skips it unless 1)
+
+
 class FoldPoint(NamedTuple):
     """The WAL's state at one offset, from the fold (`kvstore.pipeline.fold` meta rows); the
     counters are cumulative from the fold's start."""
@@ -95,6 +114,8 @@ class FoldPoint(NamedTuple):
     requests: int = 0  # the request-id table there: ids kept, its digest, forgotten through (ms)
     requests_digest: str = ""
     evicted_through_ms: int = 0
+    prepared: int = 0  # cross-shard transactions prepared there, and their digest
+    prepared_digest: str = ""
 
 
 @dataclasses.dataclass
@@ -109,6 +130,7 @@ class ShardStats:
     duplicate_request_ids: int = 0
     offsets: dict[str, list[int]] = dataclasses.field(default_factory=dict)  # kind -> first OFFSETS_LIMIT
     duplicate_examples: list[tuple[str, list[int]]] = dataclasses.field(default_factory=list)
+    txn_records: list[TxnRecord] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,12 +202,83 @@ def digest_points(shards: int, start: Start, newest: snapshot.Manifest | None, c
     return {s: sorted(p) for s, p in points.items()}
 
 
+# ---- atomicity of cross-shard transactions (pure) ---------------------------------------------------------
+
+
+def atomicity(records: Sequence[TxnRecord], prepared_at_start: Mapping[int, set[str]], *,
+              from_zero: bool) -> tuple[list[str], list[str], dict[str, int]]:
+    """(anomalies, notes, counts) of the transactions in `records` (every shard's, in any
+    order), judged by the apply rule's bookkeeping (`kvstore.core.state.txn_record_rule`): a
+    resolve applies only what its shard prepared. `prepared_at_start`: per shard, the
+    transactions prepared in the state the audit starts from; `from_zero`: the audit reads every
+    shard from offset 0 (else a decision may lie before its start: an undecided resolve is a note)."""
+    anomalies: list[str] = []
+    notes: list[str] = []
+    decisions: dict[str, list[TxnRecord]] = {}
+    resolves: dict[tuple[str, int], tuple[TxnRecord, bool]] = {}  # (txn, shard) -> the first resolve, applied?
+    for shard in sorted({r.shard for r in records} | set(prepared_at_start)):
+        prepared = set(prepared_at_start.get(shard, ()))
+        resolved: set[str] = set()
+        for record in sorted((r for r in records if r.shard == shard), key=lambda r: r.offset):
+            if record.records != 1 or not record.txn_id:
+                continue  # skipped by every replica (and by the fold, which counts it)
+            if record.kind == "prepare":
+                if record.txn_id not in resolved:
+                    prepared.add(record.txn_id)
+            elif record.kind == "decision":
+                decisions.setdefault(record.txn_id, []).append(record)
+            elif (record.txn_id, shard) not in resolves:
+                resolves[(record.txn_id, shard)] = (record, record.txn_id in prepared)
+                prepared.discard(record.txn_id)
+                resolved.add(record.txn_id)
+    counts = {"decided": len(decisions), "committed": 0, "aborted": 0, "in_doubt": 0}
+    for txn_id, found in sorted(decisions.items()):
+        decision = found[0]
+        if len(found) > 1:
+            anomalies.append(f"transaction {txn_id}: {len(found)} decisions (T1), at "
+                             f"{[(r.shard, r.offset, r.commit) for r in found][:4]}")
+        counts["committed" if decision.commit else "aborted"] += 1
+        unresolved = []
+        for shard in decision.participants:
+            entry = resolves.get((txn_id, shard))
+            if entry is None:
+                unresolved.append(shard)
+                continue
+            resolve, applied = entry
+            if decision.commit and resolve.commit and not applied:
+                anomalies.append(f"transaction {txn_id} committed, but shard {shard} resolved it at {resolve.offset} "
+                                 "without its prepare: its effects were never applied there")
+            elif decision.commit and (not resolve.commit or resolve.succeeded != decision.succeeded):
+                anomalies.append(f"transaction {txn_id} committed ({'success' if decision.succeeded else 'failure'} "
+                                 f"branch), shard {shard} resolved it at {resolve.offset} as "
+                                 f"{'commit' if resolve.commit else 'abort'}")
+            elif not decision.commit and resolve.commit and applied:
+                anomalies.append(f"transaction {txn_id} was aborted, but shard {shard} applied it at {resolve.offset} "
+                                 "(T2)")
+        if unresolved:
+            counts["in_doubt"] += 1
+    for (txn_id, shard), (resolve, applied) in sorted(resolves.items()):
+        if txn_id in decisions or not (resolve.commit and applied):
+            continue
+        if from_zero:
+            anomalies.append(f"shard {shard} applied transaction {txn_id} at {resolve.offset}, which has no decision "
+                             "in any WAL (T2)")
+        else:
+            notes.append(f"shard {shard} applied transaction {txn_id} at {resolve.offset}; its decision is not in the "
+                         "audited range (before its start)")
+    if counts["in_doubt"]:
+        notes.append(f"{counts['in_doubt']} transaction(s) decided but not resolved at every participant by the cut: "
+                     "in doubt, their resolvers finish them")
+    return anomalies, notes, counts
+
+
 # ---- the report (pure) ----------------------------------------------------------------------------
 
 
 def build_report(shards: int, newest: snapshot.Manifest | None, start: Start, cuts: Mapping[int, int],
                  folds: Mapping[int, Mapping[int, FoldPoint]], stats: Mapping[int, ShardStats],
-                 nodes: Sequence[NodeDigest], notes: Sequence[str]) -> dict[str, Any]:
+                 nodes: Sequence[NodeDigest], notes: Sequence[str],
+                 prepared_at_start: Mapping[int, set[str]] | None = None) -> dict[str, Any]:
     """The audit's result: every finding per shard, anomalies as sentences, `ok` iff none."""
     all_anomalies: list[str] = []
     all_notes = list(notes)
@@ -199,8 +292,14 @@ def build_report(shards: int, newest: snapshot.Manifest | None, start: Start, cu
         all_anomalies += anomalies
         all_notes += shard_notes
         shard_reports.append(report)
+    txn_anomalies, txn_notes, txn_counts = atomicity(
+        [r for s in range(shards) for r in stats.get(s, ShardStats()).txn_records], prepared_at_start or {},
+        from_zero=start.manifest is None)
+    all_anomalies += txn_anomalies
+    all_notes += txn_notes
     return {
         "ok": not all_anomalies,
+        "transactions": txn_counts,
         "cut": {str(s): cuts[s] for s in range(shards)},
         "start": {"from": start.manifest.name if start.manifest else None,
                   "offsets": {str(s): start.offset(s) for s in range(shards)}},
@@ -253,7 +352,7 @@ def _shard_report(s: int, newest: snapshot.Manifest | None, start: Start, cut: i
         loaded = fold.get(begin)
         why = None if loaded is None else snapshot.mismatch(
             start.manifest.shard(s), loaded.digest, loaded.keys, loaded.requests, loaded.requests_digest,
-            loaded.evicted_through_ms)
+            loaded.evicted_through_ms, prepared=loaded.prepared, prepared_digest=loaded.prepared_digest)
         if why is not None:
             anomalies.append(f"shard {s}: snapshot {start.manifest.name}'s files do not reproduce its manifest ({why})")
 
@@ -276,7 +375,8 @@ def _shard_report(s: int, newest: snapshot.Manifest | None, start: Start, cut: i
             digest_wal = recomputed.digest
             digest_wal_note = f"recomputed from {start.describe()} plus the WAL to {meta.offset}"
             why = snapshot.mismatch(meta, recomputed.digest, recomputed.keys, recomputed.requests,
-                                    recomputed.requests_digest, recomputed.evicted_through_ms)
+                                    recomputed.requests_digest, recomputed.evicted_through_ms,
+                                    prepared=recomputed.prepared, prepared_digest=recomputed.prepared_digest)
             if why is not None:
                 anomalies.append(f"shard {s}: snapshot {newest.name} differs from the WAL at its cut {meta.offset}: "
                                  f"recomputed {why}")
@@ -393,14 +493,14 @@ def fold_points(spark: SparkSession, target: WalTarget, root: str, start: Start,
                           emit_state=False)
     rows = (states.where(F.col("kind") == "meta")
             .select("shard", "offset", "digest", "keys", "wal_records", "duplicates", "malformed_entries",
-                    "requests", "requests_digest", "evicted_through_ms")
+                    "requests", "requests_digest", "evicted_through_ms", "prepared", "prepared_digest")
             .collect())
     out: dict[int, dict[int, FoldPoint]] = {s: {} for s in range(target.shards)}
     for row in rows:
         out[int(row["shard"])][int(row["offset"])] = FoldPoint(
             int(row["offset"]), str(row["digest"]), int(row["keys"]), int(row["wal_records"]),
             int(row["duplicates"]), int(row["malformed_entries"]), int(row["requests"]), str(row["requests_digest"]),
-            int(row["evicted_through_ms"]))
+            int(row["evicted_through_ms"]), int(row["prepared"]), str(row["prepared_digest"]))
     return out
 
 
@@ -413,7 +513,8 @@ def slim_records(judged: DataFrame) -> DataFrame:
     return with_entry.select(
         "shard", "offset", "verdict", "writer_term",
         (is_accepted & F.col("entry").isNull()).alias("bad_entry"),
-        F.col("entry")["request_id"].alias("request_id"))
+        F.col("entry")["request_id"].alias("request_id"),
+        F.col("entry")["txn"].alias("txn"))
 
 
 def findings(slim: DataFrame, limit: int = OFFSETS_LIMIT) -> DataFrame:
@@ -482,6 +583,17 @@ def wal_stats(spark: SparkSession, target: WalTarget, ranges: Mapping[int, tuple
             stats = out[int(row["shard"])]
             stats.duplicate_request_ids = int(row["total"])
             stats.duplicate_examples.append((str(row["request_id"]), [int(o) for o in row["offsets"]]))
+        # Cross-shard transactions' records: three per transaction and shard, few next to the WAL.
+        txn = F.col("txn")
+        for row in (slim.where((F.col("verdict") == wal_source.ACCEPTED) & txn.isNotNull())
+                    .select("shard", "offset", txn["kind"].alias("kind"), txn["txn_id"].alias("txn_id"),
+                            txn["commit"].alias("commit"), txn["succeeded"].alias("succeeded"),
+                            txn["participants"].alias("participants"), txn["records"].alias("records"))
+                    .collect()):
+            out[int(row["shard"])].txn_records.append(TxnRecord(
+                int(row["shard"]), int(row["offset"]), str(row["kind"]), str(row["txn_id"] or ""),
+                bool(row["commit"]), bool(row["succeeded"]), tuple(int(p) for p in row["participants"] or ()),
+                int(row["records"] or 0)))
     finally:
         slim.unpersist()
     return out
@@ -521,7 +633,9 @@ def audit(spark: SparkSession, target: WalTarget, root: str, endpoints: Sequence
     folds = fold_points(spark, target, root, start, cuts, points, kafka_extra=kafka_extra)
     stats = wal_stats(spark, target, {s: (start.offset(s), cuts[s]) for s in range(target.shards)},
                       kafka_extra=kafka_extra)
-    report = build_report(target.shards, newest, start, cuts, folds, stats, nodes, notes)
+    prepared_at_start = ({s: {p.txn_id for p in snapshot.prepared(root, start.manifest.name, s)}
+                          for s in range(target.shards)} if start.manifest is not None else {})
+    report = build_report(target.shards, newest, start, cuts, folds, stats, nodes, notes, prepared_at_start)
     log.info("audit of %s: %s in %.1fs", target.topic, "ok" if report["ok"] else "ANOMALIES",
              time.monotonic() - started)
     return report
@@ -577,6 +691,10 @@ def render(report: Mapping[str, Any]) -> str:
                           ("term regressions", "term_regression_offsets")):
             if s[key]:
                 lines.append(f"shard {s['shard']} {kind} at: {', '.join(map(str, s[key]))}")
+    txns = report.get("transactions") or {}
+    if txns.get("decided"):
+        lines.append(f"cross-shard transactions decided: {txns['decided']} ({txns['committed']} committed, "
+                     f"{txns['aborted']} aborted, {txns['in_doubt']} in doubt at the cut)")
     lines += [f"note: {n}" for n in report["notes"]]
     lines += [f"ANOMALY: {a}" for a in report["anomalies"]]
     count = len(report["anomalies"])

@@ -9,9 +9,11 @@ advanced with `ShardStore.apply` (what every replica runs), digested with `Shard
 offset unless one of them was altered, which is what the audit looks for.
 
 Input rows (FOLD_INPUT, one Arrow table per shard): one `control` row (the cut, the base's cut
-and evicted-through time, offsets to digest at), the base snapshot's `key` and `request` rows,
-and the accepted `wal` records in [base cut, cut). Output rows (FOLD_OUTPUT): the state at the
-cut as `key` and `request` rows, and one `meta` row per digest point (the cut's marked).
+and evicted-through time, offsets to digest at), the base snapshot's `key`, `request` and
+`prepared` rows (a prepared cross-shard transaction: its txn id in `request_id`, its prepare in
+`payload`), and the accepted `wal` records in [base cut, cut). Output rows (FOLD_OUTPUT): the
+state at the cut as `key`, `request` and `prepared` rows (the prepare in `response`), and one
+`meta` row per digest point (the cut's marked).
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from kvstore.core.state import KeyState, RequestRecord
+from kvstore.core.state import KeyState, PreparedTxn, RequestRecord
+from kvstore.internal.v1 import wal_entry_pb2
 from kvstore.storage.shard_store import ShardStore
 from kvstore.storage.snapshot import encode_states
 
@@ -46,7 +49,7 @@ FOLD_OUTPUT = pa.schema([
     ("offset", pa.int64()), ("digest", pa.string()), ("keys", pa.int64()), ("requests", pa.int64()),
     ("evicted_through_ms", pa.int64()), ("wal_records", pa.int64()), ("duplicates", pa.int64()),
     ("malformed_entries", pa.int64()), ("is_cut", pa.bool_()), ("request_kind", pa.int32()),
-    ("requests_digest", pa.string()),
+    ("requests_digest", pa.string()), ("prepared", pa.int64()), ("prepared_digest", pa.string()),
 ])
 # The same schemas as Spark DDL, for createDataFrame and applyInArrow.
 FOLD_INPUT_DDL = ("shard int, kind string, offset bigint, payload binary, key binary, value binary, version bigint, "
@@ -57,7 +60,7 @@ FOLD_OUTPUT_DDL = ("shard int, kind string, key binary, value binary, version bi
                    "create_revision bigint, request_id string, revision bigint, leader_unix_ms bigint, "
                    "response binary, offset bigint, digest string, keys bigint, requests bigint, "
                    "evicted_through_ms bigint, wal_records bigint, duplicates bigint, malformed_entries bigint, "
-                   "is_cut boolean, request_kind int, requests_digest string")
+                   "is_cut boolean, request_kind int, requests_digest string, prepared bigint, prepared_digest string")
 
 
 class FoldError(Exception):
@@ -96,9 +99,12 @@ def fold(table: pa.Table, *, topic: str, max_request_ids: int, request_id_horizo
         base_requests = sorted((RequestRecord(rid, rev, resp, ms, kind or 0)  # a format-1 base has no kind
                                 for rid, rev, resp, ms, kind in zip(*req_cols, strict=True)),
                                key=lambda q: q.revision)
+        prepared_cols = _columns(table, "prepared", "request_id", "revision", "leader_unix_ms", "payload")
+        base_prepared = [PreparedTxn(wal_entry_pb2.TxnPrepare.FromString(body), rev, ms or 0)
+                         for _tid, rev, ms, body in zip(*prepared_cols, strict=True)]
         del key_rows, req_cols
         store.load_snapshot([base_keys], [base_requests], checkpoint=base_offset,
-                            evicted_through_ms=int(evicted[0] or 0))
+                            evicted_through_ms=int(evicted[0] or 0), prepared=base_prepared)
         del base_keys, base_requests
         out = _Output(shard)
         duplicates = malformed = 0
@@ -116,10 +122,12 @@ def fold(table: pa.Table, *, topic: str, max_request_ids: int, request_id_horizo
             digest, keys = store.digest()
             out.meta(offset=point, digest=digest, keys=keys, requests=store.request_count,
                      evicted_through_ms=store.evicted_through_ms, wal_records=len(wal), duplicates=duplicates,
-                     malformed_entries=malformed, is_cut=point == cut, requests_digest=store.requests_digest())
+                     malformed_entries=malformed, is_cut=point == cut, requests_digest=store.requests_digest(),
+                     prepared=store.locks.prepared_count(), prepared_digest=store.prepared_digest())
         if emit_state:
             out.keys(store.keys())
             out.requests(store.requests())
+            out.prepared(store.locks.prepared())
         return out.table()
     finally:
         store.close()
@@ -138,7 +146,10 @@ class _Output:
                                                                 "response", "request_kind")}
         self._metas: dict[str, list[Any]] = {c: [] for c in ("offset", "digest", "keys", "requests",
                                                              "evicted_through_ms", "wal_records", "duplicates",
-                                                             "malformed_entries", "is_cut", "requests_digest")}
+                                                             "malformed_entries", "is_cut", "requests_digest",
+                                                             "prepared", "prepared_digest")}
+        self._prepared: dict[str, list[Any]] = {c: [] for c in ("request_id", "revision", "leader_unix_ms",
+                                                                "response")}
 
     def keys(self, states: Iterator[tuple[bytes, KeyState]]) -> None:
         key, value, version, mod, create = self._keys.values()
@@ -158,6 +169,14 @@ class _Output:
             response.append(req.response)
             kind.append(req.kind)
 
+    def prepared(self, prepared: list[PreparedTxn]) -> None:
+        tid, revision, leader_ms, body = self._prepared.values()
+        for txn in prepared:
+            tid.append(txn.txn_id)
+            revision.append(txn.revision)
+            leader_ms.append(txn.leader_unix_ms)
+            body.append(txn.prepare.SerializeToString())
+
     def meta(self, **values: Any) -> None:
         assert values.keys() == self._metas.keys(), f"meta fields {sorted(values)}"
         for name, value in values.items():
@@ -165,7 +184,8 @@ class _Output:
 
     def table(self) -> pa.Table:
         parts = []
-        for kind, columns in (("key", self._keys), ("request", self._requests), ("meta", self._metas)):
+        for kind, columns in (("key", self._keys), ("request", self._requests), ("prepared", self._prepared),
+                              ("meta", self._metas)):
             n = len(next(iter(columns.values())))
             arrays = []
             for field in FOLD_OUTPUT:

@@ -23,7 +23,8 @@ RECORD_UDF = "kv_decode_record"
 ENTRY_UDF = "kv_decode_entry"
 RECORD_TYPE = "struct<expected_offset:bigint,writer_id:string,writer_term:bigint,payload:binary>"
 ENTRY_TYPE = ("struct<request_id:string,effects:array<struct<kind:string,key:binary,value:binary>>,"
-              "response:binary,leader_unix_ms:bigint>")
+              "response:binary,leader_unix_ms:bigint,txn:struct<kind:string,txn_id:string,commit:boolean,"
+              "succeeded:boolean,coordinator:int,participants:array<int>,records:int>>")
 
 
 def parse_conf(pairs: list[str] | None) -> dict[str, str]:

@@ -95,6 +95,10 @@ def build_states(spark: SparkSession, target: WalTarget, root: str, base: snapsh
             frames.append(spark.read.schema(_ddl(snapshot.KEYS_SCHEMA)).parquet(f"{uri}/keys").select(
                 F.col("shard").cast("int"), F.lit("key").alias("kind"), "key", "value", "version", "mod_revision",
                 "create_revision"))
+        if snapshot.has_table(root, base.name, "prepared"):
+            frames.append(spark.read.schema(_ddl(snapshot.PREPARED_SCHEMA)).parquet(f"{uri}/prepared").select(
+                F.col("shard").cast("int"), F.lit("prepared").alias("kind"), F.col("txn_id").alias("request_id"),
+                "revision", "leader_unix_ms", F.col("prepare").alias("payload")))
         if snapshot.has_table(root, base.name, "requests"):
             frames.append(spark.read.schema(_ddl(snapshot.REQUESTS_SCHEMA)).parquet(f"{uri}/requests").select(
                 F.col("shard").cast("int"), F.lit("request").alias("kind"), "request_id", "revision",
@@ -152,7 +156,8 @@ def create(spark: SparkSession, target: WalTarget, root: str, *,
                 if int(m["offset"]) != expected.offset:
                     continue
                 why = snapshot.mismatch(expected, str(m["digest"]), int(m["keys"]), int(m["requests"]),
-                                        str(m["requests_digest"]), int(m["evicted_through_ms"]))
+                                        str(m["requests_digest"]), int(m["evicted_through_ms"]),
+                                        prepared=int(m["prepared"]), prepared_digest=str(m["prepared_digest"]))
                 if why is not None:
                     raise SnapshotError(
                         f"the newest snapshot {base.name} does not reproduce its own manifest for shard {m['shard']} "
@@ -167,6 +172,10 @@ def create(spark: SparkSession, target: WalTarget, root: str, *,
          .write.partitionBy("shard").parquet(f"{uri}/keys"))
         (states.where(F.col("kind") == "request").select("shard", *snapshot.REQUESTS_SCHEMA.names)
          .write.partitionBy("shard").parquet(f"{uri}/requests"))
+        (states.where(F.col("kind") == "prepared")
+         .select("shard", F.col("request_id").alias("txn_id"), "revision", "leader_unix_ms",
+                 F.col("response").alias("prepare"))
+         .write.partitionBy("shard").parquet(f"{uri}/prepared"))
     finally:
         states.unpersist()
     by_shard = {int(m["shard"]): m for m in metas}
@@ -179,7 +188,8 @@ def create(spark: SparkSession, target: WalTarget, root: str, *,
         shards=tuple(snapshot.ShardSnapshot(shard=s, offset=int(m["offset"]), keys=int(m["keys"]),
                                             digest=str(m["digest"]), requests=int(m["requests"]),
                                             evicted_through_ms=int(m["evicted_through_ms"]),
-                                            requests_digest=str(m["requests_digest"]))
+                                            requests_digest=str(m["requests_digest"]), prepared=int(m["prepared"]),
+                                            prepared_digest=str(m["prepared_digest"]))
                      for s, m in sorted(by_shard.items())))
     snapshot.write_manifest(root, manifest)
     log.info("snapshot %s: %d shards, %d keys, %.1fs", name, target.shards, sum(s.keys for s in manifest.shards),

@@ -347,6 +347,12 @@ class ShardStore:
                      + _U64.pack(len(req.response)) + req.response)
         return h.hexdigest()
 
+    def prepared_digest(self) -> str:
+        """SHA-256 hex over the prepared cross-shard transactions (docs/design.md §10), by txn id:
+        each with its revision, leader time and prepare. A replica that lost one would apply its
+        resolve as an orphan (nothing), half a transaction; keys alone would not show it until then."""
+        return prepared_digest(self.locks.prepared())
+
     # ---- apply -------------------------------------------------------------------------------------
 
     @property
@@ -425,7 +431,8 @@ class ShardStore:
 
     def load_snapshot(self, key_batches: Iterable[Sequence[tuple[bytes, bytes]]],
                       request_batches: Iterable[Sequence[RequestRecord]], *, checkpoint: int,
-                      evicted_through_ms: int, on_progress: Callable[[int, int], None] | None = None) -> None:
+                      evicted_through_ms: int, on_progress: Callable[[int, int], None] | None = None,
+                      prepared: Iterable[PreparedTxn] = ()) -> None:
         """Replace this replica by a snapshot's state at `checkpoint` (its cut). Keys come with
         their state already encoded (`KeyState.encode`, or `kvstore.storage.snapshot.encode_states` for a
         whole column at once: this is the hot loop of a bootstrap).
@@ -433,7 +440,8 @@ class ShardStore:
         The directory is wiped first and marked `m:loading` until the last write batch, which
         sets the checkpoint and drops the mark: a load cut short by a crash leaves a directory
         that `_suspect` wipes at the next open, never a half state that looks whole.
-        `on_progress(keys, requests)` is told the totals after each write batch.
+        `on_progress(keys, requests)` is told the totals after each write batch. `prepared`: the
+        cross-shard transactions prepared at the cut (their locks; bounded by MAX_PREPARED_TXNS).
         """
         assert checkpoint >= 0 and evicted_through_ms >= 0
         self._held = None  # keys arrive here without `apply`: the filter would not know them
@@ -441,7 +449,7 @@ class ShardStore:
         shutil.rmtree(self.path, ignore_errors=True)
         self._db = plyvel.DB(str(self.path), **_DB_OPTIONS)
         self.rebuilt_reason = None
-        self.locks = LockIndex()  # a snapshot carries no prepared transactions yet (docs/design.md §12)
+        self.locks = LockIndex()
         self._initialise(self._db)
         self._db.put(_META + b"loading", b"1", sync=True)
         keys = requests = 0
@@ -463,12 +471,19 @@ class ShardStore:
             requests += len(request_rows)
             if on_progress is not None:
                 on_progress(keys, requests)
+        locks = LockIndex()
         with self._db.write_batch(sync=True) as batch:
+            for txn in prepared:
+                assert txn.revision < checkpoint, f"{txn.txn_id} prepared at {txn.revision} >= cut {checkpoint}"
+                locks.add(txn)
+                batch.put(_PREPARED + txn.txn_id.encode(),
+                          _PREPARED_HEAD.pack(txn.revision, txn.leader_unix_ms) + txn.prepare.SerializeToString())
             batch.put(_META + b"requests", _U64.pack(requests))
             batch.put(_META + b"evicted_through", _U64.pack(evicted_through_ms))
             batch.put(_META + b"checkpoint", _U64.pack(checkpoint))
             batch.delete(_META + b"unverified")
             batch.delete(_META + b"loading")
+        self.locks = locks
 
     def rewind_unverified(self) -> bool:
         """Move the checkpoint back over the slot a leader assumed its commit marker took, so
@@ -482,3 +497,16 @@ class ShardStore:
             batch.put(_META + b"checkpoint", _U64.pack(unverified))
             batch.delete(_META + b"unverified")
         return True
+
+
+def prepared_digest(prepared: Iterable[PreparedTxn]) -> str:
+    """`ShardStore.prepared_digest` of a prepared table (a snapshot's manifest carries it)."""
+    h = hashlib.sha256()
+    rows = sorted(prepared, key=lambda txn: txn.txn_id)
+    h.update(_U64.pack(len(rows)))
+    for txn in rows:  # bounded by MAX_PREPARED_TXNS
+        body = txn.prepare.SerializeToString(deterministic=True)
+        tid = txn.txn_id.encode()
+        h.update(_PREPARED_HEAD.pack(txn.revision, txn.leader_unix_ms) + _U64.pack(len(tid)) + tid
+                 + _U64.pack(len(body)) + body)
+    return h.hexdigest()

@@ -11,6 +11,7 @@ take: `s3://`, `gs://`, `hdfs://`; Spark's `s3a://` is read as `s3://`):
     DIR/snap-<created unix ms, 13 digits>/
         keys/shard=<s>/*.parquet       key, value, version, mod_revision, create_revision
         requests/shard=<s>/*.parquet   request_id, revision, leader_unix_ms, response, request_kind
+        prepared/shard=<s>/*.parquet   txn_id, revision, leader_unix_ms, prepare (format 3)
         manifest.json                  written last: a snapshot without one is incomplete
 
 What a replica needs to continue exactly where the WAL left it (W5 at the cut): every live key
@@ -26,6 +27,10 @@ its horizon state), and the schema version `format`. Both digests are checked wh
 is depended on: when a node loads it (`load_into`), when the next snapshot is built on it, and
 before `kvstore wal truncate` deletes the WAL below it (`verify_shard`).
 
+Format 3 added the cross-shard transactions prepared at the cut (`prepared/`, and per shard
+`prepared` and `prepared_digest`, `ShardStore.prepared_digest`): a snapshot never holds half a
+transaction, since a replica loaded from it keeps their locks and applies their resolves
+(docs/design.md §10). A format-2 snapshot has none (it was taken before there were any).
 Format 2 added `requests_digest` and the requests' `request_kind`. A format-1 snapshot still
 loads (its ids' kinds are unknown: 0), but nothing covers its request table but the count: it is
 used with a warning, and the next snapshot built on it is format 2.
@@ -48,13 +53,14 @@ import pyarrow.compute as pc
 import pyarrow.dataset as pads
 import pyarrow.fs as pafs
 
-from kvstore.core.state import KeyState, RequestRecord
+from kvstore.core.state import KeyState, PreparedTxn, RequestRecord
+from kvstore.internal.v1 import wal_entry_pb2
 from kvstore.storage.shard_store import ShardStore
 
 log = logging.getLogger(__name__)
 
-FORMAT = 2
-READABLE_FORMATS = (1, 2)
+FORMAT = 3
+READABLE_FORMATS = (1, 2, 3)
 MANIFEST = "manifest.json"
 _NAME = re.compile(r"^snap-(\d{13})$")
 
@@ -65,6 +71,9 @@ KEYS_SCHEMA = pa.schema([
 REQUESTS_SCHEMA = pa.schema([
     ("request_id", pa.string()), ("revision", pa.int64()), ("leader_unix_ms", pa.int64()), ("response", pa.binary()),
     ("request_kind", pa.int32()),  # format 2 (absent from format 1: read as 0)
+])
+PREPARED_SCHEMA = pa.schema([  # format 3
+    ("txn_id", pa.string()), ("revision", pa.int64()), ("leader_unix_ms", pa.int64()), ("prepare", pa.binary()),
 ])
 
 
@@ -81,6 +90,8 @@ class ShardSnapshot:
     requests: int
     evicted_through_ms: int
     requests_digest: str = ""  # format 2; "" in a format-1 manifest (nothing covers its request table)
+    prepared: int = 0  # format 3: cross-shard transactions prepared at the cut
+    prepared_digest: str = ""  # format 3; "" before (no transaction could be prepared then)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -260,6 +271,19 @@ def encode_states(value: pa.Array, version: pa.Array, mod_revision: pa.Array, cr
     return out
 
 
+def prepared(root: str, name: str, shard: int) -> list[PreparedTxn]:
+    """The shard's prepared cross-shard transactions at the cut (none before format 3)."""
+    out: list[PreparedTxn] = []
+    for batch in _shard_batches(root, name, "prepared", shard, PREPARED_SCHEMA, 65_536):
+        for txn_id, revision, leader_ms, body in zip(*(batch.column(i).to_pylist() for i in range(4)), strict=True):
+            prepare = wal_entry_pb2.TxnPrepare.FromString(body)
+            if prepare.txn_id != txn_id:
+                raise SnapshotFormatError(f"snapshot {name} shard {shard}: a prepared row of {txn_id} holds "
+                                          f"{prepare.txn_id}'s prepare")
+            out.append(PreparedTxn(prepare, revision, leader_ms))
+    return out
+
+
 def requests(root: str, name: str, shard: int, batch_rows: int = 65_536) -> Iterator[list[RequestRecord]]:
     """The shard's request-id table in batches (a format-1 snapshot's have no kind: 0)."""
     for batch in _shard_batches(root, name, "requests", shard, REQUESTS_SCHEMA, batch_rows):
@@ -287,8 +311,10 @@ def load_into(store: ShardStore, root: str, manifest: Manifest, *, batch_rows: i
     meta = manifest.shard(store.shard)
     store.load_snapshot(encoded_key_states(root, manifest.name, store.shard, batch_rows),
                         requests(root, manifest.name, store.shard, batch_rows),
-                        checkpoint=meta.offset, evicted_through_ms=meta.evicted_through_ms, on_progress=on_progress)
-    why = mismatch(meta, *store.digest(), store.request_count, store.requests_digest(), store.evicted_through_ms)
+                        checkpoint=meta.offset, evicted_through_ms=meta.evicted_through_ms, on_progress=on_progress,
+                        prepared=prepared(root, manifest.name, store.shard))
+    why = mismatch(meta, *store.digest(), store.request_count, store.requests_digest(), store.evicted_through_ms,
+                   prepared=store.locks.prepared_count(), prepared_digest=store.prepared_digest())
     if why is not None:
         store.wipe(f"snapshot {manifest.name} did not load to its own digests")
         raise SnapshotFormatError(f"snapshot {manifest.name} shard {store.shard}: {why}")
@@ -299,7 +325,7 @@ def load_into(store: ShardStore, root: str, manifest: Manifest, *, batch_rows: i
 
 
 def mismatch(meta: ShardSnapshot, digest: str, keys: int, requests: int, requests_digest: str,
-             evicted_through_ms: int) -> str | None:
+             evicted_through_ms: int, *, prepared: int = 0, prepared_digest: str = "") -> str | None:
     """How a state recomputed from a snapshot's files (or from its base plus the WAL) differs
     from what its manifest says, or None. Pure: the loader, the snapshot job and the audit say
     the same thing the same way."""
@@ -313,6 +339,9 @@ def mismatch(meta: ShardSnapshot, digest: str, keys: int, requests: int, request
                      f"{meta.evicted_through_ms}")
     if meta.requests_digest and requests_digest != meta.requests_digest:
         found.append(f"request-id table digest {requests_digest[:12]}, its manifest says {meta.requests_digest[:12]}")
+    if meta.prepared_digest and (prepared, prepared_digest) != (meta.prepared, meta.prepared_digest):
+        found.append(f"{prepared} prepared transactions with digest {prepared_digest[:12]}, its manifest says "
+                     f"{meta.prepared} with {meta.prepared_digest[:12]}")
     return "; ".join(found) if found else None
 
 

@@ -78,9 +78,10 @@ def python_rows(bootstrap: str, topic: str, shards: Iterable[int]) -> list[Row]:
                     kind = effect.WhichOneof("kind")
                     key = effect.put.key if kind == "put" else effect.delete.key
                     value = effect.put.value if kind == "put" else None
+                    txn_id = decoded.resolve.txn_id if decoded.HasField("resolve") else None
                     rows.append((shard, record.offset, i, record.offset, key, value, kind,
                                  decoded.request_id or None, record.writer.id, record.writer.term,
-                                 record.timestamp_ms, decoded.leader_unix_ms))
+                                 record.timestamp_ms, decoded.leader_unix_ms, txn_id))
     return sorted(rows)
 
 

@@ -74,7 +74,10 @@ public final class WalDecoders {
 
   /**
    * kvstore.internal.v1.WalEntry -> struct(request_id, effects array(struct(kind, key, value)), response,
-   * leader_unix_ms); NULL if it does not parse or an effect has no kind.
+   * leader_unix_ms, txn); NULL if it does not parse or an effect has no kind. {@code txn} is NULL but
+   * for a cross-shard transaction's record: struct(kind 'prepare'|'decision'|'resolve', txn_id, commit,
+   * succeeded, coordinator, participants, records: how many of the three the entry holds, which
+   * kvstore.core.state.txn_record_rule refuses when not 1).
    */
   public static final class DecodeEntry implements UDF1<byte[], Row> {
     private static final long serialVersionUID = 1L;
@@ -89,6 +92,7 @@ public final class WalDecoders {
     private static final FieldDescriptor PUT_VALUE = PUT.getMessageType().findFieldByName("value");
     private static final FieldDescriptor DELETE = EFFECT.findFieldByName("delete");
     private static final FieldDescriptor DELETE_KEY = DELETE.getMessageType().findFieldByName("key");
+    private static final String[] TXN_KINDS = {"prepare", "decision", "resolve"};
 
     @Override
     public Row call(byte[] payload) {
@@ -121,7 +125,48 @@ public final class WalDecoders {
           (String) entry.getField(REQUEST_ID),
           effects,
           ((ByteString) entry.getField(RESPONSE)).toByteArray(),
-          (Long) entry.getField(LEADER_MS));
+          (Long) entry.getField(LEADER_MS),
+          txn(entry));
+    }
+
+    private static Row txn(DynamicMessage entry) {
+      Row found = null;
+      int records = 0;
+      for (String kind : TXN_KINDS) {
+        FieldDescriptor field = ENTRY.findFieldByName(kind);
+        if (field == null || !entry.hasField(field)) {
+          continue;
+        }
+        records++;
+        if (found == null) {
+          DynamicMessage m = (DynamicMessage) entry.getField(field);
+          Descriptor d = m.getDescriptorForType();
+          List<Integer> participants = new ArrayList<>();
+          FieldDescriptor parts = d.findFieldByName("participants");
+          if (parts != null) {
+            for (int i = 0; i < m.getRepeatedFieldCount(parts); i++) {
+              participants.add((Integer) m.getRepeatedField(parts, i));
+            }
+          }
+          found = RowFactory.create(kind, (String) m.getField(d.findFieldByName("txn_id")),
+              flag(m, d, "commit"), flag(m, d, "succeeded"), number(m, d, "coordinator"), participants, 0);
+        }
+      }
+      if (found == null) {
+        return null;
+      }
+      return RowFactory.create(found.get(0), found.get(1), found.get(2), found.get(3), found.get(4), found.get(5),
+          records);
+    }
+
+    private static Boolean flag(DynamicMessage m, Descriptor d, String name) {
+      FieldDescriptor field = d.findFieldByName(name);
+      return field == null ? null : (Boolean) m.getField(field);
+    }
+
+    private static Integer number(DynamicMessage m, Descriptor d, String name) {
+      FieldDescriptor field = d.findFieldByName(name);
+      return field == null ? null : (Integer) m.getField(field);
     }
 
     private static byte[] bytes(DynamicMessage message, FieldDescriptor field) {
