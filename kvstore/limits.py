@@ -18,7 +18,8 @@ MAX_TXN_OPS = 128  # compares + success ops + failure ops
 MAX_PREPARED_TXNS = 10_000
 # A prepare older than this (its leader time against the leader's clock) is in doubt: the
 # participant's leader asks the coordinator for the decision, which writes an abort if there is
-# none. Far above a healthy transaction's life (milliseconds), below a client's patience.
+# none. Far above a healthy transaction's life (milliseconds), below a client's patience. The
+# default of the node setting `txn_in_doubt_ms` (KVSTORE_TXN_IN_DOUBT_MS).
 TXN_IN_DOUBT_AFTER_MS = 5_000
 # One shard's part of a WriteBatch (one WAL record). The part's bytes are bounded by
 # MAX_REQUEST_BYTES and by the WAL's record limit; this bounds the work of one record.

@@ -52,10 +52,14 @@ def export_security(args: argparse.Namespace) -> None:
 def run(args: argparse.Namespace, printer: ResultPrinter) -> int:
     """Run the client command `args.command` on a client of its own, closed when it is done."""
     command: str = args.command
-    if command == "txn" and args.action == "list":
+    if command == "txn" and args.action in ("list", "resolve"):
         if args.compares or args.success or args.failure:
-            raise InvalidArgument("`txn list` takes no --if/--then/--else")
-        command = "txn-list"
+            raise InvalidArgument(f"`txn {args.action}` takes no --if/--then/--else")
+        if args.action == "resolve" and not args.txn_id:
+            raise InvalidArgument("`txn resolve` needs the transaction's id (see `txn list --in-doubt`)")
+        command = "txn-list" if args.action == "list" else "txn-resolve"
+    elif command == "txn" and (args.txn_id or args.in_doubt):
+        raise InvalidArgument("a transaction id and --in-doubt go with `txn list` / `txn resolve`")
     elif command == "txn":  # parse before connecting: a syntax error needs no cluster
         compares, success, failure = parse_txn(args.compares, args.success, args.failure)
     if getattr(args, "first_attempt_unix_ms", None) is not None and not args.request_id:
@@ -84,8 +88,14 @@ def run(args: argparse.Namespace, printer: ResultPrinter) -> int:
             return _watch(client, args, printer)
         elif command == "shards":
             printer.shard_map(client.shard_map())
+        elif command == "txn-list" and args.in_doubt:
+            printer.prepared(*client.prepared_transactions(args.older_than))
         elif command == "txn-list":
             printer.transactions(client.list_transactions(args.older_than))
+        elif command == "txn-resolve":
+            resolution = client.resolve_transaction(args.txn_id)
+            printer.resolution(resolution)
+            return EXIT_OK if resolution.outcome in ("committed", "aborted", "not prepared") else EXIT_ERROR
         elif command == "fence":
             printer.fenced(client.fence(args.shard))
         elif command == "drain":

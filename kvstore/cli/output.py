@@ -19,10 +19,12 @@ from kvstore.client import (
     KeyValue,
     MoveProgress,
     PlacementChange,
+    PreparedTxn,
     PutResult,
     ShardInfo,
     ShardMap,
     TransactionInfo,
+    TxnResolution,
     TxnResult,
     WatchEvent,
 )
@@ -193,6 +195,29 @@ class ResultPrinter(Printer):
             return
         self.line(format_table(["SHARD", "FIRST_OFFSET", "END", "AGE_MS", "LEADER"],
                                [[t.shard, t.first_offset, t.end_offset, t.age_ms, t.leader_id or "-"] for t in txns]))
+
+    def prepared(self, txns: list[PreparedTxn], unreachable: list[str]) -> None:
+        if self.json:
+            self.record({"transactions": [dataclasses.asdict(t) | {"participants": list(t.participants)}
+                                          for t in txns], "unreachable": unreachable})
+            return
+        if not txns:
+            self.line("(no prepared cross-shard transaction)")
+        else:
+            self.line(format_table(
+                ["TXN", "SHARD", "COORDINATOR", "PARTICIPANTS", "AGE_MS", "LOCKED_KEYS", "REQUEST_ID", "LEADER"],
+                [[t.txn_id, t.shard, t.coordinator, ",".join(map(str, t.participants)), t.age_ms, t.locked_keys,
+                  t.request_id or "-", t.leader_id] for t in txns]))
+        for address in unreachable:
+            self.line(f"note: {address} did not answer: its shards' prepared transactions are not listed")
+
+    def resolution(self, resolution: TxnResolution) -> None:
+        if self.json:
+            self.record(dataclasses.asdict(resolution) | {"shards": list(resolution.shards)})
+            return
+        where = f" at shard(s) {','.join(map(str, resolution.shards))}" if resolution.shards else ""
+        detail = f": {resolution.detail}" if resolution.detail else ""
+        self.line(f"transaction {resolution.txn_id}: {resolution.outcome}{where}{detail}")
 
     def placement_changes(self, changes: list[PlacementChange]) -> None:
         if self.json:

@@ -134,14 +134,20 @@ def build_parser() -> argparse.ArgumentParser:
     idempotency(p)
 
     p = sub.add_parser(
-        "txn", parents=[common], help="atomic compare-and-write within one shard; `txn list`: open WAL transactions",
+        "txn", parents=[common],
+        help="atomic compare-and-write over keys of any shards; `txn list [--in-doubt]`, `txn resolve TXN`",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description=TXN_SYNTAX,
     )
-    p.add_argument("action", nargs="?", choices=["list"], default=None,
-                   help="`list`: shards whose WAL transaction is open (see --older-than) instead of a Txn")
+    p.add_argument("action", nargs="?", choices=["list", "resolve"], default=None,
+                   help="`list`: shards whose WAL transaction is open (with --in-doubt: prepared cross-shard "
+                        "transactions); `resolve TXN`: end a prepared cross-shard transaction now (its decision, "
+                        "or abort if there is none) instead of a Txn")
+    p.add_argument("txn_id", nargs="?", default="", metavar="TXN", help="with `resolve`: the transaction's id")
+    p.add_argument("--in-doubt", action="store_true",
+                   help="with `list`: cross-shard transactions prepared and not resolved, at every shard's leader")
     p.add_argument("--older-than", type=parse_duration_ms, default=0, metavar="DURATION",
-                   help="with `list`: only transactions open at least this long (e.g. 500ms, 30s, 2m)")
+                   help="with `list`: only transactions open (prepared) at least this long (e.g. 500ms, 30s, 2m)")
     p.add_argument("--if", dest="compares", action="append", default=[], metavar="COND",
                    help="a compare, e.g. 'version(k)=0', 'value(k)!=x', '!exists(k)' (all must hold)")
     p.add_argument("--then", dest="success", action="append", default=[], metavar="OP",

@@ -25,6 +25,15 @@ A KEY inside parentheses or a VALUE after the operator may be quoted ("a b" or '
 unquoted VALUE is the rest of the condition, trimmed. Example:
 
     kvstore txn --if 'version(lock)=0' --then 'put lock me' --else 'get lock'
+
+The keys may lie in any shards: over several, the Txn is a cross-shard transaction (atomic and
+strictly serializable; its result names the coordinator shard and the decision's revision):
+
+    kvstore txn --if 'value(a)=10' --if 'value(b)=5' --then 'put a 7' --then 'put b 8'
+
+Operators: `kvstore txn list --in-doubt` lists cross-shard transactions prepared and not
+resolved (participants, coordinator, age); `kvstore txn resolve TXN` ends one now, with its
+coordinator's decision or an abort if there is none.
 """
 
 

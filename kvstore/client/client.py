@@ -44,12 +44,14 @@ from kvstore.client.results import (
     FenceResult,
     GetResult,
     KeyValue,
+    PreparedTxn,
     PutResult,
     ReadHeader,
     ScanPage,
     ShardMap,
     ShardWrite,
     TransactionInfo,
+    TxnResolution,
     TxnResult,
     txn_op_result,
 )
@@ -420,6 +422,29 @@ class Client:
                           cluster_pb2.ListTransactionsResponse, key=None, timeout_s=timeout_s)
         return [TransactionInfo(t.shard, t.first_offset, t.end_offset, t.age_ms, t.leader_id)
                 for t in resp.transactions]
+
+    def prepared_transactions(self, older_than_ms: int = 0, *,
+                              timeout_s: float | None = None) -> tuple[list[PreparedTxn], list[str]]:
+        """Cross-shard transactions prepared at least `older_than_ms` ago and not resolved, one
+        entry per participant still holding one (docs/design.md §10), oldest first; and the
+        members that did not answer (their shards' are missing)."""
+        if older_than_ms < 0:
+            raise InvalidArgument(f"older_than_ms must be >= 0: {older_than_ms}")
+        resp = self._call("ListPreparedTransactions",
+                          cluster_pb2.ListPreparedTransactionsRequest(older_than_ms=older_than_ms),
+                          cluster_pb2.ListPreparedTransactionsResponse, key=None, timeout_s=timeout_s)
+        return ([PreparedTxn(t.txn_id, t.shard, t.coordinator, tuple(t.participants), t.age_ms, t.revision,
+                             t.request_id, t.locked_keys, t.leader_id) for t in resp.transactions],
+                list(resp.unreachable))
+
+    def resolve_transaction(self, txn_id: str, *, timeout_s: float | None = None) -> TxnResolution:
+        """Resolve a prepared cross-shard transaction now: with its coordinator's decision, or an
+        abort decision when there is none (the safe way to end a stuck one; never a commit)."""
+        if not txn_id:
+            raise InvalidArgument("resolve_transaction needs a txn id (see prepared_transactions)")
+        resp = self._call("ResolveTransaction", cluster_pb2.ResolveTransactionRequest(txn_id=txn_id),
+                          cluster_pb2.ResolveTransactionResponse, key=None, timeout_s=timeout_s)
+        return TxnResolution(resp.txn_id, resp.outcome, resp.detail, tuple(resp.shards))
 
     def fence(self, shard: int, *, timeout_s: float | None = None) -> FenceResult:
         """Force-terminate `shard`'s transaction (a fresh init_transactions on its id). The live

@@ -227,6 +227,31 @@ class TransactionInfo:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class PreparedTxn:
+    """A cross-shard transaction prepared at `shard` and not resolved yet (docs/design.md §10)."""
+
+    txn_id: str
+    shard: int
+    coordinator: int
+    participants: tuple[int, ...]
+    age_ms: int
+    revision: int
+    request_id: str
+    locked_keys: int
+    leader_id: str
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TxnResolution:
+    """What `Client.resolve_transaction` found: committed, aborted, in doubt, or not prepared."""
+
+    txn_id: str
+    outcome: str
+    detail: str
+    shards: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class FenceResult:
     shard: int
     end_offset: int

@@ -79,6 +79,10 @@ class ReplicaConfig:
     linger_ms: float = 2.0  # a lone write waits this long for company before its batch starts
     bootstrap_timeout_ms: float = 120_000  # catching up to the fenced end takes longer: give the shard up
     barrier_timeout_ms: float = 10_000  # a read waits this long for the replica to apply the end it read
+    # A write meeting a key locked by a prepared cross-shard transaction waits this long (retried
+    # after every apply) before it is refused with TxnConflictError (docs/design.md §10). Waits
+    # are bounded, so no deadlock between transactions outlives this; 0: refuse at once.
+    lock_wait_ms: float = 500
     refence_pause_ms: float = 1_000  # fenced while still assigned the shard: pause, then fence back
     beyond_end_grace_ms: float = 45_000  # a checkpoint beyond the end must last this long to be believed
     beyond_end_poll_ms: float = 500  # how often the end is read again meanwhile
@@ -89,7 +93,7 @@ class ReplicaConfig:
     mutations: frozenset[Mutation] = frozenset()
 
     def __post_init__(self) -> None:
-        assert self.shard >= 0 and self.max_pending > 0 and self.linger_ms >= 0, self
+        assert self.shard >= 0 and self.max_pending > 0 and self.linger_ms >= 0 and self.lock_wait_ms >= 0, self
         assert 0 < self.backoff_first_ms <= self.backoff_max_ms, self
         assert self.beyond_end_poll_ms > 0 and self.beyond_end_grace_ms >= 0, self
 
@@ -455,6 +459,7 @@ class _Pending:
     ticket: int | None  # None: the leader's own probe
     write: Write
     size: int
+    lock_wait_until_ms: float | None = None  # set when it first met a lock: refused after this
 
 
 @dataclasses.dataclass
@@ -533,6 +538,10 @@ class ReplicaMachine:
         self.queue: collections.deque[_Pending] = collections.deque()
         # Requests a full batch left over: first in the next one, their order kept. Bounded by one batch.
         self.carry: collections.deque[_Pending] = collections.deque()
+        # Writes that met a lock of a prepared transaction: back to the queue's front after every
+        # apply (which may have released it), refused at their `lock_wait_until_ms`. Bounded by
+        # max_pending with the queue.
+        self.parked: list[_Pending] = []
         self.linger_until_ms: float | None = None
         self.in_progress: set[str] = set()  # request ids with an attempt queued or committing here
         self.probing = False
@@ -560,7 +569,7 @@ class ReplicaMachine:
 
     @property
     def pending_writes(self) -> int:
-        return len(self.queue) + len(self.carry)
+        return len(self.queue) + len(self.carry) + len(self.parked)
 
     def wake_at_ms(self) -> float | None:
         """The earliest time a `Tick` has something to do, or None."""
@@ -570,6 +579,7 @@ class ReplicaMachine:
         if self.confirm is not None and self.reader_op is None:
             times.append(min(self.confirm.next_read_ms, self.confirm.deadline_ms))
         times.extend(w.deadline_ms for w in self.waiters)
+        times.extend(p.lock_wait_until_ms for p in self.parked if p.lock_wait_until_ms is not None)
         return min(times) if times else None
 
     # ---- the one entry point ---------------------------------------------------------------------------
@@ -616,6 +626,14 @@ class ReplicaMachine:
         if self.linger_until_ms is not None and now >= self.linger_until_ms:
             self.linger_until_ms = None
             self._maybe_start_batch(lingered=True)
+        if self.parked:
+            late = [p for p in self.parked if p.lock_wait_until_ms is not None and now >= p.lock_wait_until_ms]
+            if late:
+                self.parked = [p for p in self.parked if p not in late]
+                for pending in late:
+                    self._answer_pending(pending, errors.TxnConflictError(
+                        f"shard {self.shard}: a key of this write stayed locked by a prepared cross-shard transaction "
+                        f"for {self.config.lock_wait_ms:.0f} ms; nothing was done: retry"))
         expired = [w for w in self.waiters if now >= w.deadline_ms]
         if expired:
             self.waiters = [w for w in self.waiters if now < w.deadline_ms]
@@ -646,7 +664,7 @@ class ReplicaMachine:
             if answer is not None:
                 self._emit(AnswerRequest(event.ticket, answer))
                 return
-        if len(self.queue) >= self.config.max_pending:
+        if len(self.queue) + len(self.parked) >= self.config.max_pending:
             self._emit(AnswerRequest(event.ticket, errors.OverloadedError(
                 f"shard {self.shard}: {self.config.max_pending} writes pending (limit MAX_PENDING_WRITES_PER_SHARD); "
                 "back off")))
@@ -666,7 +684,7 @@ class ReplicaMachine:
 
     def _on_client_gone(self, event: ClientGone) -> None:
         """Not written if still queued (its id is free again); not awaited anywhere else."""
-        for line in (self.queue, self.carry):
+        for line in (self.queue, self.carry, self.parked):
             for pending in line:
                 if pending.ticket == event.ticket:
                     line.remove(pending)
@@ -984,7 +1002,11 @@ class ReplicaMachine:
 
     def _applied_to(self, checkpoint: int) -> None:
         """Everything below `checkpoint` is applied (once the driver performed the apply just
-        emitted): the reads waiting for it are served."""
+        emitted): the reads waiting for it are served, and writes parked on a lock try again
+        first (the apply may have released it)."""
+        if self.parked:
+            self.queue.extendleft(reversed(self.parked))
+            self.parked = []
         ready = [w for w in self.waiters if checkpoint >= w.offset]
         if ready:
             self.waiters = [w for w in self.waiters if checkpoint < w.offset]
@@ -1064,7 +1086,10 @@ class ReplicaMachine:
         plan = plan_batch([p.write for p in taken], upcoming, self.view.get, table, self._unix_ms, bounds,
                           locks=self.view.locks, **self._horizon())
         for index, answer in plan.now:  # refusals and replays: definite, independent of the append
-            self._answer_pending(taken[index], answer)
+            pending = taken[index]
+            if self._parks(pending, answer):
+                continue
+            self._answer_pending(pending, answer)
         for index in reversed(plan.carry):
             self.carry.appendleft(taken[index])
         answers = [(taken[index].ticket, response) for index, response in plan.after_commit]
@@ -1096,6 +1121,20 @@ class ReplicaMachine:
         if ticket is not None:
             self._emit(AnswerRequest(ticket, answer))
 
+    def _parks(self, pending: _Pending, answer: Reply) -> bool:
+        """Whether a write refused on a lock waits instead (`lock_wait_ms`): parked until the
+        next apply, as long as its wait lasts. A same-request conflict is not waited on: the
+        earlier attempt's outcome decides, and this one says so at once."""
+        if (not isinstance(answer, errors.TxnConflictError) or answer.same_request or pending.ticket is None
+                or self.config.lock_wait_ms <= 0):
+            return False
+        if pending.lock_wait_until_ms is None:
+            pending.lock_wait_until_ms = self._now_ms + self.config.lock_wait_ms
+        elif self._now_ms >= pending.lock_wait_until_ms:
+            return False
+        self.parked.append(pending)
+        return True
+
     def _answer_pending(self, pending: _Pending, answer: Reply) -> None:
         self._release_id(pending.write.request_id)
         if pending.ticket is None:
@@ -1114,6 +1153,9 @@ class ReplicaMachine:
         for line in (self.carry, self.queue):
             while line:
                 self._answer_pending(line.popleft(), error)
+        parked, self.parked = self.parked, []
+        for pending in parked:
+            self._answer_pending(pending, error)
         reads = [*self.next_round, *self.round, *(w.read for w in self.waiters)]
         self.next_round, self.round, self.waiters = [], [], []  # a query still out finds no reads
         for read in reads:

@@ -565,6 +565,60 @@ class ClusterService(cluster_pb2_grpc.ClusterServiceServicer):
         within PEER_TIMEOUT_S."""
         return await self._peer_view(address)
 
+    async def ListPreparedTransactions(self, request: cluster_pb2.ListPreparedTransactionsRequest,
+                                       context: Any) -> cluster_pb2.ListPreparedTransactionsResponse:
+        if request.older_than_ms < 0:
+            raise errors.InvalidRequestError(f"older_than_ms must be >= 0, got {request.older_than_ms}")
+        ask = peer_pb2.PreparedTxnsRequest(older_than_ms=request.older_than_ms)
+        local = peer_pb2.PreparedTxnsResponse(node_id=self.node.config.node_id,
+                                              prepared=self.node.txns.prepared(request.older_than_ms))
+        answers = await self._each_member("PreparedTxns", ask)
+        response = cluster_pb2.ListPreparedTransactionsResponse()
+        now_ms = int(time.time() * 1000)
+        for address, reply in [("", local), *answers]:
+            if reply is None:
+                response.unreachable.append(address)
+                continue
+            assert isinstance(reply, peer_pb2.PreparedTxnsResponse)
+            for p in reply.prepared:
+                response.transactions.append(cluster_pb2.PreparedTransaction(
+                    txn_id=p.txn_id, shard=p.shard, coordinator=p.coordinator, participants=p.participants,
+                    age_ms=max(0, now_ms - p.prepared_unix_ms) if p.prepared_unix_ms else 0, revision=p.revision,
+                    request_id=p.request_id, locked_keys=p.locked_keys, leader_id=reply.node_id))
+        response.transactions.sort(key=lambda t: (-t.age_ms, t.txn_id, t.shard))
+        return response
+
+    async def ResolveTransaction(self, request: cluster_pb2.ResolveTransactionRequest,
+                                 context: Any) -> cluster_pb2.ResolveTransactionResponse:
+        if not request.txn_id:
+            raise errors.InvalidRequestError("ResolveTransaction needs a txn_id (kvstore txn list --in-doubt)",
+                                             field="txn_id")
+        local = await self.node.txns.force(request.txn_id)
+        asked = await self._each_member("ResolvePrepared", peer_pb2.ResolvePreparedRequest(txn_id=request.txn_id),
+                                        timeout_s=30.0)
+        outcomes = [local, *[r.resolution for _, r in asked if isinstance(r, peer_pb2.ResolvePreparedResponse)]]
+        shards = sorted({s for a in outcomes for s in a.shards})
+        for outcome in ("committed", "aborted", "in doubt"):
+            found = [a for a in outcomes if a.outcome == outcome]
+            if found:
+                return cluster_pb2.ResolveTransactionResponse(txn_id=request.txn_id, outcome=outcome,
+                                                              detail=found[0].detail, shards=shards)
+        return cluster_pb2.ResolveTransactionResponse(txn_id=request.txn_id, outcome="not prepared")
+
+    async def _each_member(self, method: str, request: Any, timeout_s: float = 5.0) -> list[tuple[str, Any]]:
+        """`method` of PeerService at every other member: (address, answer or None if it failed)."""
+        me = self.node.config.node_id
+        addresses = sorted({a for node_id, a in self.node.view.members.items() if a and node_id != me})
+
+        async def one(address: str) -> tuple[str, Any]:
+            try:
+                return address, await getattr(self.peers.peer(address), method)(request, timeout=timeout_s)
+            except grpc.RpcError as exc:
+                log.debug("peer %s: %s failed: %s", address, method, exc)
+                return address, None
+
+        return list(await asyncio.gather(*(one(a) for a in addresses)))
+
     async def _peer_view(self, address: str) -> cluster_pb2.ShardMapResponse | None:
         try:
             reply = await self.peers.peer(address).LocalShardView(peer_pb2.LocalShardViewRequest(),
@@ -622,16 +676,16 @@ class PeerService(peer_pb2_grpc.PeerServiceServicer):
                                              "shards")
         return shard
 
-    async def PrepareTxn(self, request: peer_pb2.PrepareTxnRequest, context: Any) -> wal_entry_pb2.TxnVote:
+    async def PrepareTxn(self, request: peer_pb2.PrepareTxnRequest, context: Any) -> peer_pb2.PrepareTxnResponse:
         participants = validation.check_txn(request.txn, self.node.config.shards)
         if self._shard(request.shard) not in participants or len(participants) < 2 or not request.txn_id:
             raise errors.InvalidRequestError(f"shard {request.shard} is no participant of this cross-shard Txn")
         txns = self.node.txns
         answer = await txns.record(request.shard, txns.prepare_write(request), request.ByteSize())
         assert isinstance(answer, wal_entry_pb2.TxnVote), type(answer)
-        return answer
+        return peer_pb2.PrepareTxnResponse(vote=answer)
 
-    async def DecideTxn(self, request: peer_pb2.DecideTxnRequest, context: Any) -> wal_entry_pb2.TxnDecided:
+    async def DecideTxn(self, request: peer_pb2.DecideTxnRequest, context: Any) -> peer_pb2.DecideTxnResponse:
         decision = request.decision
         if not decision.txn_id or len(decision.participants) < 2:
             raise errors.InvalidRequestError("a decision needs a txn id and its participants")
@@ -639,15 +693,19 @@ class PeerService(peer_pb2_grpc.PeerServiceServicer):
         answer = await txns.record(self._shard(decision.participants[0]), txns.decide_write(request),
                                    request.ByteSize())
         assert isinstance(answer, wal_entry_pb2.TxnDecided), type(answer)
-        return answer
+        return peer_pb2.DecideTxnResponse(decided=answer)
 
-    async def ResolveTxn(self, request: peer_pb2.ResolveTxnRequest, context: Any) -> wal_entry_pb2.TxnResolve:
+    async def ResolveTxn(self, request: peer_pb2.ResolveTxnRequest, context: Any) -> peer_pb2.ResolveTxnResponse:
         if not request.resolve.txn_id:
             raise errors.InvalidRequestError("a resolve needs a txn id")
         txns = self.node.txns
         answer = await txns.record(self._shard(request.shard), txns.resolve_write(request), request.ByteSize())
         assert isinstance(answer, wal_entry_pb2.TxnResolve), type(answer)
-        return answer
+        return peer_pb2.ResolveTxnResponse(resolve=answer)
+
+    async def ResolvePrepared(self, request: peer_pb2.ResolvePreparedRequest,
+                              context: Any) -> peer_pb2.ResolvePreparedResponse:
+        return peer_pb2.ResolvePreparedResponse(resolution=await self.node.txns.force(request.txn_id))
 
     async def PreparedTxns(self, request: peer_pb2.PreparedTxnsRequest, context: Any) -> peer_pb2.PreparedTxnsResponse:
         return peer_pb2.PreparedTxnsResponse(node_id=self.node.config.node_id,

@@ -74,11 +74,14 @@ def allows(role: Role, required: Role) -> bool:
 _METHODS: dict[str, Role | None] = {
     **{f"/kvstore.v1.KVService/{m}": Role.READ for m in ("Get", "Scan", "Watch")},
     **{f"/kvstore.v1.KVService/{m}": Role.WRITE for m in ("Put", "Delete", "Txn", "WriteBatch")},
-    **{f"/kvstore.v1.ClusterService/{m}": Role.READ for m in ("ShardMap", "ShardDigest", "ListTransactions")},
-    **{f"/kvstore.v1.ClusterService/{m}": Role.ADMIN for m in ("FenceShard", "Drain", "MoveShard")},
+    **{f"/kvstore.v1.ClusterService/{m}": Role.READ for m in ("ShardMap", "ShardDigest", "ListTransactions",
+                                                               "ListPreparedTransactions")},
+    **{f"/kvstore.v1.ClusterService/{m}": Role.ADMIN for m in ("FenceShard", "Drain", "MoveShard",
+                                                                "ResolveTransaction")},
     **{f"/kvstore.internal.v1.PeerService/{m}": Role.NODE for m in ("ScanShards", "LocalShardView", "CheckFenced",
                                                                             "WatchShards", "PrepareTxn", "DecideTxn",
-                                                                            "ResolveTxn", "PreparedTxns")},
+                                                                            "ResolveTxn", "PreparedTxns",
+                                                                            "ResolvePrepared")},
 }
 _SERVICES: dict[str, Role | None] = {
     "kvstore.internal.v1.PeerService": Role.NODE,  # an RPC added later is still node-only

@@ -109,6 +109,10 @@ class NodeConfig(BaseSettings):
     placement_grace_ms: int = Field(placement.DEFAULT_GRACE_MS, ge=0, le=3_600_000,
                                     description="how long a node that left or died still counts for placement before "
                                                 "its shards are placed elsewhere (a restart within it moves nothing)")
+    txn_in_doubt_ms: int = Field(limits.TXN_IN_DOUBT_AFTER_MS, ge=100, le=86_400_000,
+                                 description="a cross-shard transaction prepared this long ago at a shard this node "
+                                             "leads is in doubt: the node resolves it from its coordinator's WAL "
+                                             "(abort if undecided; docs/design.md §10)")
     wal_replication_factor: int = Field(0, ge=0, description="the WAL topic's Kafka replication factor when the node "
                                                              "creates it (0: min(3, number of brokers))")
     max_pending_writes: int = Field(limits.MAX_PENDING_WRITES_PER_SHARD, ge=1, le=1_000_000,

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
-from kvstore import errors, limits
+from kvstore import errors
 from kvstore.core import txn
 from kvstore.core.batch import Write
 from kvstore.core.txn_driver import (
@@ -46,7 +46,7 @@ from kvstore.core.txn_driver import (
 )
 from kvstore.internal.v1 import peer_pb2
 from kvstore.server import failpoints
-from kvstore.v1 import kv_pb2
+from kvstore.v1 import cluster_pb2, kv_pb2
 
 if TYPE_CHECKING:
     from kvstore.core.locks import LockIndex
@@ -116,9 +116,12 @@ class Transactions:
             except Exception:  # a resolver must outlive whatever one round met
                 log.exception("resolving prepared transactions failed")
 
-    def resolve_in_doubt(self, *, older_than_ms: int = limits.TXN_IN_DOUBT_AFTER_MS, only: str = "") -> list[str]:
+    def resolve_in_doubt(self, *, older_than_ms: int | None = None, only: str = "") -> list[str]:
         """Start a recovery for every prepare older than `older_than_ms` at the shards this node
-        leads (`only`: that txn id alone); the txn ids started. Also sets the in-doubt gauge."""
+        leads (`only`: that txn id alone; default age: the node's `txn_in_doubt_ms`); the txn ids
+        started. Also sets the in-doubt gauge."""
+        if older_than_ms is None:
+            older_than_ms = self.node.config.txn_in_doubt_ms
         now = _unix_ms()
         started: list[str] = []
         oldest_ms = 0
@@ -171,6 +174,30 @@ class Transactions:
             await replica.next_apply(min(0.05, budget_s - waited))
             holders = locked(replica.store.locks)
 
+    async def force(self, txn_id: str) -> cluster_pb2.ResolveTransactionResponse:
+        """Resolve `txn_id` now at the shards this node leads that hold its prepare (an
+        operator's `kvstore txn resolve`): the coordinator's decision, or abort if there is none.
+        Waits for the outcome (bounded)."""
+        shards = [s for s, replica in sorted(self.node.replicas.items())
+                  if self.node.leads(s) and replica.store.locks.prepared_txn(txn_id) is not None]
+        if not shards:
+            return cluster_pb2.ResolveTransactionResponse(txn_id=txn_id, outcome="not prepared")
+        if txn_id not in self._running:
+            self.resolve_in_doubt(only=txn_id)
+        task = self._running.get(txn_id)
+        finished: Finished | None = None
+        if task is not None:
+            try:
+                finished = await asyncio.wait_for(asyncio.shield(task), TXN_BUDGET_S + TXN_CALL_TIMEOUT_S)
+            except TimeoutError:
+                finished = None
+        if finished is None or finished.committed is None:
+            detail = finished.in_doubt if finished is not None else "no outcome within the bound"
+            return cluster_pb2.ResolveTransactionResponse(txn_id=txn_id, outcome="in doubt", detail=detail,
+                                                          shards=shards)
+        return cluster_pb2.ResolveTransactionResponse(
+            txn_id=txn_id, outcome="committed" if finished.committed else "aborted", shards=shards)
+
     def prepared(self, older_than_ms: int = 0) -> list[peer_pb2.PreparedTxnInfo]:
         """The prepared transactions of the shards this node leads (`kvstore txn list`)."""
         now = _unix_ms()
@@ -218,7 +245,7 @@ class Transactions:
         task.add_done_callback(lambda _t: self._running.pop(txn_id, None))
 
     async def _drive(self, driver: TxnDriver,
-                     answered: asyncio.Future[kv_pb2.TxnResponse | errors.StoreError] | None) -> None:
+                     answered: asyncio.Future[kv_pb2.TxnResponse | errors.StoreError] | None) -> Finished | None:
         events: asyncio.Queue[Any] = asyncio.Queue()
         calls: set[asyncio.Task[None]] = set()
         finished: Finished | None = None
@@ -264,25 +291,27 @@ class Transactions:
             if finished is not None and finished.in_doubt:
                 log.warning("transaction %s stays in doubt: %s", driver.txn_id, finished.in_doubt,
                             extra={"event": "txn_in_doubt", "txn_id": driver.txn_id})
+        return finished
 
     async def _call(self, action: SendPrepare | SendDecide | SendResolve, events: asyncio.Queue[Any]) -> None:
         if isinstance(action, SendPrepare):
             request: Any = peer_pb2.PrepareTxnRequest(txn_id=action.txn_id, shard=action.shard, txn=action.request)
-            answer = await self._record(action.shard, "PrepareTxn", request, self.prepare_write(request))
+            answer = await self._record(action.shard, "PrepareTxn", request, self.prepare_write(request), "vote")
             events.put_nowait(PrepareAnswered(action.shard, answer))
         elif isinstance(action, SendDecide):
             request = peer_pb2.DecideTxnRequest(decision=action.decision,
                                                 first_attempt_unix_ms=action.first_attempt_unix_ms)
-            answer = await self._record(action.shard, "DecideTxn", request, self.decide_write(request))
+            answer = await self._record(action.shard, "DecideTxn", request, self.decide_write(request), "decided")
             events.put_nowait(DecideAnswered(answer))
         else:
             request = peer_pb2.ResolveTxnRequest(shard=action.shard, resolve=action.resolve)
-            answer = await self._record(action.shard, "ResolveTxn", request, self.resolve_write(request))
+            answer = await self._record(action.shard, "ResolveTxn", request, self.resolve_write(request), "resolve")
             events.put_nowait(ResolveAnswered(action.shard, answer))
 
-    async def _record(self, shard: int, method: str, request: Any, make: Callable[[ShardStore], Write]) -> Any:
-        """One record at `shard`: here if this node leads it, else at its leader; the answer or
-        the error, as the driver takes it."""
+    async def _record(self, shard: int, method: str, request: Any, make: Callable[[ShardStore], Write],
+                      field: str) -> Any:
+        """One record at `shard`: here if this node leads it, else at its leader (whose answer
+        carries it in `field`); the answer or the error, as the driver takes it."""
         try:
             if self.node.leads(shard):
                 return await asyncio.wait_for(self.record(shard, make, request.ByteSize()), TXN_CALL_TIMEOUT_S)
@@ -290,7 +319,8 @@ class Transactions:
             if not leader or leader == self.node.address:
                 return errors.UnavailableError(f"shard {shard} has no leader known right now")
             stub = self.peers.peer(leader)
-            return await getattr(stub, method)(request, timeout=TXN_CALL_TIMEOUT_S)
+            reply = await getattr(stub, method)(request, timeout=TXN_CALL_TIMEOUT_S)
+            return getattr(reply, field)
         except errors.StoreError as refused:
             return refused
         except TimeoutError:

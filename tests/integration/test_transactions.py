@@ -11,6 +11,7 @@ with the same state, and nothing stays prepared.
 from __future__ import annotations
 
 import collections
+import json
 import os
 import random
 import signal
@@ -21,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from kvstore import cli
 from kvstore.client import Client, Compare, KvError, Op, TxnConflict, UnknownOutcome
 from kvstore.core.sharding import shard_of
 from kvstore.dev import demo
@@ -69,17 +71,62 @@ def test_a_cross_shard_txn_commits_atomically_and_reads_a_consistent_cut(cluster
         assert [r.value for r in snapshot.results] == [b"7", b"8"]
 
 
-@pytest.fixture
-def stopping_cluster(kafka: LocalKafka, tmp_path: Path) -> Iterator[Cluster]:
-    """Every node's first driven transaction stops right after its decision (a failpoint)."""
+def _stopping(kafka: LocalKafka, tmp_path: Path, *, patient: bool) -> Iterator[Cluster]:
+    """Every node's first driven transaction stops right after its decision (a failpoint);
+    `patient`: the nodes' resolvers wait 10 minutes before they call a prepare in doubt."""
     c = Cluster(kafka.bootstrap_servers, tmp_path)
     for node in c.nodes:
         node.env["KVSTORE_FAILPOINTS"] = "txn-stop-after-decision=1"
+        if patient:
+            node.env["KVSTORE_TXN_IN_DOUBT_MS"] = "600000"
     c.start()
     try:
         yield c
     finally:
         c.stop()
+
+
+@pytest.fixture
+def stopping_cluster(kafka: LocalKafka, tmp_path: Path) -> Iterator[Cluster]:
+    yield from _stopping(kafka, tmp_path, patient=False)
+
+
+@pytest.fixture
+def patient_cluster(kafka: LocalKafka, tmp_path: Path) -> Iterator[Cluster]:
+    yield from _stopping(kafka, tmp_path, patient=True)
+
+
+def test_an_operator_lists_and_resolves_a_transaction_in_doubt(patient_cluster: Cluster,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """KIP-939's view: `kvstore txn list --in-doubt` shows the stopped transaction at each
+    participant with its coordinator and age, the oldest-in-doubt gauge counts it, and `kvstore
+    txn resolve` ends it with its coordinator's decision (a commit) at every participant."""
+    cluster = patient_cluster
+    a = next(k for k in account_keys() if shard_of(k, SHARDS) == 1)
+    b = next(k for k in account_keys() if shard_of(k, SHARDS) == 3)
+    with Client(cluster.endpoints, timeout_s=20, max_attempts=1) as once, pytest.raises(UnknownOutcome):
+        once.txn([], [Op.put(a, b"x"), Op.put(b, b"y")], request_id="op-1")
+    endpoints = ",".join(cluster.endpoints)
+    assert cli.main(["--endpoints", endpoints, "-o", "json", "txn", "list", "--in-doubt"]) == 0
+    listed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    rows = listed["transactions"]
+    assert sorted(r["shard"] for r in rows) == [1, 3] and len({r["txn_id"] for r in rows}) == 1, listed
+    assert all(r["coordinator"] == 1 and r["participants"] == [1, 3] and r["request_id"] == "op-1" for r in rows)
+    txn_id = rows[0]["txn_id"]
+
+    def gauge() -> float:
+        return max(n.metric("kvstore_txn_in_doubt_oldest_seconds") for n in cluster.nodes)
+
+    wait_until(lambda: gauge() > 0, 10, interval_s=0.2, what="the in-doubt gauge to count the prepare")
+    assert cli.main(["--endpoints", endpoints, "txn", "resolve", txn_id]) == 0
+    out = capsys.readouterr().out
+    assert f"transaction {txn_id}: committed" in out, out
+    assert not prepared(cluster)
+    with cluster.client() as client:
+        assert client.get(a).value == b"x" and client.get(b).value == b"y"
+    assert cli.main(["--endpoints", endpoints, "txn", "resolve", txn_id]) == 0
+    assert "not prepared" in capsys.readouterr().out
+    wait_until(lambda: gauge() == 0, 10, interval_s=0.2, what="the in-doubt gauge back to 0")
 
 
 def test_a_read_of_a_locked_key_waits_for_the_decision_and_resolves_it(stopping_cluster: Cluster) -> None:

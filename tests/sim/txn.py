@@ -92,9 +92,11 @@ class TxnShell:
 
     # ---- the shell --------------------------------------------------------------------------------------
 
-    def _step(self, txn_id: str, event: Any) -> None:
+    def _step(self, txn_id: str, event: Any, driver_of_call: TxnDriver | None = None) -> None:
+        """`event` for the driver of `txn_id`; an answer to a call of an earlier driver of the same
+        txn id (a client's driver that finished, then a resolver's) is not this one's."""
         entry = self.drivers.get(txn_id)
-        if entry is None:
+        if entry is None or (driver_of_call is not None and entry[0] is not driver_of_call):
             return
         driver, reply = entry
         try:
@@ -117,7 +119,7 @@ class TxnShell:
             def prepare(store: MemoryShard) -> Write:
                 return txn.prepare_write(txn_id, request, shard, world.shards, store)
 
-            self._call(txn_id, shard, prepare, lambda answer: PrepareAnswered(shard, answer))
+            self._call(txn_id, driver, shard, prepare, lambda answer: PrepareAnswered(shard, answer))
         elif isinstance(action, SendDecide):
             decision, first_ms = action.decision, action.first_attempt_unix_ms
             second = TxnMutation.SECOND_DECISION in world.txn_mutations
@@ -125,10 +127,10 @@ class TxnShell:
             def decide(store: MemoryShard) -> Write:
                 return txn.decision_write(decision, store, first_attempt_unix_ms=first_ms, second_decision=second)
 
-            self._call(txn_id, action.shard, decide, DecideAnswered)
+            self._call(txn_id, driver, action.shard, decide, DecideAnswered)
         elif isinstance(action, SendResolve):
             resolve, shard = action.resolve, action.shard
-            self._call(txn_id, shard, lambda _store: txn.resolve_write(resolve),
+            self._call(txn_id, driver, shard, lambda _store: txn.resolve_write(resolve),
                        lambda answer: ResolveAnswered(shard, answer))
         elif isinstance(action, Reply):
             assert reply is not None, "a resolver's driver has no client"
@@ -142,7 +144,7 @@ class TxnShell:
             if action.in_doubt:
                 world.trace.log(f"{self.node.name} txn {txn_id} left in doubt: {action.in_doubt}")
 
-    def _call(self, txn_id: str, shard: int, make: Callable[[MemoryShard], Write],
+    def _call(self, txn_id: str, driver: TxnDriver, shard: int, make: Callable[[MemoryShard], Write],
               event_of: Callable[[Any], Any]) -> None:
         """One peer call to the node the group says leads `shard` (any node if none is known),
         bounded by the call timeout: no answer in time is an unknown outcome."""
@@ -158,7 +160,7 @@ class TxnShell:
         def deliver(answer: Answer) -> None:
             if not answered:
                 answered.append(True)
-                self._step(txn_id, event_of(answer))
+                self._step(txn_id, event_of(answer), driver)
 
         def at_target() -> None:
             target.handle_record(shard, make, lambda answer: back(lambda: deliver(answer)))
@@ -166,7 +168,8 @@ class TxnShell:
         def expire() -> None:
             if not answered:
                 answered.append(True)
-                self._step(txn_id, event_of(errors.UnknownOutcomeError(f"no answer from {target.name} in time")))
+                self._step(txn_id, event_of(errors.UnknownOutcomeError(f"no answer from {target.name} in time")),
+                           driver)
 
         world.net.send(at_target, target, once=True)
         world.sched.at(world.timing.txn_call_timeout_ms, expire, node)
@@ -183,7 +186,7 @@ class TxnShell:
         def tick() -> None:
             if self._wake.get(txn_id) == at:
                 del self._wake[txn_id]
-                self._step(txn_id, Tick())
+                self._step(txn_id, Tick(), driver)
 
         self.world.sched.at(at - self.world.sched.now, tick, self.node)
 

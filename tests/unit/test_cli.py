@@ -31,6 +31,7 @@ from kvstore.client import (
     NodeInfo,
     Op,
     PlacementChange,
+    PreparedTxn,
     PutResult,
     ReadHeader,
     ReplicaInfo,
@@ -40,6 +41,7 @@ from kvstore.client import (
     ShardMap,
     ShardMove,
     TransactionInfo,
+    TxnResolution,
     TxnResult,
     Unavailable,
     UnknownOutcome,
@@ -283,6 +285,15 @@ class FakeClient:
     def list_transactions(self, older_than_ms: int = 0) -> list[TransactionInfo]:
         self._record("list_transactions", older_than_ms)
         return [TransactionInfo(1, 7, 9, 65_000, "n2")]
+
+    def prepared_transactions(self, older_than_ms: int = 0) -> tuple[list[PreparedTxn], list[str]]:
+        self._record("prepared_transactions", older_than_ms)
+        return [PreparedTxn("t1", 2, 0, (0, 2), 6_000, 41, "r-9", 3, "n1")], ["10.0.0.9:50051"]
+
+    def resolve_transaction(self, txn_id: str) -> TxnResolution:
+        self._record("resolve_transaction", txn_id)
+        return TxnResolution(txn_id, "aborted" if txn_id == "t1" else "in doubt",
+                             "" if txn_id == "t1" else "the coordinator did not answer", (0, 2))
 
     def fence(self, shard: int) -> FenceResult:
         self._record("fence", shard)
@@ -555,6 +566,24 @@ def test_txn_list_and_fence(fake: FakeClient, capsys: pytest.CaptureFixture[str]
     assert rc == 0 and fake.calls[-1] == ("fence", (3,), {})
     assert out == "shard 3 fenced at offset 12; leader n1 told to check\n"
     assert run(["fence", "-1"], capsys)[0] == 2
+
+
+def test_txn_list_in_doubt_and_resolve(fake: FakeClient, capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, _ = run(["txn", "list", "--in-doubt", "--older-than", "5s"], capsys)
+    lines = out.splitlines()
+    assert rc == 0 and fake.calls[-1] == ("prepared_transactions", (5_000,), {})
+    assert lines[0].split()[:4] == ["TXN", "SHARD", "COORDINATOR", "PARTICIPANTS"]
+    assert lines[1].split() == ["t1", "2", "0", "0,2", "6000", "3", "r-9", "n1"]
+    assert "10.0.0.9:50051 did not answer" in lines[2]
+    (record,) = json_lines(run(["txn", "list", "--in-doubt", "-o", "json"], capsys)[1])
+    assert record["transactions"][0]["participants"] == [0, 2] and record["unreachable"] == ["10.0.0.9:50051"]
+    rc, out, _ = run(["txn", "resolve", "t1"], capsys)
+    assert rc == 0 and out == "transaction t1: aborted at shard(s) 0,2\n"
+    rc, out, _ = run(["txn", "resolve", "t2"], capsys)
+    assert rc == 1 and "in doubt" in out and "did not answer" in out
+    assert run(["txn", "resolve"], capsys)[0] == 2
+    assert run(["txn", "resolve", "t1", "--then", "put a b"], capsys)[0] == 2
+    assert run(["txn", "--in-doubt", "--then", "put a b"], capsys)[0] == 2
 
 
 def test_drain_prints_the_moves_and_follows_them_until_done(fake: FakeClient,

@@ -822,3 +822,60 @@ def test_an_abort_that_retired_the_producer_fences_again_with_a_new_term() -> No
                 (AppendFailed(AppendOutcome.ABORTED_RETIRED, "flush timed out"), None,
                  ["Answer(1,UnavailableError)", "Fence"]),
                 (Fenced(20), None, ["SetTerm(21)", "RewindUnverified"])])
+
+
+# ---- writes meeting a prepared cross-shard transaction's lock (docs/design.md §10) -----------------------
+
+
+def _lock(drive: Drive, key: bytes, txn_id: str = "t") -> None:
+    from kvstore.core.state import PreparedTxn
+    from kvstore.internal.v1 import wal_entry_pb2
+
+    drive.store.locks.add(PreparedTxn(wal_entry_pb2.TxnPrepare(txn_id=txn_id, exclusive_keys=[key]), 0, 0))
+
+
+def test_a_write_on_a_locked_key_waits_for_the_next_apply_then_goes() -> None:
+    drive = leading()
+    _lock(drive, b"k")
+    run(drive, [(WriteArrived(1, put(b"k"), 10), 0, []),
+                (Tick(), 2, [])])  # planned after the linger: parked on the lock, unanswered
+    assert len(drive.machine.parked) == 1 and drive.machine.pending_writes == 1
+    assert drive.machine.wake_at_ms() == 2 + CONFIG.lock_wait_ms
+    drive.store.locks.remove("t")  # the resolve, as an apply releases it...
+    run(drive, [(WriteArrived(2, put(b"other"), 10), 3, []),
+                (Tick(), 5, ["Append(2,1)"]),
+                (committed(drive, 2, 1), None, ["ApplyCommitted(4)", "Answer(2,PutResponse)"]),
+                (CommitApplied(), 6, []),  # ...and the parked write is queued again, first...
+                (Tick(), 8, ["Append(4,1)"])])  # ...going after the linger as a lone write does
+    assert not drive.machine.parked
+
+
+def test_a_write_locked_past_its_wait_is_refused_definitely() -> None:
+    drive = leading()
+    _lock(drive, b"k")
+    run(drive, [(WriteArrived(1, put(b"k", "r-1"), 10), 0, []),
+                (Tick(), 2, []),
+                (Tick(), 2 + CONFIG.lock_wait_ms, ["Answer(1,TxnConflictError)"])])
+    assert not drive.machine.parked and "r-1" not in drive.machine.in_progress
+    # Gone while parked: forgotten; and leadership lost: refused with everything queued.
+    run(drive, [(WriteArrived(2, put(b"k"), 10), 600, []), (Tick(), 610, []), (ClientGone(2), None, [])])
+    assert not drive.machine.parked
+    run(drive, [(WriteArrived(3, put(b"k"), 10), 700, []), (Tick(), 710, [])])
+    actions = [shown(a) for a in drive.step(LeadChanged(False))]
+    assert "Answer(3,UnavailableError)" in actions and not drive.machine.parked
+
+
+def test_a_parked_write_planned_again_past_its_wait_is_refused() -> None:
+    drive = leading()
+    _lock(drive, b"k")
+    run(drive, [(WriteArrived(1, put(b"k"), 10), 0, []), (Tick(), 2, []),
+                (WriteArrived(2, put(b"other"), 10), 3, []), (Tick(), 5, ["Append(2,1)"]),
+                (committed(drive, 2, 1), 600, ["ApplyCommitted(4)", "Answer(2,PutResponse)"]),
+                (CommitApplied(), 600, []),
+                (Tick(), 602, ["Answer(1,TxnConflictError)"])])  # still locked, and its wait is over
+
+
+def test_without_a_lock_wait_a_locked_write_is_refused_at_once() -> None:
+    drive = leading(config=dataclasses.replace(CONFIG, lock_wait_ms=0))
+    _lock(drive, b"k")
+    run(drive, [(WriteArrived(1, put(b"k"), 10), 0, []), (Tick(), 2, ["Answer(1,TxnConflictError)"])])
