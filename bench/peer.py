@@ -80,9 +80,10 @@ import wal_append  # bench/wal_append.py: the guard against a raw transactional 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS_DIR, ETCD_PROTO = REPO / "bench" / "results", Path(__file__).resolve().parent / "etcd_rpc.proto"
 SYSTEMS = ("store", "etcd", "empty")
-OPS = ("put", "get", "batch", "wbatch", "mixed")
+OPS = ("put", "get", "batch", "wbatch", "mixed", "txn1", "txnx")
 BATCH_OPS = ("batch", "wbatch")  # measured in keys/s
 SHARDS, VALUE_BYTES, BATCH, SEED_KEYS, KEYS_PER_CLIENT = 4, 100, 100, 256, 16
+TRANSFER_PAIRS = 8  # per client, cycled: txn1 / txnx
 WRITE_BATCH_MAX_ANSWER = 40  # bytes: a committed part's answer is far below, any error message above
 CHANNELS = kvbench.CHANNELS  # per target, as bench/kv.py: 256 clients = 64 streams per HTTP/2 connection
 RPC_TIMEOUT_S = 10.0
@@ -262,6 +263,21 @@ class Codec:
         return Request("/kvstore.v1.KVService/Txn", kv_pb2.TxnRequest(success=ops).SerializeToString(),
                        len(keys) * self.checked)
 
+    def transfer(self, a: bytes, b: bytes, value: bytes) -> Request:
+        """A transfer's shape: two compares that hold (version > -1) and two puts. For the store,
+        one record when a and b share a shard, a cross-shard transaction (prepare, decision,
+        resolve) when they do not; for etcd, one Txn either way."""
+        if self.etcd is not None:
+            compares = [self.etcd.Compare(result=1, target=0, key=k, version=-1) for k in (a, b)]
+            ops = [self.etcd.RequestOp(request_put=self.etcd.PutRequest(key=k, value=value)) for k in (a, b)]
+            return Request("/etcdserverpb.KV/Txn", self.etcd.TxnRequest(compare=compares, success=ops)
+                           .SerializeToString(), 2 * self.checked)
+        compares = [kv_pb2.Compare(key=k, target=kv_pb2.Compare.TARGET_VERSION, op=kv_pb2.Compare.OP_GREATER,
+                                   version=-1) for k in (a, b)]
+        ops = [kv_pb2.TxnOp(put=kv_pb2.PutRequest(key=k, value=value)) for k in (a, b)]
+        return Request("/kvstore.v1.KVService/Txn", kv_pb2.TxnRequest(compares=compares, success=ops)
+                       .SerializeToString(), 2 * self.checked)
+
     def write_batch(self, keys: Sequence[bytes], value: bytes) -> Request:
         """The store's WriteBatch of one shard's part; etcd's batch is its Txn (it has no other)."""
         if self.etcd is not None:
@@ -287,6 +303,23 @@ def batch_keys(tag: str, client: int) -> list[bytes]:
     return keys
 
 
+def key_in(shard: int, prefix: str) -> bytes:
+    """The first key `prefix/<j>` of `shard`."""
+    j = 0
+    while shard_of(key := f"{prefix}/{j}".encode(), SHARDS) != shard:
+        j += 1
+    return key
+
+
+def transfers(codec: Codec, client: int, tag: str, value: bytes, *, cross: bool) -> list[Request]:
+    """TRANSFER_PAIRS transfers of client `client`'s own accounts (no two clients contend): both
+    in its shard, or (`cross`) the second in the next shard."""
+    shard = client % SHARDS
+    other = (shard + 1) % SHARDS if cross else shard
+    return [codec.transfer(key_in(shard, f"t/{tag}/{client}/{j}/a"), key_in(other, f"t/{tag}/{client}/{j}/b"), value)
+            for j in range(TRANSFER_PAIRS)]
+
+
 def requests_for(codec: Codec, op: str, client: int, tag: str, value: bytes) -> list[Request]:
     """Client `client`'s requests in the order it sends them (cycled)."""
     puts = [codec.put(f"p/{tag}/{client}/{j}".encode(), value) for j in range(KEYS_PER_CLIENT)]
@@ -299,6 +332,8 @@ def requests_for(codec: Codec, op: str, client: int, tag: str, value: bytes) -> 
         return [codec.batch(batch_keys(tag, client), value)]
     if op == "wbatch":
         return [codec.write_batch(batch_keys(tag, client), value)]
+    if op in ("txn1", "txnx"):
+        return transfers(codec, client, tag, value, cross=op == "txnx")
     # mixed: 9 Gets then 1 Put, 160 requests
     return [puts[(j // 10) % len(puts)] if j % 10 == 9 else gets[j % len(gets)] for j in range(160)]
 
@@ -419,8 +454,14 @@ async def verify(target: Target, etcd: types.ModuleType | None) -> Row:
         ok = (p.header.revision > 0 and len(g.kvs) == 1 and g.kvs[0].value == value and b.succeeded
               and len(b.responses) == BATCH and b.header.revision > p.header.revision)
         return {"ok": ok, "detail": f"put revision {p.header.revision}, batch revision {b.header.revision}"}
+    # A cross-shard transfer commits both puts, under the coordinator shard's decision.
+    xa, xb = key_in(0, f"verify/{uuid.uuid4().hex}/a"), key_in(1, f"verify/{uuid.uuid4().hex}/b")
+    cross = kv_pb2.TxnResponse.FromString(await send(codec.transfer(xa, xb, value)))
+    xread = kv_pb2.GetResponse.FromString(await send(codec.get(xb)))
     sp, sg, sb = (kv_pb2.PutResponse.FromString(put), kv_pb2.GetResponse.FromString(get),
                   kv_pb2.TxnResponse.FromString(batch))
+    if not (cross.succeeded and cross.result.shard == 0 and len(cross.results) == 2 and xread.kv.value == value):
+        return {"ok": False, "detail": f"a cross-shard transfer answered {cross}, its key reads {xread.kv.value!r}"}
     ok = (sp.result.revision > 0 and sg.found and sg.kv.value == value and sb.succeeded
           and len(sb.results) == BATCH and all(r.put.version == 1 for r in sb.results))
     [part] = kv_pb2.WriteBatchResponse.FromString(wbatch).results
@@ -583,6 +624,12 @@ def ratio(rows: list[Row], op: str, clients: int, a: str, b: str, key: str = "op
     return round(float(by[a]) / float(by[b]), 3) if by.get(a) is not None and by.get(b) else None
 
 
+def op_ratio(rows: list[Row], system: str, a: str, b: str, clients: int) -> float | None:
+    """One system's throughput on load `a` over load `b`, at `clients`."""
+    by = {r["op"]: r["ops_per_s"] for r in rows if r["system"] == system and r["clients"] == clients}
+    return round(float(by[a]) / float(by[b]), 3) if by.get(a) is not None and by.get(b) else None
+
+
 def headline(report: Row) -> Row:
     rows, clients = report["results"], 64
     best = {(op, s): max((r["keys_per_s"] for r in rows if r["op"] == op and r["system"] == s), default=None)
@@ -609,6 +656,10 @@ def headline(report: Row) -> Row:
             "guard_vs_raw_txn_b100": round(guard["guard"]["records_per_s"] / guard["raw_txn"]["records_per_s"], 3)
             if guard and guard["raw_txn"]["records_per_s"] else None,
             "mixed64_store_vs_etcd": ratio(rows, "mixed", clients, "store", "etcd"),
+            # Cross-shard transactions (issue 21): a transfer over two shards against one within a shard,
+            # and against etcd's Txn of the same shape.
+            **{f"txnx{n}_vs_txn1_store": op_ratio(rows, "store", "txnx", "txn1", n) for n in (1, 16, 64)},
+            **{f"txnx{n}_store_vs_etcd": ratio(rows, "txnx", n, "store", "etcd") for n in (1, 16, 64)},
             "mixed64_store_vs_empty": ratio(rows, "mixed", clients, "store", "empty"),
             "at64_per_s": at64,
             "errors": {s: sum(sum(r["errors"].values()) for r in rows if r["system"] == s) for s in SYSTEMS},

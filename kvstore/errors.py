@@ -190,9 +190,9 @@ class UnavailableError(StoreError):
 
 
 class TxnConflictError(StoreError):
-    """A key this write needs is locked by a prepared cross-shard transaction (docs/design.md
-    §10): nothing was queued; retrying after a moment can succeed. Definite, never a wait: a
-    write refused here cannot be part of a deadlock."""
+    """A key this write needs stayed locked by a prepared cross-shard transaction for as long as
+    a write waits (docs/design.md §10): nothing was written; retrying after a moment can succeed.
+    Definite. The bounded wait is what ends a deadlock between transactions."""
 
     code = grpc.StatusCode.ABORTED
     reason = Reason.TXN_CONFLICT

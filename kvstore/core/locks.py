@@ -4,8 +4,10 @@ docs/design.md §10. A prepared transaction locks the keys of its prepare until 
 keys either branch writes exclusively, the keys it only compares or reads shared. The planner
 (`kvstore.core.batch.plan_batch`) checks every write against them (`conflict`): a key written
 conflicts with any other transaction's lock, a key only read with another's exclusive lock. A
-conflict is refused at once and definitely (`errors.TxnConflictError`, retriable), never waited
-for: no write waits on a lock, so no cycle of waits, no deadlock, can form.
+write in conflict is not planned: the replica machine parks it and tries it again after every
+apply for at most `ReplicaConfig.lock_wait_ms`, then refuses it definitely
+(`errors.TxnConflictError`, retriable). Waits are bounded, so a cycle of waits between
+transactions (a deadlock) lasts no longer than that bound.
 
 `BatchLocks` is the committed table plus the prepares and resolves planned earlier in the same
 batch; `LockIndex` is a table with its locks indexed by key (the memory replica's).

@@ -8,7 +8,7 @@ record does) is `kvstore.core.state.txn_record_rule`, the one apply function's.
 * **Split**: a Txn's participants (the shards of all its keys) and its coordinator shard (the
   lowest: a function of the request, so every attempt and every node picks the same one).
 * **Locks** (`kvstore.core.locks`): the prepared table, which the planner checks every write
-  against; a conflict is refused at once, never waited for.
+  against; a write in conflict waits, bounded, then is refused.
 * **Prepare** (`evaluate_prepare`): this shard's compares and both branches, evaluated under the
   locks it takes; the vote is its answer.
 * **Decision** (`evaluate_decision`): the coordinator's record; the first decision of a txn id is

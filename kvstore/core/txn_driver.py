@@ -30,10 +30,14 @@ import enum
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from kvstore import errors
+from kvstore import errors, limits
 from kvstore.core import txn
 from kvstore.internal.v1 import wal_entry_pb2
 from kvstore.v1 import kv_pb2
+
+# The commit decision carries the client's answer and is one WAL record: the answer must leave
+# room in it for the rest of the record (ids, participants, the envelope).
+MAX_DECIDED_ANSWER_BYTES = min(limits.MAX_RESPONSE_BYTES, limits.MAX_WAL_RECORD_BYTES - 16 * 1024)
 
 
 class TxnMutation(enum.Enum):
@@ -150,7 +154,8 @@ class TxnDriver:
 
     def __init__(self, config: DriverConfig, txn_id: str, participants: tuple[int, ...], *,
                  request: kv_pb2.TxnRequest, first_attempt_unix_ms: int, deadline_ms: float,
-                 recovering: wal_entry_pb2.TxnPrepare | None = None, reason: str = "") -> None:
+                 recovering: wal_entry_pb2.TxnPrepare | None = None, reason: str = "",
+                 started_unix_ms: int = 0) -> None:
         """Use `begin` (a client's Txn) or `recover` (a prepare in doubt)."""
         assert len(participants) > 1 and list(participants) == sorted(set(participants)), participants
         self.config = config
@@ -158,7 +163,8 @@ class TxnDriver:
         self.request = request
         self.participants = participants
         self.coordinator = participants[0]
-        self.first_attempt_unix_ms = first_attempt_unix_ms
+        self.first_attempt_unix_ms = first_attempt_unix_ms  # what the decision's admission judges
+        self.started_unix_ms = started_unix_ms or first_attempt_unix_ms  # this attempt's own start
         self.deadline_ms = deadline_ms
         self.recovering = recovering
         self.phase = Phase.DECIDING if recovering is not None else Phase.PREPARING
@@ -184,7 +190,8 @@ class TxnDriver:
               deadline_ms: float) -> TxnDriver:
         """A client's Txn spanning shards (validated), as the attempt `txn_id`."""
         return cls(config, txn_id, txn.participants(request, config.shard_count), request=request,
-                   first_attempt_unix_ms=request.first_attempt_unix_ms or now_unix_ms, deadline_ms=deadline_ms)
+                   first_attempt_unix_ms=request.first_attempt_unix_ms or now_unix_ms, deadline_ms=deadline_ms,
+                   started_unix_ms=now_unix_ms)
 
     @classmethod
     def recover(cls, config: DriverConfig, prepared: wal_entry_pb2.TxnPrepare, *, prepared_unix_ms: int,
@@ -269,7 +276,8 @@ class TxnDriver:
             return
         if len(self.votes) == len(self.participants):
             try:
-                response = txn.combine(self.request, self.votes, self.coordinator)
+                response = txn.combine(self.request, self.votes, self.coordinator,
+                                       max_response_bytes=MAX_DECIDED_ANSWER_BYTES)
             except errors.InvalidRequestError as too_large:
                 self._abort(too_large)
                 return
@@ -284,10 +292,22 @@ class TxnDriver:
         assert self.phase is Phase.DECIDING and ("decide", 0) in self.out_calls, "a decide answered that was not out"
         self.out_calls.discard(("decide", 0))
         answer = event.answer
-        if isinstance(answer, errors.RequestExpiredError):
-            # Only a resolver's ask can be this old: the coordinator may have forgotten the decision.
+        if isinstance(answer, errors.RequestExpiredError) and self.recovering is not None:
+            # The coordinator may have forgotten the decision: it refuses to guess.
             self._finish(in_doubt=f"the coordinator shard {self.coordinator} may have forgotten the decision "
                                   f"({answer}): an operator must resolve it")
+            return
+        if isinstance(answer, errors.RequestExpiredError | errors.InvalidRequestError) and self.decision is not None \
+                and self.decision.commit:
+            # The commit was refused, definitely and for every attempt alike (the client's first
+            # attempt is past the request-id horizon, or the record does not fit): no commit can
+            # exist. Abort this transaction (with its own, fresh time) and say so.
+            self.first_attempt_unix_ms = self.started_unix_ms
+            self.decision = wal_entry_pb2.TxnDecision(txn_id=self.txn_id, participants=self.participants,
+                                                      reason=f"{type(answer).__name__}: {answer}"[:200])
+            self.attempts.pop(("decide", 0), None)
+            self._reply(answer)
+            self._send_decide()
             return
         if isinstance(answer, errors.StoreError):
             if not self._retry(("decide", 0)):

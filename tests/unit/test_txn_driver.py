@@ -337,3 +337,35 @@ def test_a_resolver_first_aborts_a_slow_driver() -> None:
     out = d.step(DecideAnswered(decided), now_ms=5)
     assert names(out) == ["SendResolve(0)", "SendResolve(1)", "SendResolve(2)"]
     assert value(shards, A) == b"1"
+
+
+@pytest.mark.parametrize("refusal", [errors.RequestExpiredError("the first attempt is past the horizon"),
+                                     errors.InvalidRequestError("record too large", limit="max_record_bytes")])
+def test_a_commit_refused_for_good_is_answered_so_and_aborted(refusal: errors.StoreError) -> None:
+    req = transfer()
+    req.first_attempt_unix_ms = NOW - 7_200_000  # a retry of a request two hours old
+    d = begin(req)
+    d.step(Started(), now_ms=0)
+    decide = prepared_all(d)
+    assert isinstance(decide[0], SendDecide) and decide[0].first_attempt_unix_ms == NOW - 7_200_000
+    out = d.step(DecideAnswered(refusal), now_ms=2)
+    assert names(out) == [f"Reply({type(refusal).__name__})", "SendDecide(abort)"]
+    again = out[1]
+    assert isinstance(again, SendDecide) and again.first_attempt_unix_ms == NOW  # this attempt's own time
+    out = d.step(DecideAnswered(pb.TxnDecided(commit=False)), now_ms=3)
+    assert names(out) == ["SendResolve(0)", "SendResolve(1)", "SendResolve(2)"]
+
+
+def test_an_answer_too_large_for_the_decision_record_aborts_before_deciding() -> None:
+    from kvstore.core.txn_driver import MAX_DECIDED_ANSWER_BYTES
+
+    big = kv.TxnRequest(success=[kv.TxnOp(get=kv.GetRequest(key=A)), kv.TxnOp(get=kv.GetRequest(key=b"k1"))])
+    d = begin(big)
+    d.step(Started(), now_ms=0)
+    value = b"v" * (MAX_DECIDED_ANSWER_BYTES // 2 + 10)
+    out: list[Any] = []
+    for i, shard in enumerate(d.participants):
+        vote = pb.TxnVote(compares_held=True, success=pb.TxnBranch(op_indices=[i], results=kv.TxnResponse(
+            results=[kv.TxnOpResult(get=kv.GetResponse(found=True, kv=kv.KeyValue(value=value)))]).SerializeToString()))
+        out = d.step(PrepareAnswered(shard, vote), now_ms=1)
+    assert names(out) == ["Reply(InvalidRequestError)", "SendDecide(abort)"]
