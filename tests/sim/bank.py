@@ -21,12 +21,10 @@ import enum
 from collections.abc import Sequence
 
 from kvstore import errors
-from kvstore.core.sharding import shard_of
 from kvstore.v1 import kv_pb2
-from tests.sim.client import ATTEMPT_TIMEOUT_MS, OP_DEADLINE_MS, Outcome
+from tests.sim.client import ATTEMPT_TIMEOUT_MS, OP_DEADLINE_MS, Outcome, Sequential
 from tests.sim.node import ClientAnswer, Node
-from tests.sim.scheduler import Actor
-from tests.sim.world import World
+from tests.sim.world import World, spread_keys
 
 
 class BankKind(enum.Enum):
@@ -46,51 +44,34 @@ class BankOp:
     outcome: Outcome | None = None
     succeeded: bool | None = None  # a transfer's branch (OK only)
     balances: dict[bytes, int] | None = None  # a sum's reads (OK only)
+    # What the checker orders operations by (OK only): the version of each account it read (a
+    # sum's gets, a failed transfer's gets, a successful transfer's compares) and wrote.
+    read_versions: dict[bytes, int] = dataclasses.field(default_factory=dict)
+    wrote_versions: dict[bytes, int] = dataclasses.field(default_factory=dict)
+    compared: tuple[int, int] = (0, 0)  # a transfer's compared versions (what it read if it succeeded)
     attempts: int = 0
     unknown_attempts: int = 0
 
 
 def accounts(count: int, shards: int) -> list[bytes]:
     """`count` account keys, more if needed so that every shard holds one."""
-    keys = [f"acct-{i}".encode() for i in range(count)]
-    index = count
-    while len({shard_of(k, shards) for k in keys}) < shards:
-        key = f"acct-{index}".encode()
-        if shard_of(key, shards) not in {shard_of(k, shards) for k in keys}:
-            keys.append(key)
-        index += 1
-    return keys
+    return spread_keys("acct-", count, shards)
 
 
 def balance(value: bytes) -> int:
     return int(value) if value else 0
 
 
-class BankClient(Actor):
+class BankClient(Sequential):
+    op: BankOp | None
+
     def __init__(self, index: int, world: World, nodes: Sequence[Node], keys: Sequence[bytes]) -> None:
-        super().__init__(f"bank{index}")
+        super().__init__(f"bank{index}", world, nodes)
         self.index = index
-        self.world = world
-        self.nodes = list(nodes)
         self.keys = list(keys)
         self.known: dict[bytes, tuple[int, int]] = {k: (0, 0) for k in keys}  # balance, version last seen
         self.history: list[BankOp] = []
-        self.op: BankOp | None = None
-        self.stopping = False
-        self.done = False
         self._final_sum = False
-        self._attempt = 0
-        self._deadline = 0
-        self._serial = 0
-
-    def start(self) -> None:
-        self.world.sched.at(self.world.sched.between(0, 20), self._next, self)
-
-    def finish(self) -> None:
-        """No new transfers; end with one sum of every account (heal phase)."""
-        self.stopping = True
-        if self.op is None and not self.done:
-            self.world.sched.at(0, self._next, self)
 
     # ---- operations ------------------------------------------------------------------------------------
 
@@ -120,6 +101,7 @@ class BankClient(Actor):
             return kv_pb2.TxnRequest(success=[kv_pb2.TxnOp(get=kv_pb2.GetRequest(key=k)) for k in op.accounts])
         a, b = op.accounts
         (va, ver_a), (vb, ver_b) = self.known[a], self.known[b]
+        op.compared = (ver_a, ver_b)
         compares = [kv_pb2.Compare(key=k, target=kv_pb2.Compare.TARGET_VERSION, op=kv_pb2.Compare.OP_EQUAL, version=v)
                     for k, v in ((a, ver_a), (b, ver_b))]
         return kv_pb2.TxnRequest(
@@ -147,12 +129,8 @@ class BankClient(Actor):
         world.sched.at(ATTEMPT_TIMEOUT_MS, lambda: self._on_timeout(attempt), self)
 
     def _on_timeout(self, attempt: int) -> None:
-        if attempt != self._attempt:
-            return
-        self._attempt = 0
-        assert self.op is not None
-        self.op.unknown_attempts += 1
-        self._retry(self.world.sched.between(1, 50))
+        if self._timed_out(attempt):
+            self._retry(self.world.sched.between(1, 50))
 
     def _on_answer(self, attempt: int, answer: ClientAnswer) -> None:
         if attempt != self._attempt:
@@ -175,22 +153,17 @@ class BankClient(Actor):
             op.unknown_attempts += 1
         self._retry(self.world.sched.between(5, 100))
 
-    def _retry(self, delay_ms: int) -> None:
-        op = self.op
-        assert op is not None
-        if self.world.sched.now + delay_ms > self._deadline:
-            unknown = op.kind is BankKind.TRANSFER and op.unknown_attempts > 0
-            self._complete(Outcome.UNKNOWN if unknown else Outcome.FAILED, None)
-            return
-        self.world.sched.at(delay_ms, self._send, self)
+    def _writes(self) -> bool:
+        return self.op is not None and self.op.kind is BankKind.TRANSFER
 
-    def _complete(self, outcome: Outcome, answer: kv_pb2.TxnResponse | None) -> None:
+    def _complete(self, outcome: Outcome, answer: ClientAnswer | None) -> None:
         op = self.op
         assert op is not None
         op.outcome = outcome
         if outcome is not Outcome.UNKNOWN:
             op.complete = self.world.sched.steps
         if answer is not None:
+            assert isinstance(answer, kv_pb2.TxnResponse), answer
             self._learn(op, answer)
         self.world.audit.counters[f"bank_{op.kind.value}_{outcome.value}"] += 1
         self.op = None
@@ -202,7 +175,8 @@ class BankClient(Actor):
             for key, result in zip(op.accounts, answer.results, strict=True):
                 get = result.get
                 op.balances[key] = balance(get.kv.value) if get.found else 0
-                self.known[key] = (op.balances[key], get.kv.version if get.found else 0)
+                op.read_versions[key] = get.kv.version if get.found else 0
+                self.known[key] = (op.balances[key], op.read_versions[key])
             return
         op.succeeded = answer.succeeded
         a, b = op.accounts
@@ -210,7 +184,10 @@ class BankClient(Actor):
             (va, _), (vb, _) = self.known[a], self.known[b]
             self.known[a] = (va - op.amount, answer.results[0].put.version)
             self.known[b] = (vb + op.amount, answer.results[1].put.version)
+            op.read_versions = {a: op.compared[0], b: op.compared[1]}
+            op.wrote_versions = {a: answer.results[0].put.version, b: answer.results[1].put.version}
         else:
             for key, result in zip((a, b), answer.results, strict=True):
                 get = result.get
-                self.known[key] = (balance(get.kv.value) if get.found else 0, get.kv.version if get.found else 0)
+                op.read_versions[key] = get.kv.version if get.found else 0
+                self.known[key] = (balance(get.kv.value) if get.found else 0, op.read_versions[key])

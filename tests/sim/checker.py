@@ -22,7 +22,11 @@ WAL). The oracle replays each log the way any reader must (read_committed, then 
   (which prepared it) with the decided branch, an aborted or undecided one in none; T3: nothing
   stays prepared once the run healed; T5: no client request committed twice; and the bank's
   answers: every sum a read-only Txn saw is 0, every acknowledged transfer committed, none
-  reported failed did, and the accounts sum to 0 at the end.
+  reported failed did, and the accounts sum to 0 at the end;
+* **strict serializability** of the bank's acknowledged Txns (`check_serializable`): each says
+  which version of each account it read and wrote, which orders it on that account; those
+  orders and real time (an operation answered before another was invoked comes first) must
+  admit one total order, i.e. form no cycle.
 """
 
 from __future__ import annotations
@@ -245,6 +249,9 @@ def check_txns(oracles: Sequence[Oracle], bank: Sequence[BankOp], accounts: Sequ
             violations.append(f"bank: transfer {op.request_id} was acknowledged but never committed")
         if op.outcome is Outcome.FAILED and committed(op.request_id):
             violations.append(f"W7: bank transfer {op.request_id} was answered as definitely failed but committed")
+    why = check_serializable(bank)
+    if why is not None:
+        violations.append(f"not strictly serializable: {why}")
     if converged and accounts:
         total = 0
         for key in accounts:
@@ -253,3 +260,80 @@ def check_txns(oracles: Sequence[Oracle], bank: Sequence[BankOp], accounts: Sequ
         if total != 0:
             violations.append(f"bank: the accounts sum to {total} after healing")
     return violations
+
+
+def check_serializable(bank: Sequence[BankOp]) -> str | None:
+    """A cycle among the acknowledged bank operations, described, or None.
+
+    Per account, versions count its writes (a transfer that wrote version v read v - 1). So an
+    operation that read version v comes after the writer of v and before the writer of v + 1,
+    and the writer of v comes before the writer of v + 1: the account's history is one chain.
+    Writers known only by the version they left (a transfer whose answer was lost) are
+    placeholders in that chain. Real time adds an edge from every operation answered before
+    another was invoked. A strictly serializable history has a total order containing every
+    edge: the graph has no cycle (checked with an iterative depth-first search)."""
+    ok = [op for op in bank if op.outcome is Outcome.OK and (op.read_versions or op.wrote_versions)]
+    nodes: list[str] = [f"{op.kind.value} {op.request_id or f'c{op.client}@{op.invoke}'}" for op in ok]
+    edges: dict[int, set[int]] = collections.defaultdict(set)
+    writers: dict[tuple[bytes, int], int] = {}
+    for i, op in enumerate(ok):
+        for key, version in op.wrote_versions.items():
+            if (key, version) in writers:
+                return f"{nodes[writers[(key, version)]]} and {nodes[i]} both wrote version {version} of {key!r}"
+            writers[(key, version)] = i
+
+    def writer(key: bytes, version: int) -> int:
+        if (key, version) not in writers:  # a write whose answer was lost: known by its version only
+            writers[(key, version)] = len(nodes)
+            nodes.append(f"the write of {key!r} v{version}")
+        return writers[(key, version)]
+
+    for i, op in enumerate(ok):
+        for key, version in op.wrote_versions.items():
+            if version > 1:
+                edges[writer(key, version - 1)].add(i)
+        for key, version in op.read_versions.items():
+            if key in op.wrote_versions:
+                continue
+            if version > 0:
+                edges[writer(key, version)].add(i)
+            edges[i].add(writer(key, version + 1))
+    by_key: dict[bytes, list[int]] = collections.defaultdict(list)
+    for key, version in writers:
+        by_key[key].append(version)
+    for key, seen in by_key.items():  # each account's versions, one chain
+        present = set(seen)
+        for version in seen:
+            if version + 1 in present:
+                edges[writers[(key, version)]].add(writers[(key, version + 1)])
+    for i, a in enumerate(ok):  # real time: answered before the other was invoked
+        for j, b in enumerate(ok):
+            if a.complete is not None and a.complete < b.invoke:
+                edges[i].add(j)
+    return _cycle(nodes, edges)
+
+
+def _cycle(nodes: Sequence[str], edges: dict[int, set[int]]) -> str | None:
+    state = [0] * len(nodes)  # 0 new, 1 on the stack, 2 done
+    for root in range(len(nodes)):
+        if state[root]:
+            continue
+        stack: list[tuple[int, list[int]]] = [(root, sorted(edges.get(root, ())))]
+        state[root] = 1
+        path = [root]
+        while stack:
+            node, todo = stack[-1]
+            if not todo:
+                state[node] = 2
+                stack.pop()
+                path.pop()
+                continue
+            nxt = todo.pop()
+            if state[nxt] == 1:
+                cycle = [*path[path.index(nxt):], nxt]
+                return " -> ".join(nodes[n] for n in cycle[:8])
+            if state[nxt] == 0:
+                state[nxt] = 1
+                path.append(nxt)
+                stack.append((nxt, sorted(edges.get(nxt, ()))))
+    return None

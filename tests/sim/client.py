@@ -23,12 +23,16 @@ from __future__ import annotations
 import dataclasses
 import enum
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from kvstore import errors
 from kvstore.core.sharding import shard_of
 from kvstore.v1 import kv_pb2
 from tests.sim.node import ClientAnswer, Node, Request
 from tests.sim.scheduler import Actor
+
+if TYPE_CHECKING:
+    from tests.sim.bank import BankOp as BankOpLike
 from tests.sim.world import World
 
 ATTEMPT_TIMEOUT_MS = 1_500
@@ -69,19 +73,21 @@ class Operation:
     unknown_attempts: int = 0
 
 
-class Client(Actor):
-    def __init__(self, index: int, world: World, nodes: Sequence[Node], keys: Sequence[bytes]) -> None:
-        super().__init__(f"c{index}")
-        self.index = index
+class Sequential(Actor):
+    """A client process running one operation at a time: attempts with a timeout, retries until
+    the operation's deadline, then unknown (a write with an attempt of unknown outcome) or
+    failed (the client's side of W7, the module docstring). The register clients and the bank's
+    (`tests.sim.bank`) differ in what they ask and what they learn, not in this."""
+
+    op: Operation | BankOpLike | None
+
+    def __init__(self, name: str, world: World, nodes: Sequence[Node]) -> None:
+        super().__init__(name)
         self.world = world
         self.nodes = list(nodes)
-        self.keys = list(keys)
-        self.history: list[Operation] = []
-        self.leaders: dict[int, Node] = {}
-        self.op: Operation | None = None
+        self.op = None
         self.stopping = False
         self.done = False
-        self._final: list[bytes] = []
         self._attempt = 0
         self._deadline = 0
         self._serial = 0
@@ -90,11 +96,60 @@ class Client(Actor):
         self.world.sched.at(self.world.sched.between(0, 20), self._next, self)
 
     def finish(self) -> None:
-        """No new random operations; end with a Get of every key (heal phase)."""
+        """No new random operations; end with the final reads (heal phase)."""
         self.stopping = True
-        self._final = list(self.keys)
+        self._finishing()
         if self.op is None and not self.done:
             self.world.sched.at(0, self._next, self)
+
+    def _finishing(self) -> None:
+        """What the final reads are (before the next operation starts)."""
+
+    def _next(self) -> None:
+        raise NotImplementedError
+
+    def _send(self) -> None:
+        raise NotImplementedError
+
+    def _complete(self, outcome: Outcome, answer: ClientAnswer | None) -> None:
+        raise NotImplementedError
+
+    def _writes(self) -> bool:
+        """Whether the operation running can have taken effect (its unknown attempts matter)."""
+        raise NotImplementedError
+
+    def _timed_out(self, attempt: int) -> bool:
+        """`attempt` got no answer in time (if it is still the one out): it may have been applied."""
+        if attempt != self._attempt:
+            return False
+        self._attempt = 0
+        assert self.op is not None
+        self.op.unknown_attempts += 1
+        return True
+
+    def _retry(self, delay_ms: int) -> None:
+        op = self.op
+        assert op is not None
+        if self.world.sched.now + delay_ms > self._deadline:
+            unknown = self._writes() and op.unknown_attempts > 0
+            self._complete(Outcome.UNKNOWN if unknown else Outcome.FAILED, None)
+            return
+        self.world.sched.at(delay_ms, self._send, self)
+
+
+class Client(Sequential):
+    op: Operation | None
+
+    def __init__(self, index: int, world: World, nodes: Sequence[Node], keys: Sequence[bytes]) -> None:
+        super().__init__(f"c{index}", world, nodes)
+        self.index = index
+        self.keys = list(keys)
+        self.history: list[Operation] = []
+        self.leaders: dict[int, Node] = {}
+        self._final: list[bytes] = []
+
+    def _finishing(self) -> None:
+        self._final = list(self.keys)
 
     # ---- operations ------------------------------------------------------------------------------------
 
@@ -182,13 +237,9 @@ class Client(Actor):
         world.sched.at(ATTEMPT_TIMEOUT_MS, lambda: self._on_timeout(attempt, shard), self)
 
     def _on_timeout(self, attempt: int, shard: int) -> None:
-        if attempt != self._attempt:
-            return
-        self._attempt = 0
-        assert self.op is not None
-        self.op.unknown_attempts += 1  # no answer: it may have been applied
-        self.leaders.pop(shard, None)
-        self._retry(self.world.sched.between(1, 50))
+        if self._timed_out(attempt):
+            self.leaders.pop(shard, None)
+            self._retry(self.world.sched.between(1, 50))
 
     def _on_answer(self, attempt: int, answer: ClientAnswer) -> None:
         if attempt != self._attempt:
@@ -229,14 +280,8 @@ class Client(Actor):
             self.leaders.pop(shard, None)
         self._retry(rng_wait(5, 100))
 
-    def _retry(self, delay_ms: int) -> None:
-        op = self.op
-        assert op is not None
-        if self.world.sched.now + delay_ms > self._deadline:
-            unknown = op.kind is not Kind.GET and op.unknown_attempts > 0
-            self._complete(Outcome.UNKNOWN if unknown else Outcome.FAILED, None)
-            return
-        self.world.sched.at(delay_ms, self._send, self)
+    def _writes(self) -> bool:
+        return self.op is not None and self.op.kind is not Kind.GET
 
     def _complete(self, outcome: Outcome, answer: ClientAnswer | None) -> None:
         op = self.op

@@ -23,7 +23,6 @@ import traceback
 from kvstore.core import placement
 from kvstore.core.placement import Hold
 from kvstore.core.replica import Mutation
-from kvstore.core.sharding import shard_of
 from kvstore.core.txn_driver import TxnMutation
 from tests.sim.bank import BankClient, BankOp, accounts
 from tests.sim.checker import check_run
@@ -34,7 +33,7 @@ from tests.sim.kafka import Broker, KafkaVariant
 from tests.sim.network import Network
 from tests.sim.node import Node
 from tests.sim.scheduler import START_UNIX_MS, Scheduler
-from tests.sim.world import Audit, Timing, Trace, World
+from tests.sim.world import Audit, Timing, Trace, World, spread_keys
 
 SETTLE_CHECK_EVERY = 500  # steps between convergence checks in the heal phase
 
@@ -274,14 +273,7 @@ def client_keys(count: int, shards: int) -> list[bytes]:
     """`count` keys, and more if needed so that every shard has one: a leader learns of records
     appended behind its back (a foreign writer's) only when it writes or serves a read barrier,
     so every shard needs traffic for the final reads to bring every replica to the end."""
-    keys = [f"k{i}".encode() for i in range(count)]
-    index = count
-    while len({shard_of(k, shards) for k in keys}) < shards:
-        key = f"k{index}".encode()
-        if shard_of(key, shards) not in {shard_of(k, shards) for k in keys}:
-            keys.append(key)
-        index += 1
-    return keys
+    return spread_keys("k", count, shards)
 
 
 def run(config: SimConfig) -> SimResult:

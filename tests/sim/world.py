@@ -15,6 +15,7 @@ from typing import Any
 
 from kvstore.core.replica import Mutation
 from kvstore.core.request_window import MemoryShard
+from kvstore.core.sharding import shard_of
 from kvstore.core.txn_driver import TxnMutation
 from tests.sim.group import GroupCoordinator
 from tests.sim.kafka import Broker
@@ -139,3 +140,15 @@ class World:
     def violation(self, text: str) -> None:
         self.audit.violations.append(text)
         self.trace.log(f"VIOLATION {text}")
+
+
+def spread_keys(prefix: str, count: int, shards: int) -> list[bytes]:
+    """`count` keys `<prefix><i>`, and more if needed so that every shard holds one."""
+    keys = [f"{prefix}{i}".encode() for i in range(count)]
+    index = count
+    while len({shard_of(k, shards) for k in keys}) < shards:
+        key = f"{prefix}{index}".encode()
+        if shard_of(key, shards) not in {shard_of(k, shards) for k in keys}:
+            keys.append(key)
+        index += 1
+    return keys
