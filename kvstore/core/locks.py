@@ -40,6 +40,10 @@ class LockView(Protocol):
         """How many transactions are prepared (bounded: `kvstore.limits.MAX_PREPARED_TXNS`)."""
         ...
 
+    def prepared(self) -> list[PreparedTxn]:
+        """Every prepared transaction (a scan's range is checked against their keys)."""
+        ...
+
 
 class LockIndex:
     """A prepared table with its locks indexed by key: the memory replica's, and the shape a
@@ -112,6 +116,9 @@ class NoLocks:
     def prepared_count(self) -> int:
         return 0
 
+    def prepared(self) -> list[PreparedTxn]:
+        return []
+
 
 NO_LOCKS = NoLocks()
 
@@ -145,6 +152,9 @@ class BatchLocks:
     def prepared_count(self) -> int:
         """An upper bound: the batch's resolves are not subtracted."""
         return self._committed.prepared_count() + self._added.prepared_count()
+
+    def prepared(self) -> list[PreparedTxn]:
+        return [p for p in (*self._committed.prepared(), *self._added.prepared()) if p.txn_id not in self._released]
 
     def planned(self, evaluation: Evaluation) -> None:
         """`evaluation` joins the batch: its locks are taken, or its transaction's released."""

@@ -65,6 +65,7 @@ class Mutation(enum.Enum):
     SKIP_MARKER_REWIND = "skip-marker-rewind"  # never re-read the slot a leader assumed its marker took
     SKIP_REQUEST_DEDUPE = "skip-request-dedupe"  # admit every attempt as new (no replay, no "in progress")
     ANSWER_BEFORE_COMMIT = "answer-before-commit"  # answer a batch's writers when it is appended, not committed
+    SKIP_READ_LOCK_WAIT = "skip-read-lock-wait"  # serve a read of a key a prepared transaction locked at once
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,6 +84,11 @@ class ReplicaConfig:
     # after every apply) before it is refused with TxnConflictError (docs/design.md §10). Waits
     # are bounded, so no deadlock between transactions outlives this; 0: refuse at once.
     lock_wait_ms: float = 500
+    # A linearizable read of a key a prepared cross-shard transaction locked exclusively waits
+    # (T4) for an apply that releases it, at most `read_lock_wait_ms` (then UNAVAILABLE); after
+    # `read_kick_ms` it asks for the holders to be resolved at once (`ResolveNow`).
+    read_lock_wait_ms: float = 3_000
+    read_kick_ms: float = 500
     refence_pause_ms: float = 1_000  # fenced while still assigned the shard: pause, then fence back
     beyond_end_grace_ms: float = 45_000  # a checkpoint beyond the end must last this long to be believed
     beyond_end_poll_ms: float = 500  # how often the end is read again meanwhile
@@ -152,10 +158,14 @@ class WriteArrived:
 
 @dataclasses.dataclass(frozen=True)
 class ReadArrived:
-    """A linearizable read asks for the barrier; answered `READY` when it may read locally."""
+    """A linearizable read asks for the barrier; answered `READY` when it may read locally: the
+    barrier passed, and none of its `keys`, nor any key in its `span` ([start, end), end None:
+    to the end), is exclusively locked by a prepared cross-shard transaction (T4)."""
 
     ticket: int
     leader_hint: str = ""
+    keys: tuple[bytes, ...] = ()
+    span: tuple[bytes, bytes | None] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -413,12 +423,21 @@ class Note:
 
 
 @dataclasses.dataclass(frozen=True)
+class ResolveNow:
+    """Reads wait on these prepared transactions' locks: have them resolved at once (the
+    coordinator's decision, or an abort if there is none). A hint: no event answers it."""
+
+    txn_ids: tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True)
 class Exit:
     """Stopped: nothing runs any more; close the reader and the store."""
 
 
 Action = (Fence | SetTerm | Append | ReadEnd | ReadSettledEnd | Fetch | ApplyReplayed | ApplyCommitted
-          | AnswerRequest | RewindUnverified | Wipe | LoadSnapshot | CloseWriter | Unable | Able | Note | Exit)
+          | AnswerRequest | RewindUnverified | Wipe | LoadSnapshot | CloseWriter | Unable | Able | Note | ResolveNow
+          | Exit)
 
 
 # ---- state ------------------------------------------------------------------------------------------
@@ -474,6 +493,17 @@ class _Batch:
 class _BarrierRead:
     ticket: int
     response: Response | None  # a read-only Txn's answer, given once the barrier passed; None: READY
+    keys: tuple[bytes, ...] = ()  # what a READY read will read (`ReadArrived`)
+    span: tuple[bytes, bytes | None] | None = None
+
+
+@dataclasses.dataclass
+class _LockedRead:
+    """A read past its barrier that meets a prepared transaction's exclusive lock (T4)."""
+
+    read: _BarrierRead
+    kick_at_ms: float | None  # when to ask for its holders to be resolved (None: asked)
+    deadline_ms: float
 
 
 @dataclasses.dataclass
@@ -551,6 +581,7 @@ class ReplicaMachine:
         self.round: list[_BarrierRead] = []
         self.round_out = False
         self.waiters: list[_Waiter] = []
+        self.locked_reads: list[_LockedRead] = []  # bounded by the reads admitted, each by its deadline
         self._now_ms = 0.0
         self._unix_ms = 0
         self._out: list[Action] = []
@@ -579,6 +610,9 @@ class ReplicaMachine:
         if self.confirm is not None and self.reader_op is None:
             times.append(min(self.confirm.next_read_ms, self.confirm.deadline_ms))
         times.extend(w.deadline_ms for w in self.waiters)
+        for locked in self.locked_reads:
+            times.append(locked.deadline_ms if locked.kick_at_ms is None else min(locked.kick_at_ms,
+                                                                                 locked.deadline_ms))
         times.extend(p.lock_wait_until_ms for p in self.parked if p.lock_wait_until_ms is not None)
         return min(times) if times else None
 
@@ -634,6 +668,8 @@ class ReplicaMachine:
                     self._answer_pending(pending, errors.TxnConflictError(
                         f"shard {self.shard}: a key of this write stayed locked by a prepared cross-shard transaction "
                         f"for {self.config.lock_wait_ms:.0f} ms; nothing was done: retry"))
+        if self.locked_reads:
+            self._locked_reads_tick(now)
         expired = [w for w in self.waiters if now >= w.deadline_ms]
         if expired:
             self.waiters = [w for w in self.waiters if now < w.deadline_ms]
@@ -680,7 +716,7 @@ class ReplicaMachine:
         elif Mutation.SKIP_READ_BARRIER in self.config.mutations:
             self._emit(AnswerRequest(event.ticket, READY))
         else:
-            self.next_round.append(_BarrierRead(event.ticket, None))
+            self.next_round.append(_BarrierRead(event.ticket, None, event.keys, event.span))
 
     def _on_client_gone(self, event: ClientGone) -> None:
         """Not written if still queued (its id is free again); not awaited anywhere else."""
@@ -692,6 +728,7 @@ class ReplicaMachine:
                     return
         self.next_round = [r for r in self.next_round if r.ticket != event.ticket]
         self.waiters = [w for w in self.waiters if w.read.ticket != event.ticket]
+        self.locked_reads = [r for r in self.locked_reads if r.read.ticket != event.ticket]
 
     def _on_probe(self, event: ProbeRequested) -> None:
         self._probe()
@@ -1007,11 +1044,18 @@ class ReplicaMachine:
         if self.parked:
             self.queue.extendleft(reversed(self.parked))
             self.parked = []
+        if self.locked_reads:  # the apply may have released their locks
+            locked, self.locked_reads = self.locked_reads, []
+            for waiting in locked:
+                if self._read_holders(waiting.read):
+                    self.locked_reads.append(waiting)
+                else:
+                    self._answer(waiting.read.ticket, READY)
         ready = [w for w in self.waiters if checkpoint >= w.offset]
         if ready:
             self.waiters = [w for w in self.waiters if checkpoint < w.offset]
             for waiter in ready:
-                self._answer(waiter.read.ticket, waiter.read.response or READY)
+                self._serve(waiter.read)
 
     # ---- the read barrier --------------------------------------------------------------------------------
 
@@ -1029,7 +1073,7 @@ class ReplicaMachine:
                 applied = self._applied()
                 for read in reads:
                     if applied >= verdict.wait_for:
-                        self._answer(read.ticket, read.response or READY)
+                        self._serve(read)
                     else:
                         self.waiters.append(_Waiter(read, verdict.wait_for,
                                                     self._now_ms + self.config.barrier_timeout_ms))
@@ -1041,6 +1085,49 @@ class ReplicaMachine:
             refusal = errors.UnavailableError(verdict.why)
         for read in reads:
             self._answer(read.ticket, refusal)
+
+    def _serve(self, read: _BarrierRead) -> None:
+        """A read whose barrier passed: READY (or a read-only Txn's answer), unless a key it
+        reads is exclusively locked by a prepared transaction, which may be decided already:
+        then it waits for the resolve (T4). A read-only Txn met the locks when it was planned."""
+        if read.response is None and Mutation.SKIP_READ_LOCK_WAIT not in self.config.mutations \
+                and self._read_holders(read):
+            self.locked_reads.append(_LockedRead(read, self._now_ms + self.config.read_kick_ms,
+                                                 self._now_ms + self.config.read_lock_wait_ms))
+            return
+        self._answer(read.ticket, read.response or READY)
+
+    def _read_holders(self, read: _BarrierRead) -> set[str]:
+        """The prepared transactions holding an exclusive lock on what `read` reads."""
+        locks = self.view.locks
+        if not locks.has_locks():
+            return set()
+        holders = {txn_id for key in read.keys for txn_id, exclusive in locks.lock_holders(key).items()
+                   if exclusive}
+        if read.span is not None:
+            start, end = read.span
+            holders |= {p.txn_id for p in locks.prepared() if any(
+                start <= key and (end is None or key < end) for key in p.prepare.exclusive_keys)}
+        return holders
+
+    def _locked_reads_tick(self, now: float) -> None:
+        kick: set[str] = set()
+        waiting: list[_LockedRead] = []
+        for locked in self.locked_reads:
+            if now >= locked.deadline_ms:
+                holders = sorted(self._read_holders(locked.read))
+                self._answer(locked.read.ticket, errors.UnavailableError(
+                    f"shard {self.shard}: what this read reads is locked by the prepared cross-shard "
+                    f"transaction(s) {holders[:3]} for {self.config.read_lock_wait_ms:.0f} ms; nothing was read: "
+                    "retry"))
+                continue
+            if locked.kick_at_ms is not None and now >= locked.kick_at_ms:
+                locked.kick_at_ms = None
+                kick |= self._read_holders(locked.read)
+            waiting.append(locked)
+        self.locked_reads = waiting
+        if kick:
+            self._emit(ResolveNow(tuple(sorted(kick))))
 
     def _probe(self) -> None:
         if self.probing or self.role.role is not Role.LEADING:
@@ -1156,8 +1243,9 @@ class ReplicaMachine:
         parked, self.parked = self.parked, []
         for pending in parked:
             self._answer_pending(pending, error)
-        reads = [*self.next_round, *self.round, *(w.read for w in self.waiters)]
+        reads = [*self.next_round, *self.round, *(w.read for w in self.waiters), *(r.read for r in self.locked_reads)]
         self.next_round, self.round, self.waiters = [], [], []  # a query still out finds no reads
+        self.locked_reads = []
         for read in reads:
             self._answer(read.ticket, error)
         self.linger_until_ms = None

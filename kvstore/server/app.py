@@ -48,7 +48,7 @@ from kvstore.server.interceptor import ErrorInterceptor
 from kvstore.server.node import Node
 from kvstore.server.peers import Peers
 from kvstore.server.replica import ShardReplica
-from kvstore.server.txns import Transactions, keys_locked, range_locked
+from kvstore.server.txns import Transactions
 from kvstore.server.watch import Watcher, decode_changes
 from kvstore.v1 import cluster_pb2, cluster_pb2_grpc, kv_pb2, kv_pb2_grpc
 
@@ -72,12 +72,15 @@ class KVService(kv_pb2_grpc.KVServiceServicer):
         self.forwarder = forward.Forwarder(peers, node.config.node_id)
 
     async def _read_ready(self, shard: int, consistency: int, min_revision: int | None,
-                          context: grpc.aio.ServicerContext[Any, Any]) -> ShardReplica:
+                          context: grpc.aio.ServicerContext[Any, Any], *, keys: tuple[bytes, ...] = (),
+                          span: tuple[bytes, bytes | None] | None = None) -> ShardReplica:
         """The replica to read `shard` from, once it may be read at `consistency`; a stale read
-        first waits until it applied `min_revision` (a revision of this shard)."""
+        first waits until it applied `min_revision` (a revision of this shard). A linearizable
+        read of `keys` or `span` also waits for the resolve of a prepared cross-shard transaction
+        holding an exclusive lock on them (T4, in the replica machine)."""
         replica = self.node.replica(shard)
         if consistency in (kv_pb2.CONSISTENCY_UNSPECIFIED, kv_pb2.CONSISTENCY_LINEARIZABLE):
-            await replica.barrier()
+            await replica.barrier(keys, span)
         elif consistency == kv_pb2.CONSISTENCY_LEADER_LOCAL:
             replica.require_leader()
         elif consistency == kv_pb2.CONSISTENCY_STALE:
@@ -96,13 +99,11 @@ class KVService(kv_pb2_grpc.KVServiceServicer):
         floor = request.read.min_revision if request.read.HasField("min_revision") else None
         try:
             replica = await self._read_ready(self.node.shard_for(request.key), request.read.consistency, floor,
-                                             context)
+                                             context, keys=(request.key,))
         except errors.NotLeaderError as refusal:
             response = await self._forward(refusal, "Get", request, context, write=False)
             assert isinstance(response, kv_pb2.GetResponse)
             return response
-        if request.read.consistency in (kv_pb2.CONSISTENCY_UNSPECIFIED, kv_pb2.CONSISTENCY_LINEARIZABLE):
-            await self.node.txns.wait_unlocked(replica, keys_locked([request.key]), context.time_remaining())
         state = replica.store.get(request.key)
         response = kv_pb2.GetResponse(header=self._header(replica), found=state is not None)
         if state is not None:
@@ -209,11 +210,8 @@ class KVService(kv_pb2_grpc.KVServiceServicer):
             start = max(start, request.page_token)
         floors = reads.scan_floors(request.read, request.min_revisions, self.node.config.shards)
         local, remote = self._scan_plan(shards, request.read.consistency) if forward else (shards, {})
-        replicas = [await self._read_ready(shard, request.read.consistency, floors.get(shard), context)
-                    for shard in local]
-        if request.read.consistency in (kv_pb2.CONSISTENCY_UNSPECIFIED, kv_pb2.CONSISTENCY_LINEARIZABLE):
-            for replica in replicas:  # T4: never a decided transaction's keys from before it
-                await self.node.txns.wait_unlocked(replica, range_locked(start, end), context.time_remaining())
+        replicas = [await self._read_ready(shard, request.read.consistency, floors.get(shard), context,
+                                           span=(start, end)) for shard in local]
         forwarded = await asyncio.gather(*(self._forward_scan(address, group, request, context)
                                            for address, group in remote.items()))
         response = kv_pb2.ScanResponse(headers=[self._header(r) for r in replicas])

@@ -289,6 +289,12 @@ class Node:
             self.metrics.forget_shard(shard)
             log.info("shard %d: dropped its replica (%s removed)", shard, path)
 
+    def _resolve_now(self, txn_ids: tuple[str, ...]) -> None:
+        txns = getattr(self, "txns", None)  # set once the node serves (kvstore.server.app)
+        if txns is not None:
+            for txn_id in txn_ids:
+                txns.resolve_in_doubt(only=txn_id)
+
     def _open(self, shard: int, *, standby: bool) -> ShardReplica:
         assert shard not in self.replicas, shard
         replica = ShardReplica(ReplicaConfig(
@@ -302,6 +308,7 @@ class Node:
         self.replicas[shard] = replica
         replica.leader_hint = functools.partial(self.leader_address, shard)
         replica.on_unable_to_lead = self._set_unable
+        replica.resolve_now = self._resolve_now
         replica.start(lead=False, standby=standby)
         return replica
 

@@ -109,6 +109,8 @@ class ShardReplica:
         # Told (shard, reason) when this replica cannot lead (it must leave the assignment so
         # that another node leads) and (shard, None) once it can again; the node sets it.
         self.on_unable_to_lead: Callable[[int, str | None], None] = lambda shard, reason: None
+        # Asked to resolve prepared transactions a read waits on (T4); the node sets it (its resolvers).
+        self.resolve_now: Callable[[tuple[str, ...]], None] = lambda txn_ids: None
         self._tickets: dict[int, asyncio.Future[Any]] = {}  # requests waiting for an AnswerRequest
         self._reads: set[int] = set()  # which of them are read barriers
         self._next_ticket = 0
@@ -218,12 +220,14 @@ class ShardReplica:
         answer: Response = await future
         return answer
 
-    async def barrier(self) -> None:
-        """Linearizable read barrier (docs/design.md §5), shared by the reads waiting at that moment."""
+    async def barrier(self, keys: tuple[bytes, ...] = (), span: tuple[bytes, bytes | None] | None = None) -> None:
+        """Linearizable read barrier (docs/design.md §5), shared by the reads waiting at that
+        moment; then, for `keys` or `span`, until no prepared cross-shard transaction holds an
+        exclusive lock on what is read (T4, bounded: the machine's `read_lock_wait_ms`)."""
         ticket, future = self._ticket()
         self._reads.add(ticket)
         future.add_done_callback(lambda _f: self._reads.discard(ticket))
-        self._step(core.ReadArrived(ticket, self.leader_hint()))
+        self._step(core.ReadArrived(ticket, self.leader_hint(), keys, span))
         await future
 
     def check_fenced(self) -> bool:
@@ -396,6 +400,8 @@ class ShardReplica:
             self.on_unable_to_lead(self.shard, None)
         elif isinstance(action, core.Note):
             self._note(action)
+        elif isinstance(action, core.ResolveNow):
+            self.resolve_now(action.txn_ids)
         else:
             assert isinstance(action, core.Exit), action
             self._exited.set()

@@ -49,10 +49,8 @@ from kvstore.server import failpoints
 from kvstore.v1 import cluster_pb2, kv_pb2
 
 if TYPE_CHECKING:
-    from kvstore.core.locks import LockIndex
     from kvstore.server.node import Node
     from kvstore.server.peers import Peers
-    from kvstore.server.replica import ShardReplica
     from kvstore.storage.shard_store import ShardStore
 
 log = logging.getLogger("kvstore.txn")
@@ -62,8 +60,6 @@ TXN_BUDGET_S = 10.0  # a driver's time for its prepares, when the client's deadl
 TXN_RESOLVE_EVERY_S = 1.0  # how often the resolvers look for prepares in doubt
 MAX_DRIVERS = 1_000  # transactions this node drives at once (its clients' and its resolvers')
 TXN_ID_BYTES = 16  # an attempt's id: random, never repeated
-TXN_READ_WAIT_S = 3.0  # a linearizable read of a key a prepared transaction locked waits this long at most...
-TXN_READ_KICK_S = 0.5  # ...and after this, has the transaction resolved at once (abort unless decided)
 
 
 class Transactions:
@@ -145,34 +141,6 @@ class Transactions:
                 started.append(prepared.txn_id)
         self.node.metrics.txn_in_doubt_age.set(oldest_ms / 1000)
         return started
-
-    # ---- reads (T4) -----------------------------------------------------------------------------------------
-
-    async def wait_unlocked(self, replica: ShardReplica, locked: Callable[[LockIndex], set[str]],
-                            timeout_s: float | None) -> None:
-        """A linearizable read at this leader of keys that `locked` finds exclusively locked (the
-        txn ids): wait until their resolves are applied, so that the read never shows a decided
-        transaction's state from before it; past `TXN_READ_KICK_S` resolve them at once (the
-        coordinator's decision, or an abort if there is none); past the bound, refuse
-        (UNAVAILABLE, retriable: nothing was read)."""
-        holders = locked(replica.store.locks)
-        if not holders:
-            return
-        budget_s = TXN_READ_WAIT_S if timeout_s is None else max(0.0, min(TXN_READ_WAIT_S, timeout_s))
-        started = time.monotonic()
-        kicked = False
-        while holders:
-            waited = time.monotonic() - started
-            if waited >= budget_s:
-                raise errors.UnavailableError(
-                    f"shard {replica.shard}: the keys read are locked by the prepared cross-shard transaction(s) "
-                    f"{sorted(holders)[:3]} for {waited:.1f} s; nothing was read: retry")
-            if not kicked and waited >= TXN_READ_KICK_S:
-                kicked = True
-                for txn_id in sorted(holders):
-                    self.resolve_in_doubt(only=txn_id)
-            await replica.next_apply(min(0.05, budget_s - waited))
-            holders = locked(replica.store.locks)
 
     async def force(self, txn_id: str) -> cluster_pb2.ResolveTransactionResponse:
         """Resolve `txn_id` now at the shards this node leads that hold its prepare (an
@@ -343,18 +311,4 @@ def _outcome(answer: kv_pb2.TxnResponse | errors.StoreError) -> str:
     return "aborted" if answer.definite else "unknown"
 
 
-def keys_locked(keys: list[bytes]) -> Callable[[LockIndex], set[str]]:
-    """The transactions holding an exclusive lock on any of `keys`."""
-    return lambda locks: {txn_id for key in keys for txn_id, exclusive in locks.lock_holders(key).items()
-                          if exclusive} if locks.has_locks() else set()
-
-
-def range_locked(start: bytes, end: bytes | None) -> Callable[[LockIndex], set[str]]:
-    """The transactions holding an exclusive lock on a key in [start, end) (None: to the end)."""
-    def holders(locks: LockIndex) -> set[str]:
-        return {p.txn_id for p in locks.prepared() if any(
-            start <= key and (end is None or key < end) for key in p.prepare.exclusive_keys)}
-    return holders
-
-
-__all__ = ["MAX_DRIVERS", "TXN_CALL_TIMEOUT_S", "Transactions", "keys_locked", "range_locked"]
+__all__ = ["MAX_DRIVERS", "TXN_CALL_TIMEOUT_S", "Transactions"]

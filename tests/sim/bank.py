@@ -30,6 +30,7 @@ from tests.sim.world import World, spread_keys
 class BankKind(enum.Enum):
     TRANSFER = "transfer"
     SUM = "sum"
+    CHECK = "check"  # a linearizable Get of one account (T4: never a decided transfer's value from before it)
 
 
 @dataclasses.dataclass
@@ -72,6 +73,7 @@ class BankClient(Sequential):
         self.known: dict[bytes, tuple[int, int]] = {k: (0, 0) for k in keys}  # balance, version last seen
         self.history: list[BankOp] = []
         self._final_sum = False
+        self._read_back: bytes | None = None  # an account its acknowledged transfer wrote: read it next
 
     # ---- operations ------------------------------------------------------------------------------------
 
@@ -86,6 +88,10 @@ class BankClient(Sequential):
         if self.stopping or sched.chance(0.3):
             self._final_sum = self.stopping
             self.op = BankOp(self.index, BankKind.SUM, "", tuple(self.keys), 0, sched.steps)
+        elif self._read_back is not None or sched.chance(0.2):
+            key = self._read_back if self._read_back is not None else sched.rng.choice(self.keys)
+            self._read_back = None
+            self.op = BankOp(self.index, BankKind.CHECK, "", (key,), 0, sched.steps)
         else:
             a, b = sched.rng.sample(self.keys, 2)
             self.op = BankOp(self.index, BankKind.TRANSFER, f"bank{self.index}-{self._serial}", (a, b),
@@ -96,7 +102,9 @@ class BankClient(Sequential):
         self._request_cache = self._request(self.op)
         self._send()
 
-    def _request(self, op: BankOp) -> kv_pb2.TxnRequest:
+    def _request(self, op: BankOp) -> kv_pb2.TxnRequest | kv_pb2.GetRequest:
+        if op.kind is BankKind.CHECK:
+            return kv_pb2.GetRequest(key=op.accounts[0])
         if op.kind is BankKind.SUM:
             return kv_pb2.TxnRequest(success=[kv_pb2.TxnOp(get=kv_pb2.GetRequest(key=k)) for k in op.accounts])
         a, b = op.accounts
@@ -116,7 +124,7 @@ class BankClient(Sequential):
         assert op is not None
         world = self.world
         op.attempts += 1
-        node = world.sched.rng.choice(self.nodes)  # any node drives a cross-shard Txn
+        node = world.sched.rng.choice(self.nodes)  # any node drives a cross-shard Txn (a Get: retried until a leader)
         self._attempt = attempt = world.next_id()
         request = self._request_cache
         back = world.net.answer_to(self, from_brokers=False)
@@ -138,7 +146,7 @@ class BankClient(Sequential):
         self._attempt = 0
         op = self.op
         assert op is not None
-        if isinstance(answer, kv_pb2.TxnResponse):
+        if isinstance(answer, kv_pb2.TxnResponse | kv_pb2.GetResponse):
             self._complete(Outcome.OK, answer)
             return
         assert isinstance(answer, errors.StoreError), answer
@@ -162,7 +170,9 @@ class BankClient(Sequential):
         op.outcome = outcome
         if outcome is not Outcome.UNKNOWN:
             op.complete = self.world.sched.steps
-        if answer is not None:
+        if isinstance(answer, kv_pb2.GetResponse):
+            op.read_versions = {op.accounts[0]: answer.kv.version if answer.found else 0}
+        elif answer is not None:
             assert isinstance(answer, kv_pb2.TxnResponse), answer
             self._learn(op, answer)
         self.world.audit.counters[f"bank_{op.kind.value}_{outcome.value}"] += 1
@@ -186,6 +196,7 @@ class BankClient(Sequential):
             self.known[b] = (vb + op.amount, answer.results[1].put.version)
             op.read_versions = {a: op.compared[0], b: op.compared[1]}
             op.wrote_versions = {a: answer.results[0].put.version, b: answer.results[1].put.version}
+            self._read_back = b
         else:
             for key, result in zip((a, b), answer.results, strict=True):
                 get = result.get

@@ -89,6 +89,9 @@ MUTATIONS: dict[str, dict[str, object]] = {
     # The transaction protocol's (`kvstore.core.txn_driver.TxnMutation`): on clusters whose bank
     # clients' transfers span shards.
     **{m.value: {"txn_mutations": frozenset({m}), "shards": 3, "bank_clients": 2} for m in TxnMutation},
+    # Reads of locked keys show only with bank clients reading accounts over shards.
+    Mutation.SKIP_READ_LOCK_WAIT.value: {"mutations": frozenset({Mutation.SKIP_READ_LOCK_WAIT}), "shards": 3,
+                                         "bank_clients": 3},
 }
 
 

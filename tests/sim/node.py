@@ -81,6 +81,7 @@ class Node(Actor):
         if shard not in self.stores:
             self.stores[shard] = self.world.new_disk()
         replica = self.replicas[shard] = Replica(self.world, self, shard, self.stores[shard], self.leader_hint)
+        replica.resolve_now = self.txns.kick
         if self.placing:
             self.holds[shard] = ShardHold(Hold.LEARNING, self.world.sched.now)
         replica.start()

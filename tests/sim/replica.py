@@ -83,6 +83,8 @@ class Replica:
         self._dead = False
         self._applied = world.audit.applied.setdefault((actor.name, shard), [])
         self.caught_up_once = False  # it reached the partition's end at least once (placement's P2)
+        # Asked to resolve prepared transactions a read waits on; the node sets it (its resolvers).
+        self.resolve_now: Callable[[tuple[str, ...]], None] = lambda txn_ids: None
 
     def close(self) -> None:
         """Dropped by placement: it takes no more events (its pending calls' answers are ignored)."""
@@ -123,7 +125,7 @@ class Replica:
     def read(self, key: bytes, reply: Callable[[ReadAnswer], None]) -> None:
         """A linearizable Get: through the leader's read barrier."""
         ticket = self._ticket(_Request(None, key, reply))
-        self._step(machine_events.ReadArrived(ticket, self.leader_hint(self.shard) or ""))
+        self._step(machine_events.ReadArrived(ticket, self.leader_hint(self.shard) or "", (key,)))
 
     # ---- the driver ---------------------------------------------------------------------------------
 
@@ -223,6 +225,9 @@ class Replica:
                 world.audit.counters[f"replica_{action.metric}"] += 1
             if action.warning and action.text:
                 world.trace.log(f"{self.actor.name} {action.text}")
+        elif isinstance(action, machine_events.ResolveNow):
+            world.audit.counters["read_resolve_now"] += 1
+            self.resolve_now(action.txn_ids)
         elif isinstance(action, (machine_events.Unable, machine_events.Able)):
             world.violation(f"{self.actor.name} shard {shard}: nothing in the simulation makes a replica unable "
                             f"to lead, yet: {action}")

@@ -96,6 +96,9 @@ TEETH = [
     Teeth(Mutation.ANSWER_BEFORE_COMMIT.value, ("lost write", "W7", "not linearizable"),
           "a batch's writers are answered when it is appended: one that then aborts leaves acknowledged writes "
           "that are not in the WAL"),
+    Teeth(Mutation.SKIP_READ_LOCK_WAIT.value, ("not strictly serializable",),
+          "a linearizable Get serves a key a prepared transaction locked at once: after a transfer was "
+          "acknowledged (its decision written, a resolve still in flight) its account reads the old version"),
     Teeth(TxnMutation.DECIDE_BEFORE_PREPARED.value, ("atomicity", "bank:"),
           "a cross-shard transaction's driver counts a refused prepare as a vote: its commit decision is written "
           "before every prepare is durable, and the participant that never prepared applies nothing"),

@@ -69,7 +69,11 @@ class TxnShell:
 
     # ---- resolvers -----------------------------------------------------------------------------------
 
-    def _resolve_round(self) -> None:
+    def kick(self, txn_ids: tuple[str, ...]) -> None:
+        """A read waits on these transactions' locks (`ResolveNow`): resolve them now."""
+        self._resolve_round(only=frozenset(txn_ids))
+
+    def _resolve_round(self, only: frozenset[str] = frozenset()) -> None:
         world = self.world
         now_unix = self._unix_ms()
         for shard, replica in sorted(self.node.replicas.items()):
@@ -78,7 +82,9 @@ class TxnShell:
             for prepared in replica.store.locks.prepared():
                 if prepared.txn_id in self.drivers:
                     continue
-                if now_unix - prepared.leader_unix_ms < world.timing.txn_in_doubt_ms:
+                if only and prepared.txn_id not in only:
+                    continue
+                if not only and now_unix - prepared.leader_unix_ms < world.timing.txn_in_doubt_ms:
                     continue
                 world.trace.log(f"{self.node.name} s{shard} resolves {prepared.txn_id}, in doubt since "
                                 f"{prepared.leader_unix_ms}")
@@ -88,7 +94,8 @@ class TxnShell:
                                            reason=f"in doubt at shard {shard}")
                 self.drivers[prepared.txn_id] = (driver, None)
                 self._step(prepared.txn_id, Started())
-        world.sched.at(world.timing.txn_resolve_every_ms, self._resolve_round, self.node)
+        if not only:
+            world.sched.at(world.timing.txn_resolve_every_ms, self._resolve_round, self.node)
 
     # ---- the shell --------------------------------------------------------------------------------------
 

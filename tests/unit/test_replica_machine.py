@@ -879,3 +879,56 @@ def test_without_a_lock_wait_a_locked_write_is_refused_at_once() -> None:
     drive = leading(config=dataclasses.replace(CONFIG, lock_wait_ms=0))
     _lock(drive, b"k")
     run(drive, [(WriteArrived(1, put(b"k"), 10), 0, []), (Tick(), 2, ["Answer(1,TxnConflictError)"])])
+
+
+# ---- reads of keys a prepared cross-shard transaction locked (T4) -----------------------------------------
+
+
+def test_a_read_of_a_locked_key_waits_for_the_apply_that_releases_it() -> None:
+    drive = leading(2)
+    _lock(drive, b"k")
+    run(drive, [(ReadArrived(1, "", (b"k",)), 100, ["ReadEnd(barrier)"]),
+                (ReadArrived(2, "", (b"free",)), None, []),
+                (EndRead(EndPurpose.BARRIER, 2), None, ["ReadEnd(barrier)"]),  # 1 passed: now the lock
+                (EndRead(EndPurpose.BARRIER, 2), None, ["Answer(2,READY)"])])
+    assert len(drive.machine.locked_reads) == 1
+    assert drive.machine.wake_at_ms() == 100 + CONFIG.read_kick_ms
+    run(drive, [(WriteArrived(3, put(b"x"), 10), 110, []), (Tick(), 112, ["Append(2,1)"]),
+                (committed(drive, 2, 1), None, ["ApplyCommitted(4)", "Answer(3,PutResponse)"]),  # still locked
+                (CommitApplied(), None, [])])
+    drive.store.locks.remove("t")  # the resolve, applied with the next batch
+    run(drive, [(WriteArrived(4, put(b"y"), 10), 120, []), (Tick(), 122, ["Append(4,1)"]),
+                (committed(drive, 4, 1), None, ["ApplyCommitted(6)", "Answer(4,PutResponse)", "Answer(1,READY)"])])
+
+
+def test_a_read_locked_too_long_asks_for_a_resolve_then_gives_up() -> None:
+    drive = leading(2)
+    _lock(drive, b"k", "stuck")
+    run(drive, [(ReadArrived(1, "", (b"k",)), 100, ["ReadEnd(barrier)"]),
+                (EndRead(EndPurpose.BARRIER, 2), None, []),
+                (Tick(), 100 + CONFIG.read_kick_ms, ["ResolveNow"]),
+                (Tick(), 100 + CONFIG.read_lock_wait_ms - 1, []),
+                (Tick(), 100 + CONFIG.read_lock_wait_ms, ["Answer(1,UnavailableError)"])])
+    assert not drive.machine.locked_reads and drive.machine.wake_at_ms() is None
+
+
+def test_a_scan_waits_on_a_lock_in_its_range_only() -> None:
+    drive = leading(2)
+    _lock(drive, b"m")
+    run(drive, [(ReadArrived(1, "", (), (b"a", b"c")), 100, ["ReadEnd(barrier)"]),
+                (EndRead(EndPurpose.BARRIER, 2), None, ["Answer(1,READY)"]),
+                (ReadArrived(2, "", (), (b"k", None)), 101, ["ReadEnd(barrier)"]),
+                (EndRead(EndPurpose.BARRIER, 2), None, [])])
+    run(drive, [(ClientGone(2), None, [])])
+    assert not drive.machine.locked_reads
+    run(drive, [(ReadArrived(3, "", (b"m",)), 200, ["ReadEnd(barrier)"]),
+                (EndRead(EndPurpose.BARRIER, 2), None, [])])
+    actions = [shown(a) for a in drive.step(LeadChanged(False))]
+    assert "Answer(3,UnavailableError)" in actions and not drive.machine.locked_reads
+
+
+def test_the_mutation_serves_a_locked_key_at_once() -> None:
+    drive = leading(2, config=dataclasses.replace(CONFIG, mutations=frozenset({Mutation.SKIP_READ_LOCK_WAIT})))
+    _lock(drive, b"k")
+    run(drive, [(ReadArrived(1, "", (b"k",)), 100, ["ReadEnd(barrier)"]),
+                (EndRead(EndPurpose.BARRIER, 2), None, ["Answer(1,READY)"])])

@@ -350,6 +350,7 @@ def test_lock_index_and_batch_locks() -> None:
     assert batch.lock_holders(A) == {} and batch.prepared_txn("b") is None and batch.prepared_txn("c") is not None
     batch.planned(dataclasses.replace(evaluation, releases="", locks=prepared("d", exclusive=[A])))
     assert batch.lock_holders(A) == {"d": True} and batch.prepared_count() == 3 and batch.has_locks()
+    assert sorted(p.txn_id for p in batch.prepared()) == ["c", "d"] and NO_LOCKS.prepared() == []
     assert NO_LOCKS.prepared_count() == 0 and NO_LOCKS.prepared_txn("x") is None and NO_LOCKS.lock_holders(A) == {}
     both = LockIndex([prepared("e", shared=[A], exclusive=[A])])  # a key read and written: exclusive, once
     assert both.lock_holders(A) == {"e": True}
