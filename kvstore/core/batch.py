@@ -211,8 +211,9 @@ def plan_batch(writes: Sequence[Write], revision: int, lookup: Lookup, table: Re
     """Plan the batch that starts at `revision` (the leader's upcoming offset) from `writes`, in
     order. `lookup` reads the committed state; `table` the committed request ids; `locks` the
     prepared cross-shard transactions (docs/design.md §10): a write touching a locked key is
-    refused (`kvstore.core.txn.conflict`), and the batch's own prepares and resolves lock and
-    release for the writes after them.
+    answered with the conflict (`kvstore.core.locks.conflict`; the replica machine parks it and
+    tries again after the next apply, bounded), and the batch's own prepares and resolves lock
+    and release for the writes after them.
 
     Stamps each entry with `now_unix_ms` as its leader time (the clock by which every replica
     forgets request ids at the same entry, `kvstore.storage.shard_store`)."""

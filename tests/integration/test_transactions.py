@@ -242,7 +242,7 @@ class Bank:
 
 def _settle_and_check(cluster: Cluster, bank: Bank) -> None:
     total = START * len(bank.keys)
-    assert len(bank.sums) > 10 and all(s == total for s in bank.sums), \
+    assert len(bank.sums) >= 3 and all(s == total for s in bank.sums), \
         f"a read-only Txn saw a sum other than {total}: {sorted(set(bank.sums))[:10]}"
     with cluster.client() as client:
         def final() -> list[tuple[bytes, int, int]] | None:
