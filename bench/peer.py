@@ -294,7 +294,7 @@ def seed_key(j: int) -> bytes:
 
 
 def batch_keys(tag: str, client: int) -> list[bytes]:
-    """BATCH distinct keys, all in shard client % SHARDS (a store Txn stays within one shard)."""
+    """BATCH distinct keys, all in shard client % SHARDS (a store Txn of one shard: one record)."""
     shard, keys, j = client % SHARDS, list[bytes](), 0
     while len(keys) < BATCH:
         if shard_of(key := f"b/{tag}/{client}/{j}".encode(), SHARDS) == shard:
