@@ -80,12 +80,16 @@ W2_SKIPPED = "skip-w2-check"
 FENCING_SKIPPED = "skip-fencing"
 NO_KIP890 = "no-kip890"
 SKIP_CAUGHT_UP = "skip-caught-up"  # placement: a learner joins its shard's leadership group before it caught up
+# The log's and the replica machine's mutations run without the bank's transactions, as they were
+# written: the bank's traffic and the resolvers' rounds take steps from the hazards they are about
+# (no-kip890 went uncaught in its 16 seeds with them).
+_LOG_ONLY: dict[str, object] = {"bank_clients": 0}
 MUTATIONS: dict[str, dict[str, object]] = {
-    W2_SKIPPED: {"check_w2": False},
-    FENCING_SKIPPED: {"kafka": KafkaVariant(fencing=False)},
-    NO_KIP890: {"kafka": KafkaVariant(kip890=False)},
-    SKIP_CAUGHT_UP: {"skip_caught_up": True, "replication_factor": 2},
-    **{m.value: {"mutations": frozenset({m})} for m in Mutation},
+    W2_SKIPPED: {"check_w2": False, **_LOG_ONLY},
+    FENCING_SKIPPED: {"kafka": KafkaVariant(fencing=False), **_LOG_ONLY},
+    NO_KIP890: {"kafka": KafkaVariant(kip890=False), **_LOG_ONLY},
+    SKIP_CAUGHT_UP: {"skip_caught_up": True, "replication_factor": 2, **_LOG_ONLY},
+    **{m.value: {"mutations": frozenset({m}), **_LOG_ONLY} for m in Mutation},
     # The transaction protocol's (`kvstore.core.txn_driver.TxnMutation`): on clusters whose bank
     # clients' transfers span shards.
     **{m.value: {"txn_mutations": frozenset({m}), "shards": 3, "bank_clients": 2} for m in TxnMutation},
