@@ -50,7 +50,7 @@ BUF_PEER := proto/kvstore/internal/v1/peer.proto
 BUF_BREAKING = $(BUF) breaking --against '$(BUF_AGAINST)' --against-config buf.yaml --exclude-imports
 buf_class = --config '{"version":"v2","modules":[{"path":"proto"}],"breaking":{"use":["$(1)"]}}'
 
-.PHONY: up up-secure test unit fuzz lint proto kafka spark venv bench-quick profile clean
+.PHONY: up up-secure test unit fuzz soak lint proto kafka spark venv bench-quick profile clean
 
 # `make up NODES=5 SHARDS=10 RF=2`: five nodes, ten shards, each on two of them (docs/design.md §9).
 # SHARDS is fixed when the WAL topic is created: a different count needs a fresh .data.
@@ -105,6 +105,16 @@ fuzz: venv proto kafka
 	mkdir -p .data
 	FUZZ_SEED=$(FUZZ_SEED) FUZZ_CASES=$(FUZZ_CASES) FUZZ_MIN_CASES=10000 FUZZ_REPORT=.data/fuzz-report.json \
 	  $(PY) -m pytest -q tests/fuzz
+
+# The robustness campaign (docs/robustness.md): three brokers and five nodes, each in its own network
+# namespace, every workload at once and faults drawn from the seed (kills, pauses, partitions, a
+# full disk, clock jumps, shard moves, a snapshot and truncation), then every check, report.json and
+# timeline.svg in .data/soak/<seed>/. Needs root (namespaces, a tmpfs). `make test` runs a short one
+# (tests/robustness/test_campaign.py). Exit 1 on an anomaly; the run's directory then keeps it all.
+DURATION ?= 180
+SEED ?= random
+soak: venv proto kafka spark
+	$(PY) -m tests.robustness --duration $(DURATION) --seed $(SEED)
 
 unit: venv proto
 	$(PY) -m pytest -q tests/unit

@@ -35,7 +35,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -136,12 +136,13 @@ class BrokerError(RuntimeError):
     """The local broker could not be fetched, started or stopped."""
 
 
-def listener_settings(broker_port: int, controller_port: int, credentials: Mapping[str, str] | None) -> dict[str, str]:
-    """The listeners of one node: plaintext without `credentials`; with them (user -> password,
-    the admin among them) SCRAM on the broker listener, PLAIN (the admin only) on the
+def listener_settings(broker_port: int, controller_port: int, credentials: Mapping[str, str] | None,
+                      host: str = "127.0.0.1") -> dict[str, str]:
+    """The listeners of one node on `host`: plaintext without `credentials`; with them (user ->
+    password, the admin among them) SCRAM on the broker listener, PLAIN (the admin only) on the
     controller's, the standard authorizer and the admin as the only super user."""
-    broker = f"127.0.0.1:{broker_port}"
-    controller = f"CONTROLLER://127.0.0.1:{controller_port}"
+    broker = f"{host}:{broker_port}"
+    controller = f"CONTROLLER://{host}:{controller_port}"
     if credentials is None:
         return {
             "listeners": f"PLAINTEXT://{broker},{controller}",
@@ -228,10 +229,20 @@ class LocalKafka:
 
     def __init__(self, data_dir: Path, nodes: int = 1, *, heap_mb: int = 512,
                  ports: list[tuple[int, int]] | None = None, secure: bool = False,
-                 users: Sequence[str] = ()) -> None:
+                 users: Sequence[str] = (), hosts: Sequence[str] | None = None,
+                 launcher: Callable[[int], list[str]] | None = None) -> None:
         """`secure`: SASL/SCRAM and ACLs (module docstring), with SCRAM users `users` besides
-        the admin; a data directory keeps the mode it was formatted with."""
+        the admin; a data directory keeps the mode it was formatted with.
+
+        `hosts` (one per node; default 127.0.0.1 for all) and `launcher` (node -> the command
+        prefix that starts its JVM, e.g. `nsenter --net=...`) put each node in a network of its
+        own: the robustness campaign runs every broker in its own network namespace, so links
+        between them can be cut (tests/robustness/net.py). The prefix must exec the JVM in place
+        (the pid stays the JVM's, for kill and pause)."""
         assert nodes in (1, 3), "the local cluster has one node or three"
+        assert hosts is None or len(hosts) == nodes, f"one host per node: {hosts}"
+        self.hosts = list(hosts) if hosts is not None else ["127.0.0.1"] * nodes
+        self.launcher = launcher
         assert secure or not users, "SCRAM users need secure=True"
         for user in users:
             assert _USER_NAME.match(user), f"user names are [A-Za-z0-9._-], at most 64: {user!r}"
@@ -250,10 +261,10 @@ class LocalKafka:
 
     @property
     def bootstrap_servers(self) -> str:
-        return ",".join(f"127.0.0.1:{broker}" for broker, _ in self.ports)
+        return ",".join(f"{host}:{broker}" for host, (broker, _) in zip(self.hosts, self.ports, strict=True))
 
     def node_bootstrap(self, node: int) -> str:
-        return f"127.0.0.1:{self.ports[node][0]}"
+        return f"{self.hosts[node]}:{self.ports[node][0]}"
 
     @property
     def credentials_file(self) -> Path:
@@ -313,7 +324,8 @@ class LocalKafka:
         if proc is not None and proc.poll() is None:
             return
         log = open(self._node_dir(node) / "broker.log", "ab")  # noqa: SIM115 - owned by Popen
-        cmd = [self._java(), f"-Xmx{self.heap_mb}m", f"-Xms{min(self.heap_mb, 256)}m",
+        prefix = self.launcher(node) if self.launcher is not None else []
+        cmd = [*prefix, self._java(), f"-Xmx{self.heap_mb}m", f"-Xms{min(self.heap_mb, 256)}m",
                "-XX:+UseG1GC", "-Djava.awt.headless=true",
                f"-Dlog4j2.configurationFile={self._node_dir(node) / 'log4j2.properties'}",
                "-cp", str(libs_dir() / "*"), "kafka.Kafka", str(self._node_dir(node) / "server.properties")]
@@ -356,6 +368,10 @@ class LocalKafka:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(10)
+
+    def process(self, node: int) -> subprocess.Popen[bytes] | None:
+        """The node's JVM as last started (None before), for a supervisor that watches it exit."""
+        return self._procs.get(node)
 
     def kill_node(self, node: int) -> None:
         proc = self._procs.get(node)
@@ -477,12 +493,13 @@ class LocalKafka:
         directory = self._node_dir(node)
         (directory / "data").mkdir(parents=True, exist_ok=True)
         broker_port, controller_port = self.ports[node]
-        voters = ",".join(f"{n + 1}@127.0.0.1:{c}" for n, (_, c) in enumerate(self.ports))
+        voters = ",".join(f"{n + 1}@{self.hosts[n]}:{c}" for n, (_, c) in enumerate(self.ports))
         settings = {
             "process.roles": "broker,controller",
             "node.id": str(node + 1),
             "controller.quorum.voters": voters,
-            **listener_settings(broker_port, controller_port, self._credentials if self.secure else None),
+            **listener_settings(broker_port, controller_port, self._credentials if self.secure else None,
+                                self.hosts[node]),
             "log.dirs": str(directory / "data"),
             **_replication_settings(self.nodes),
             **BROKER_SETTINGS,

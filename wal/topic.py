@@ -21,7 +21,15 @@ import logging
 import time
 
 from confluent_kafka import KafkaError, KafkaException, TopicPartition
-from confluent_kafka.admin import AdminClient, AlterConfigOpType, ConfigEntry, ConfigResource, NewTopic, ResourceType
+from confluent_kafka.admin import (
+    AdminClient,
+    AlterConfigOpType,
+    ConfigEntry,
+    ConfigResource,
+    NewTopic,
+    ResourceType,
+    TopicMetadata,
+)
 
 from wal.clients import ClientSecurity, client_config
 from wal.errors import UnavailableError, WalError
@@ -32,6 +40,7 @@ MAX_REPLICATION_FACTOR = 3
 KEEP_FOREVER = "-1"
 RACE_RETRIES = 5  # creations lost to another node's before giving up
 RACE_BACKOFF_S = 0.5
+VISIBLE_POLL_S = 0.1  # how often a topic just created is looked for in the metadata
 RETENTION_SETTINGS = ("retention.ms", "retention.bytes")
 
 
@@ -98,9 +107,30 @@ def ensure_wal_topic(bootstrap_servers: str, topic: str, partitions: int, replic
                                         security=security, _raced=_raced + 1)
         log.info("created WAL topic %s (%d partitions, replication factor %d, min.insync.replicas %d, "
                  "retention unlimited)", topic, partitions, rf, min_insync_replicas(rf))
+        _wait_visible(admin, topic, timeout_s)
         return True
     except KafkaException as exc:
         raise UnavailableError(f"WAL topic {topic}: {exc.args[0]}") from exc
+
+
+def _wait_visible(admin: AdminClient, topic: str, timeout_s: float) -> TopicMetadata:
+    """The metadata of `topic` once a broker shows it with every partition led. A topic just
+    created is known to the controller first: with three brokers, the next metadata request may
+    go to one that has not heard of it yet, and "not found" there means "not yet" (found by the
+    robustness campaign: a node exited at its first start, right after creating the WAL topic).
+    Bounded by `timeout_s`, then UnavailableError."""
+    deadline = time.monotonic() + timeout_s
+    last = "not found"
+    while True:
+        described = admin.list_topics(topic=topic, timeout=max(0.1, deadline - time.monotonic())).topics.get(topic)
+        if described is not None and described.error is None and described.partitions and all(
+                p.leader >= 0 for p in described.partitions.values()):
+            return described
+        last = str(described.error) if described is not None and described.error is not None else (
+            "a partition has no leader" if described is not None and described.partitions else "not found")
+        if time.monotonic() >= deadline:
+            raise UnavailableError(f"topic {topic}: {last} after {timeout_s:.0f} s")
+        time.sleep(VISIBLE_POLL_S)
 
 
 def _keep_everything(admin: AdminClient, topic: str, timeout_s: float) -> None:
@@ -169,10 +199,10 @@ def ensure_side_topic(bootstrap_servers: str, wal_topic: str, name: str, what: s
         existing = meta.topics.get(name)
         if existing is not None and existing.error is None:
             return False
-        wal = meta.topics.get(wal_topic)
-        if wal is None or wal.error is not None or not wal.partitions:
-            raise UnavailableError(f"WAL topic {wal_topic}: {wal.error if wal is not None else 'not found'}; its "
-                                   f"{what} topic {name} is created next to it")
+        try:
+            wal = _wait_visible(admin, wal_topic, timeout_s)
+        except UnavailableError as exc:
+            raise UnavailableError(f"{exc}; the WAL's {what} topic {name} is created next to it") from None
         rf = max(len(p.replicas) for p in wal.partitions.values())
         futures = admin.create_topics([NewTopic(name, 1, replication_factor=rf, config=readers_topic_config(rf))],
                                       request_timeout=timeout_s)

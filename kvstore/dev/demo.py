@@ -112,10 +112,13 @@ class Workload:
 
     def __init__(self, endpoints: Sequence[str], shards: int, *, writers_per_shard: int = 2,
                  prefix: str | None = None, value_bytes: int = 100,
-                 write_timeout_s: float = WRITE_TIMEOUT_S) -> None:
+                 write_timeout_s: float = WRITE_TIMEOUT_S,
+                 observe: Callable[[str, str, float, float], None] | None = None) -> None:
         """`write_timeout_s` bounds one put, retries included. Shorter than a takeover, writes
         fail during it: that is how a user with tight deadlines sees the cluster, and what
-        `failed_but_applied` checks (a write reported as failed must not be there)."""
+        `failed_but_applied` checks (a write reported as failed must not be there). `observe`
+        is told of every put: ("put", "ok" | "failed" | "unknown", its start and end on
+        time.monotonic()), for a timeline."""
         assert write_timeout_s > 0
         self.write_timeout_s = write_timeout_s
         self.endpoints = list(endpoints)
@@ -131,6 +134,7 @@ class Workload:
                          for shard in range(shards) for n in range(writers_per_shard)]
         self.started_s = 0.0
         self.stopped_s = 0.0
+        self._observe = observe
 
     def start(self) -> Workload:
         self.started_s = time.monotonic()
@@ -168,13 +172,19 @@ class Workload:
                 if key is None:
                     return
                 value = key + b"=" + b"x" * max(0, self.value_bytes - len(key) - 1)
+                started = time.monotonic()
                 try:
                     result = client.put(key, value, request_id=f"{self.prefix}:{key.decode()}")
                 except KvError as exc:
-                    self.record_failure(key, shard, exc)
+                    failure = self.record_failure(key, shard, exc)
+                    if self._observe is not None:
+                        self._observe("put", failure.outcome, started, failure.at_s)
                     continue
+                ack = Ack(key, value, shard, result.revision or 0, time.monotonic())
                 with self._lock:
-                    self.acks.append(Ack(key, value, shard, result.revision or 0, time.monotonic()))
+                    self.acks.append(ack)
+                if self._observe is not None:
+                    self._observe("put", "ok", started, ack.at_s)
 
     def record_failure(self, key: bytes, shard: int, error: KvError) -> Failure:
         failure = Failure(key, shard, outcome_of(error), f"{type(error).__name__}: {error}", time.monotonic())

@@ -6,6 +6,7 @@ instead of sleeping or racing the real one. The pure core never reads a clock: i
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from typing import Protocol
 
@@ -36,3 +37,49 @@ class SystemClock:
 
 
 SYSTEM_CLOCK: Clock = SystemClock()
+
+
+# Tests only: a node started with this variable naming a file reads its wall clock as the
+# system's plus the milliseconds written in that file (0 or absent: no offset), so a campaign can
+# make a running leader's clock jump forward and back (tests/robustness) without touching the
+# machine's clock, which every other process shares. Monotonic time stays real: bounded waits
+# and deadlines are the process's own and a wall-clock jump must not stretch them.
+OFFSET_FILE_ENV = "KVSTORE_CLOCK_OFFSET_FILE"
+_OFFSET_REREAD_S = 0.1
+
+
+class OffsetFileClock:
+    """The system clock plus an offset (ms) read from a file, re-read at most every 100 ms; a file
+    that is missing or does not hold an integer means no offset (a half-written file is read again
+    on the next call, never taken for a jump)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._offset_ms = 0
+        self._read_at = float("-inf")
+
+    def offset_ms(self) -> int:
+        now = time.monotonic()
+        if now - self._read_at >= _OFFSET_REREAD_S:
+            self._read_at = now
+            try:
+                with open(self.path) as f:
+                    self._offset_ms = int(f.read().strip() or "0")
+            except (OSError, ValueError):
+                self._offset_ms = 0
+        return self._offset_ms
+
+    def unix_ms(self) -> int:
+        return int(time.time() * 1000) + self.offset_ms()
+
+    def monotonic(self) -> float:
+        return time.monotonic()
+
+    async def sleep(self, seconds: float) -> None:
+        await asyncio.sleep(seconds)
+
+
+def process_clock() -> Clock:
+    """The clock of this node's process: the system's, or the test seam's when OFFSET_FILE_ENV is set."""
+    path = os.environ.get(OFFSET_FILE_ENV, "")
+    return OffsetFileClock(path) if path else SYSTEM_CLOCK

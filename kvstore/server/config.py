@@ -51,6 +51,7 @@ OTHER_VARIABLES: Mapping[str, str] = {
     "KVSTORE_SPARK_MASTER": "the Spark master of the pipeline",
     "KVSTORE_SPARK_LOG_LEVEL": "the Spark log level of the pipeline",
     "KVSTORE_FAILPOINTS": "tests: failures injected into a node",
+    "KVSTORE_CLOCK_OFFSET_FILE": "tests: a file whose integer (ms) is added to the node's wall clock",
     "KVSTORE_SIM_SEED": "tests: the simulation's seed",
     "KVSTORE_SIM_SEEDS": "tests: the simulation's seeds",
     "KVSTORE_SIM_STEPS": "tests: the simulation's length",

@@ -32,6 +32,7 @@ from kvstore.core.placement import Act, Hold, ShardFacts, ShardHold
 from kvstore.core.role import Role
 from kvstore.core.sharding import shard_of
 from kvstore.server import cluster_view
+from kvstore.server.clock import process_clock
 from kvstore.server.cluster_view import View
 from kvstore.server.config import NodeConfig, ReplicaConfig
 from kvstore.server.leadership import ShardLeadership
@@ -44,6 +45,9 @@ if TYPE_CHECKING:
     from kvstore.server.txns import Transactions
 
 log = logging.getLogger(__name__)
+# The wall clock of every replica of this process: the system's, or the tests' offset seam
+# (kvstore.server.clock.OFFSET_FILE_ENV; the robustness campaign makes a leader's clock jump).
+_CLOCK = process_clock()
 
 ENDS_REFRESH_S = 1.0
 RESIGN_TIMEOUT_S = 15.0  # a batch in flight gets this long to finish when a shard is handed over
@@ -303,7 +307,7 @@ class Node:
             data_dir=self.config.data_dir, transaction_timeout_ms=self.config.transaction_timeout_ms,
             max_pending_writes=self.config.max_pending_writes,
             snapshot_dir=self.config.snapshot_dir or None, kafka_security=self.config.kafka_security),
-            self.metrics)
+            self.metrics, _CLOCK)
         assert replica.store.path == shard_dir(self.config.data_dir, shard), replica.store.path
         self.replicas[shard] = replica
         replica.leader_hint = functools.partial(self.leader_address, shard)

@@ -46,6 +46,7 @@ from kvstore.core.txn_driver import (
 )
 from kvstore.internal.v1 import peer_pb2
 from kvstore.server import failpoints
+from kvstore.server.clock import process_clock
 from kvstore.v1 import cluster_pb2, kv_pb2
 
 if TYPE_CHECKING:
@@ -301,8 +302,11 @@ def _now_ms() -> float:
     return time.monotonic() * 1000
 
 
+_CLOCK = process_clock()  # the node's replicas stamp their entries with the same clock (kvstore.server.node)
+
+
 def _unix_ms() -> int:
-    return int(time.time() * 1000)
+    return _CLOCK.unix_ms()
 
 
 def _outcome(answer: kv_pb2.TxnResponse | errors.StoreError) -> str:

@@ -16,19 +16,31 @@ import random
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from kvstore.client import Client, Compare, GetResult, KvError, Op
 from kvstore.dev.demo import outcome_of
 from tests.sim import linearizability
 from tests.sim.client import Kind, Operation, Outcome, Output
 
+# An observer of every attempt: (operation kind, "ok" | "failed" | "unknown", start and end on
+# time.monotonic()); the robustness campaign's timeline.
+Observer = Callable[[str, str, float, float], None]
+
 
 class Registers:
     def __init__(self, endpoints: Sequence[str], keys: Sequence[bytes], *, threads: int = 4, seed: int = 0,
-                 pause_s: float = 0.01) -> None:
+                 pause_s: float = 0.01, rotate_s: float | None = None, observe: Observer | None = None) -> None:
+        """`rotate_s`: every so many seconds the threads move on to fresh copies of `keys` (the
+        key plus `/<epoch>`), so that no key's history grows past what the checker can search in
+        a long run (checking is exponential in the operations that overlap on one key)."""
         self._endpoints = list(endpoints)
-        self.keys = list(keys)
+        self._base = list(keys)
+        self.keys = list(keys) if rotate_s is None else []  # every key used, for the check
+        self._rotate_s = rotate_s
+        self._epoch = -1
+        self._started = time.monotonic()
+        self._observe = observe
         self._threads = [threading.Thread(target=self._run, args=(i, random.Random(seed * 1000 + i)), daemon=True,
                                           name=f"register-{i}") for i in range(threads)]
         self._stop = threading.Event()
@@ -38,6 +50,7 @@ class Registers:
         self.errors: list[str] = []
 
     def start(self) -> Registers:
+        self._started = time.monotonic()
         for thread in self._threads:
             thread.start()
         return self
@@ -56,18 +69,33 @@ class Registers:
         """None if the history is linearizable, else the checker's explanation."""
         with self._lock:
             history = list(self.history)
-        for key in self.keys:
-            verdict = linearizability.check(linearizability.relevant([op for op in history if op.key == key]))
+        by_key: dict[bytes, list[Operation]] = {}
+        for op in history:
+            by_key.setdefault(op.key, []).append(op)
+        for key, ops in sorted(by_key.items()):
+            verdict = linearizability.check(linearizability.relevant(ops))
             if verdict is not None:
                 return f"key {key!r}: {verdict}"
         return None
+
+    def _current_keys(self) -> list[bytes]:
+        """The keys of this moment (every key ever used stays in `keys`, for the check)."""
+        if self._rotate_s is None:
+            return self._base
+        epoch = int((time.monotonic() - self._started) / self._rotate_s)
+        keys = [k + f"/{epoch}".encode() for k in self._base]
+        with self._lock:
+            if epoch > self._epoch:
+                self._epoch = epoch
+                self.keys.extend(k for k in keys if k not in self.keys)
+        return keys
 
     def _run(self, index: int, rng: random.Random) -> None:
         with Client(self._endpoints, timeout_s=15, max_attempts=100, max_backoff_s=0.1) as client:
             counter = 0
             while not self._stop.is_set():
                 counter += 1
-                key = rng.choice(self.keys)
+                key = rng.choice(self._current_keys())
                 kind = rng.choices([Kind.PUT, Kind.CAS, Kind.GET, Kind.DELETE], [4, 3, 4, 1])[0]
                 value = f"{index}-{counter}".encode()
                 expected = None if rng.random() < 0.3 else self._last_value(key, rng)
@@ -78,16 +106,24 @@ class Registers:
                     op.output = self._call(client, op)
                     op.complete = time.monotonic_ns()
                     op.outcome = Outcome.OK
+                    self._observed(kind, "ok", op.invoke)
                 except KvError as error:
+                    outcome = outcome_of(error)
+                    self._observed(kind, outcome, op.invoke)
                     if kind is Kind.GET:
                         continue  # a failed read observed nothing
-                    op.outcome = Outcome.UNKNOWN if outcome_of(error) == "unknown" else Outcome.FAILED
+                    op.outcome = Outcome.UNKNOWN if outcome == "unknown" else Outcome.FAILED
                     op.complete = time.monotonic_ns() if op.outcome is Outcome.FAILED else None
                     with self._lock:
                         self.errors.append(f"{kind.value} {key!r}: {type(error).__name__}: {error}")
+                        del self.errors[:-1000]  # the latest, bounded
                 with self._lock:
                     self.history.append(op)
                 time.sleep(self._pause_s)
+
+    def _observed(self, kind: Kind, outcome: str, invoke_ns: int) -> None:
+        if self._observe is not None:
+            self._observe(f"register-{kind.value}", outcome, invoke_ns / 1e9, time.monotonic())
 
     def _last_value(self, key: bytes, rng: random.Random) -> bytes | None:
         with self._lock:

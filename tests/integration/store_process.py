@@ -25,7 +25,12 @@ _SAMPLE_SUFFIXES = ("", "_total", "_created", "_sum", "_count", "_bucket")
 class StoreProcess:
     def __init__(self, kafka: str, data_dir: Path, cluster: str, shards: int = 4, port: int | None = None,
                  extra_args: tuple[str, ...] = (), node_id: str = "node-1", metrics: bool = False,
-                 credentials: grpc.ChannelCredentials | None = None) -> None:
+                 credentials: grpc.ChannelCredentials | None = None, host: str = "127.0.0.1",
+                 launcher: tuple[str, ...] = (), log_path: Path | None = None) -> None:
+        """`host` and `launcher` (a command prefix that execs the node in place, e.g. `nsenter
+        --net=...`) run it in a network of its own (tests/robustness)."""
+        self.launcher = launcher
+        self.log_path = log_path
         self.extra_args = extra_args
         self.credentials = credentials  # TLS for `channel` (a node started with --tls-cert); None: plaintext
         self.node_id = node_id
@@ -34,7 +39,7 @@ class StoreProcess:
         self.cluster = cluster
         self.shards = shards
         self.port = port or free_port()
-        self.address = f"127.0.0.1:{self.port}"
+        self.address = f"{host}:{self.port}"
         self.proc: subprocess.Popen[bytes] | None = None
         self.channel: grpc.Channel | None = None
         self.env: dict[str, str] = {}  # extra environment, e.g. KVSTORE_FAILPOINTS
@@ -43,10 +48,11 @@ class StoreProcess:
 
     def start(self, timeout_s: float = 60.0) -> StoreProcess:
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        log = open(self.data_dir.parent / f"{self.cluster}-{self.node_id}.log", "ab")  # noqa: SIM115
-        cmd = [sys.executable, "-m", "kvstore.server", "--kafka", self.kafka, "--data-dir", str(self.data_dir),
-               "--listen", self.address, "--cluster", self.cluster, "--shards", str(self.shards),
-               "--transaction-timeout-ms", "20000", "--node-id", self.node_id, *self.extra_args]
+        log = open(self.log_path or self.data_dir.parent / f"{self.cluster}-{self.node_id}.log", "ab")  # noqa: SIM115
+        cmd = [*self.launcher, sys.executable, "-m", "kvstore.server", "--kafka", self.kafka,
+               "--data-dir", str(self.data_dir), "--listen", self.address, "--cluster", self.cluster,
+               "--shards", str(self.shards), "--transaction-timeout-ms", "20000", "--node-id", self.node_id,
+               *self.extra_args]
         if self.metrics_port is not None:
             cmd += ["--metrics-port", str(self.metrics_port)]
         self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO,

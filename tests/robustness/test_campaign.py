@@ -1,0 +1,163 @@
+"""The robustness campaign's parts, and a short campaign (`make test`'s sample of `make soak`).
+
+The short campaign runs the whole thing (three brokers and five nodes in namespaces, every
+workload, faults of every lane but the pipeline's, every check, `kvstore audit`) for
+SOAK_TEST_DURATION seconds (default 40) with a fixed seed unless SOAK_TEST_SEED is set, like the
+fuzz sample. It needs root; without root it is skipped, saying so (`make soak` refuses the same way).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import xml.etree.ElementTree as ET
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.robustness import campaign, nemesis, report
+from tests.robustness.net import Member, Network, NetworkError, SmallDisk, require_root
+from tests.robustness.workloads import Bucket
+
+ROOT = os.geteuid() == 0
+needs_root = pytest.mark.skipif(not ROOT, reason="network namespaces and tmpfs mounts need root (make soak says so)")
+
+
+def test_the_plan_is_the_seeds_alone() -> None:
+    assert nemesis.plan(7, 600) == nemesis.plan(7, 600)
+    assert nemesis.plan(7, 600) != nemesis.plan(8, 600)
+
+
+def test_the_plan_keeps_its_lanes_sequential_and_inside_the_run() -> None:
+    kinds: set[str] = set()
+    for seed in range(20):
+        episodes = nemesis.plan(seed, 600)
+        assert [e.index for e in episodes] == list(range(len(episodes)))
+        for lane in (0, 1):
+            mine = [e for e in episodes if e.lane == lane]
+            assert all(a.at_s + a.hold_s <= b.at_s for a, b in itertools.pairwise(mine)), "a lane overlaps"
+        assert all(nemesis.WARMUP_S <= e.at_s < 600 - nemesis.COOLDOWN_S for e in episodes if e.lane < 2)
+        assert [e.kind for e in episodes if e.lane == 2] == ["snapshot-truncate"]  # long enough for one
+        kinds |= {e.kind for e in episodes}
+        assert all(e.amount in nemesis.CLOCK_JUMPS_MS for e in episodes if e.kind == "clock-jump")
+    assert kinds == {*nemesis.LANE0, *nemesis.LANE1, "snapshot-truncate"}, "some fault kind is never drawn"
+    assert not [e for e in nemesis.plan(1, 60) if e.lane == 2], "a short run takes no snapshot"
+    # ~200 episodes take about half an hour: the figure docs/robustness.md asks of a long run
+    assert len(nemesis.plan(1, 1800)) >= 200
+
+
+def test_the_report_counts_from_the_records() -> None:
+    episodes = [{"index": 0, "lane": 0, "kind": "node-kill", "started_s": 1.0, "ended_s": 4.0, "targets": ["n1"],
+                 "error": ""},
+                {"index": 1, "lane": 1, "kind": "clock-jump", "started_s": 2.0, "ended_s": 9.0, "targets": ["n2"],
+                 "error": "OSError: boom"}]
+    built = report.build(seed=3, duration_s=10.0, operations={"put": {"ok": 5, "unknown": 1}, "get": {"ok": 2}},
+                         episodes=episodes, anomalies={"watch": [], "bank": ["sum 799"]}, checks={"bank": "1"},
+                         extra={"cluster": {}})
+    assert built["operations"]["total"] == 8 and built["operations"]["by_outcome"] == {"ok": 7, "unknown": 1}
+    assert built["faults"] == {"total": 2, "by_kind": {"clock-jump": 1, "node-kill": 1}, "not_done": 1}
+    assert built["anomalies"] == {"total": 1, "by_kind": {"bank": ["sum 799"]}} and not built["ok"]
+    buckets = {0: Bucket(ok=3, latencies_ms=[1.0, 2.0, 50.0]), 3: Bucket(ok=1, failed=2, latencies_ms=[4.0])}
+    svg = report.timeline_svg(buckets, episodes, 10.0, "a <title>")
+    root = ET.fromstring(svg)  # well-formed, titles escaped
+    assert root.tag.endswith("svg") and svg.count("<polyline") == 3 and "a &lt;title&gt;" in svg
+    assert report.percentile([1.0, 2.0, 50.0], 0.99) == 50.0 and report.percentile([], 0.5) == 0.0
+
+
+def test_accounts_cover_every_shard() -> None:
+    keys = campaign.accounts(6)
+    assert len(keys) >= campaign.ACCOUNTS and len(set(keys)) == len(keys)
+    from kvstore.core.sharding import shard_of
+    assert {shard_of(k, 6) for k in keys} == set(range(6))
+
+
+def test_without_root_the_campaign_says_why() -> None:
+    if ROOT:
+        require_root()  # no error as root
+        return
+    with pytest.raises(NetworkError, match="must run as root"):
+        require_root()
+
+
+@pytest.fixture
+def pair() -> Iterator[Network]:
+    net = Network([Member("ta", "10.78.0.11"), Member("tb", "10.78.0.12")], prefix="kvsnt", subnet="10.78.0").create()
+    try:
+        yield net
+    finally:
+        net.destroy()
+
+
+def _connects(net: Network, sender: str, ip: str, port: int) -> bool:
+    code = ("import socket,sys\n"
+            f"try: socket.create_connection(('{ip}', {port}), timeout=1.5); print('yes')\n"
+            "except OSError: print('no')\n")
+    result = subprocess.run([*net.launcher(sender), sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=30, check=True)
+    return result.stdout.strip() == "yes"
+
+
+@needs_root
+def test_a_cut_loses_one_direction_silently_and_heals(pair: Network) -> None:
+    listening = threading.Event()
+    server = subprocess.Popen([*pair.launcher("ta"), sys.executable, "-c",
+                               "import socket,time\ns=socket.socket()\ns.bind(('10.78.0.11', 7000))\n"
+                               "s.listen(16)\nprint('up', flush=True)\ntime.sleep(60)"], stdout=subprocess.PIPE)
+    try:
+        assert server.stdout is not None and server.stdout.readline().strip() == b"up"
+        listening.set()
+        assert _connects(pair, "tb", "10.78.0.11", 7000)
+        pair.cut("tb", "ta")  # tb's packets to ta vanish: no handshake, no error before the timeout
+        assert not _connects(pair, "tb", "10.78.0.11", 7000)
+        with socket.create_connection(("10.78.0.11", 7000), timeout=2):
+            pass  # the root namespace (the checker's) is never cut off
+        pair.heal()
+        assert _connects(pair, "tb", "10.78.0.11", 7000) and not pair.cuts
+        made = pair.partition(["ta"], ["tb"], one_way=True)
+        assert made == [("ta", "tb")]  # the SYN reaches ta, its answer is lost: still no connection
+        assert not _connects(pair, "tb", "10.78.0.11", 7000)
+        pair.heal(made)
+        assert _connects(pair, "tb", "10.78.0.11", 7000)
+    finally:
+        server.kill()
+        server.wait(10)
+
+
+@needs_root
+def test_a_small_disk_fills_and_empties(tmp_path: Path) -> None:
+    disk = SmallDisk(tmp_path / "disk", 8).mount()
+    try:
+        assert disk.fill() > 0
+        with pytest.raises(OSError), open(disk.path / "more", "wb") as f:
+            f.write(b"x" * (1 << 20))
+            f.flush()
+            os.fsync(f.fileno())
+        disk.empty()
+        (disk.path / "more").write_bytes(b"x" * (1 << 20))
+    finally:
+        disk.unmount()
+
+
+@needs_root
+@pytest.mark.kafka
+@pytest.mark.slow
+def test_a_short_campaign_finds_no_anomaly(tmp_path: Path) -> None:
+    seed = int(os.environ.get("SOAK_TEST_SEED", "5"))
+    duration = float(os.environ.get("SOAK_TEST_DURATION", "40"))
+    print(f"soak sample: seed {seed}, {duration:.0f} s; replay with make soak SEED={seed} DURATION={duration:.0f}")
+    result = campaign.run(campaign.Settings(duration_s=duration, seed=seed, out=tmp_path / "soak", snapshot=False))
+    assert result["anomalies"]["total"] == 0, json.dumps(result["anomalies"], indent=1)
+    assert result["ok"] and set(result["checks"].values()) == {"ok"}, result["checks"]
+    assert {"linearizable", "bank", "acknowledged-lost", "failed-but-applied", "replicas-equal", "applied-twice",
+            "bulk-load", "watch", "prepared-left", "audit"} <= set(result["checks"])
+    assert result["faults"]["total"] >= 5 and not result["faults"]["not_done"], result["faults"]
+    by_kind = result["operations"]["by_kind"]
+    for kind in ("put", "register-get", "bank-transfer", "bulk-batch"):
+        assert by_kind.get(kind, {}).get("ok", 0) > 0, f"no {kind} acknowledged: {by_kind}"
+    assert (tmp_path / "soak" / "timeline.svg").exists() and (tmp_path / "soak" / "report.json").exists()
