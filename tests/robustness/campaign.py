@@ -34,7 +34,7 @@ from tests.integration.registers import Registers
 from tests.robustness import nemesis, report
 from tests.robustness.cluster import BROKERS, NODES, SoakCluster
 from tests.robustness.net import machine_lock, require_root
-from tests.robustness.workloads import BulkLoad, Recorder, Watchers
+from tests.robustness.workloads import BulkLoad, ReadBack, Recorder, Watchers
 from tests.waiting import wait_until
 
 log = logging.getLogger("soak")
@@ -124,10 +124,13 @@ def _run(settings: Settings) -> dict[str, Any]:
         writes = demo.Workload(endpoints, settings.shards, writers_per_shard=2 * settings.clients, prefix=WRITES_PREFIX,
                                observe=recorder.observe)
         watchers = Watchers(endpoints, f"{WRITES_PREFIX}/".encode(), settings.shards).start()
+        reads = ReadBack(endpoints, writes, observe=recorder.observe, threads=2 * settings.clients,
+                         seed=settings.seed)
         bulk = BulkLoad(endpoints, BULK_PREFIX, observe=recorder.observe)
         registers.start()
         bank.start(transferers=min(4, 2 + settings.clients), summers=1)
         writes.start()
+        reads.start()
         bulk.start()
         faults = nemesis.Nemesis(cluster, episodes, recorder.started, out).start()
         _progress(recorder, settings.duration_s, faults)
@@ -135,6 +138,7 @@ def _run(settings: Settings) -> dict[str, Any]:
         faults.stop()
         done = sorted(faults.done, key=lambda d: d.episode.index)
         extra["process_exits"] = faults.process_exits
+        reads.stop()
         writes.stop()
         registers.stop()
         bank.finish()
@@ -143,6 +147,10 @@ def _run(settings: Settings) -> dict[str, Any]:
         log.info("checking")
         _check(cluster, settings, anomalies, checks, registers=registers, bank=bank, writes=writes, bulk=bulk,
                watchers=watchers, extra=extra)
+        anomalies["read-back"] = reads.anomalies
+        checks["read-back"] = "ok" if not reads.anomalies else f"{len(reads.anomalies)} anomalies"
+        extra["read_back"] = {"reads": reads.reads}
+        log.info("check read-back: %s", checks["read-back"])
         watchers.stop()
         if settings.audit:
             _audit(cluster, faults, anomalies, checks)

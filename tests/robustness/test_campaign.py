@@ -155,9 +155,9 @@ def test_a_short_campaign_finds_no_anomaly(tmp_path: Path) -> None:
     assert result["anomalies"]["total"] == 0, json.dumps(result["anomalies"], indent=1)
     assert result["ok"] and set(result["checks"].values()) == {"ok"}, result["checks"]
     assert {"linearizable", "bank", "acknowledged-lost", "failed-but-applied", "replicas-equal", "applied-twice",
-            "bulk-load", "watch", "prepared-left", "audit"} <= set(result["checks"])
+            "bulk-load", "watch", "prepared-left", "read-back", "audit"} <= set(result["checks"])
     assert result["faults"]["total"] >= 5 and not result["faults"]["not_done"], result["faults"]
     by_kind = result["operations"]["by_kind"]
-    for kind in ("put", "register-get", "bank-transfer", "bulk-batch"):
+    for kind in ("put", "register-get", "bank-transfer", "bulk-batch", "read-back"):
         assert by_kind.get(kind, {}).get("ok", 0) > 0, f"no {kind} acknowledged: {by_kind}"
     assert (tmp_path / "soak" / "timeline.svg").exists() and (tmp_path / "soak" / "report.json").exists()

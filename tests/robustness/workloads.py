@@ -5,6 +5,8 @@ tests/integration and kvstore.dev.demo) and the recorder every workload reports 
   `kvstore load` sends), each retried with its own request id and first attempt until it commits
   or the retries run out, as the loader does. Checked: every acknowledged batch is there whole, no
   key is at a version above 1 (a batch applied twice would put it at 2).
+- `ReadBack`: linearizable reads of keys the fresh-key writers were told are written. Checked:
+  each read finds the acknowledged value (an acknowledged write is visible to every later read).
 - `Watchers`: prefix watches over the fresh-key writers' keys from revision 0, resumed after every
   break from the last revision seen of each shard. Checked: per shard, revisions strictly increase
   (no repeat, in order), and once the writers stopped every stored key was seen (no gap).
@@ -14,13 +16,14 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import random
 import threading
 import time
 from collections.abc import Sequence
 
 from kvstore.client import Client, KvError, Op, UnknownOutcome
 from kvstore.client.errors import BatchIncomplete, RequestExpired
-from kvstore.dev.demo import outcome_of
+from kvstore.dev.demo import Workload, outcome_of
 from tests.integration.registers import Observer
 
 BUCKET_S = 1.0
@@ -140,6 +143,56 @@ class BulkLoad:
             if missing:
                 anomalies.append(f"acknowledged batch {batch}: rows {missing[:5]} missing or changed")
         return anomalies
+
+
+class ReadBack:
+    """Threads reading back acknowledged fresh keys (module docstring)."""
+
+    def __init__(self, endpoints: Sequence[str], writes: Workload, *, observe: Observer, threads: int = 2,
+                 seed: int = 0) -> None:
+        self.endpoints = list(endpoints)
+        self.writes = writes
+        self._observe = observe
+        self._seed = seed
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self.anomalies: list[str] = []
+        self.reads = 0
+        self._threads = [threading.Thread(target=self._run, args=(i,), daemon=True, name=f"read-back-{i}")
+                         for i in range(threads)]
+
+    def start(self) -> ReadBack:
+        for t in self._threads:
+            t.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(60)
+
+    def _run(self, index: int) -> None:
+        rng = random.Random(self._seed * 1000 + index)
+        with Client(self.endpoints, timeout_s=15, max_attempts=50, max_backoff_s=0.2) as client:
+            while not self._stop.is_set():
+                acks = self.writes.acks  # appended to under the workload's lock; reading an index is safe
+                if not acks:
+                    self._stop.wait(0.1)
+                    continue
+                ack = acks[rng.randrange(len(acks))]
+                started = time.monotonic()
+                try:
+                    got = client.get(ack.key)
+                except KvError:
+                    self._observe("read-back", "failed", started, time.monotonic())  # a read changes nothing
+                    continue
+                self._observe("read-back", "ok", started, time.monotonic())
+                with self._lock:
+                    self.reads += 1
+                    if not got.found or got.value != ack.value:
+                        self.anomalies.append(f"{ack.key!r} acknowledged at revision {ack.revision}, read back "
+                                              f"{'absent' if not got.found else repr(got.value[:40])}")
+                        del self.anomalies[20:]
 
 
 class Watchers:
