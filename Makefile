@@ -111,10 +111,11 @@ fuzz: venv proto kafka
 # full disk, clock jumps, shard moves, a snapshot and truncation), then every check, report.json and
 # timeline.svg in .data/soak/<seed>/. Needs root (namespaces, a tmpfs). `make test` runs a short one
 # (tests/robustness/test_campaign.py). Exit 1 on an anomaly; the run's directory then keeps it all.
-DURATION ?= 180
+DURATION ?= 300
 SEED ?= random
+CLIENTS ?= 4
 soak: venv proto kafka spark
-	$(PY) -m tests.robustness --duration $(DURATION) --seed $(SEED)
+	$(PY) -m tests.robustness --duration $(DURATION) --seed $(SEED) --clients $(CLIENTS)
 
 unit: venv proto
 	$(PY) -m pytest -q tests/unit

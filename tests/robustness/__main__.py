@@ -18,11 +18,12 @@ from tests.robustness.net import NetworkError, require_root
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="make soak", description=__doc__.split("\n")[0])
-    parser.add_argument("--duration", type=float, default=180.0, help="seconds of faults and workloads (default 180)")
+    parser.add_argument("--duration", type=float, default=300.0, help="seconds of faults and workloads (default 300)")
     parser.add_argument("--seed", default="random", help="the faults' seed (default: a fresh one, printed)")
     parser.add_argument("--out", type=Path, default=None, help="the run's directory (default .data/soak/<seed>)")
     parser.add_argument("--shards", type=int, default=3)
-    parser.add_argument("--clients", type=int, default=1, help="a multiplier of the workloads' client threads")
+    parser.add_argument("--clients", type=int, default=4,
+                        help="a multiplier of the workloads' client threads (default 4; 8 for the most operations)")
     parser.add_argument("--no-faults", action="store_true", help="the same run without faults (a baseline)")
     parser.add_argument("--no-audit", action="store_true", help="skip `kvstore audit` (Spark) after the run")
     parser.add_argument("--snapshot", choices=("auto", "yes", "no"), default="auto",

@@ -103,3 +103,34 @@ def timeline_svg(buckets: Mapping[int, Bucket], episodes: Sequence[Mapping[str, 
         parts.append(f'<text x="{x(t):.1f}" y="{axis_y}" text-anchor="middle">{t}s</text>')
     parts.append("</svg>")
     return "\n".join(parts)
+
+
+def markdown(result: Mapping[str, Any]) -> str:
+    """The report's figures as the tables docs/robustness.md shows: `python -m tests.robustness.report
+    .data/soak/<seed>/report.json`."""
+    ops = result["operations"]
+    lines = [f"Seed {result['seed']}, {result['duration_s']:.0f} s, {result['cluster']['brokers']} brokers, "
+             f"{result['cluster']['nodes']} nodes, {result['cluster']['shards']} shards: "
+             f"**{ops['total']:,} operations, {result['faults']['total']} fault episodes, "
+             f"{result['anomalies']['total']} anomalies**.", "",
+             "| operation | ok | failed | unknown |", "|---|---:|---:|---:|"]
+    for kind, outcomes in ops["by_kind"].items():
+        lines.append(f"| {kind} | {outcomes.get('ok', 0):,} | {outcomes.get('failed', 0):,} | "
+                     f"{outcomes.get('unknown', 0):,} |")
+    total = ops["by_outcome"]
+    lines.append(f"| **all** | **{total.get('ok', 0):,}** | **{total.get('failed', 0):,}** | "
+                 f"**{total.get('unknown', 0):,}** |")
+    lines += ["", "| fault | episodes |", "|---|---:|"]
+    lines += [f"| {kind} | {n} |" for kind, n in result["faults"]["by_kind"].items()]
+    lines.append(f"| **all** | **{result['faults']['total']}** (not done as planned: {result['faults']['not_done']}) |")
+    lines += ["", "| check | verdict |", "|---|---|"]
+    lines += [f"| {name} | {verdict} |" for name, verdict in result["checks"].items()]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    import json
+    import sys
+    from pathlib import Path
+
+    print(markdown(json.loads(Path(sys.argv[1]).read_text())), end="")
