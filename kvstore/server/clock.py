@@ -6,9 +6,15 @@ instead of sleeping or racing the real one. The pure core never reads a clock: i
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
+import threading
 import time
 from typing import Protocol
+
+from kvstore.core.clock_guard import ClockGuard
+
+log = logging.getLogger(__name__)
 
 
 class Clock(Protocol):
@@ -79,7 +85,37 @@ class OffsetFileClock:
         await asyncio.sleep(seconds)
 
 
+class GuardedClock:
+    """`inner` with its wall clock's jumps filtered out (`kvstore.core.clock_guard`): what a
+    node's leaders stamp. Thread-safe (transaction drivers and replicas share it)."""
+
+    def __init__(self, inner: Clock, guard: ClockGuard | None = None) -> None:
+        self.inner = inner
+        self.guard = guard or ClockGuard()
+        self._lock = threading.Lock()
+
+    def unix_ms(self) -> int:
+        with self._lock:
+            reading = self.guard.read(self.inner.monotonic() * 1000, self.inner.unix_ms())
+        if reading.note is not None:
+            log.warning("%s", reading.note)
+        return reading.unix_ms
+
+    def monotonic(self) -> float:
+        return self.inner.monotonic()
+
+    async def sleep(self, seconds: float) -> None:
+        await self.inner.sleep(seconds)
+
+
+_PROCESS_CLOCK: Clock | None = None
+
+
 def process_clock() -> Clock:
-    """The clock of this node's process: the system's, or the test seam's when OFFSET_FILE_ENV is set."""
-    path = os.environ.get(OFFSET_FILE_ENV, "")
-    return OffsetFileClock(path) if path else SYSTEM_CLOCK
+    """The clock of this node's process, one for all its parts: the system's (or the test seam's
+    when OFFSET_FILE_ENV is set), guarded against jumps."""
+    global _PROCESS_CLOCK
+    if _PROCESS_CLOCK is None:
+        path = os.environ.get(OFFSET_FILE_ENV, "")
+        _PROCESS_CLOCK = GuardedClock(OffsetFileClock(path) if path else SYSTEM_CLOCK)
+    return _PROCESS_CLOCK
