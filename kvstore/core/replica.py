@@ -767,7 +767,6 @@ class ReplicaMachine:
             for ticket, response in batch.answers:
                 self._answer(ticket, response)
         self._release_ids(batch)
-        self._applied_to(event.upcoming)
 
     def _on_commit_applied(self, event: CommitApplied) -> None:
         assert self.committing is not None, "CommitApplied without a committed batch"
@@ -780,6 +779,10 @@ class ReplicaMachine:
             self.role.apply_failed(event.error)
             self._emit(Unable(event.error))
             return
+        # Reads waiting for this batch are served only now that the store holds it: served at
+        # Appended, a read would have found the state without it when the apply failed (a disk
+        # full in issue 22's campaign), then the wiped store.
+        self._applied_to(appended.upcoming)
         self._step_down_if_idle()
 
     def _on_append_failed(self, event: AppendFailed) -> None:
@@ -1310,6 +1313,8 @@ class ReplicaMachine:
                     self.caught_up = True  # idle at its checkpoint: catches up when it leads
         if self.stage is Stage.FETCHING and self.reader_op is None:
             self._next_fetch()
+            if role.role is Role.STEPPING_DOWN and not self.writer_busy and self.committing is None:
+                self._finish_leadership()  # the catch-up just gave the shard up (a stale end)
         if role.role is Role.LEADING:
             self._maybe_start_batch()
             if self.next_round and not self.round_out:
@@ -1323,7 +1328,16 @@ class ReplicaMachine:
         assert self.reading is Reading.CATCH_UP and self.role.role is Role.CATCHING_UP, (self.reading, self.role.role)
         # A catch-up no longer wanted was given up when that was said (_step_down_if_idle).
         assert self.role.keeps_leading, "catching up for a leadership given up"
-        if self._applied() >= self.target_end:
+        applied = self._applied()
+        if applied > self.target_end:
+            # The replay went past the end we fenced or settled at: that end was stale (read from
+            # a broker behind, or the marker of our last commit landed after it was read).
+            # Leading from it would plan at an offset our state is already past (W6): take the
+            # shard again, as `_confirmed` does when the end moves during a takeover.
+            self._reading_failed(f"shard {self.shard}: replayed to {applied}, past the end {self.target_end} it "
+                                 "was taking over at (a stale end); taking over again")
+            return
+        if applied == self.target_end:
             self._stop_reading()
             leads = self.role.replayed_to(self.target_end)  # W6: leads from the end it caught up to
             assert leads

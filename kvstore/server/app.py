@@ -73,22 +73,25 @@ class KVService(kv_pb2_grpc.KVServiceServicer):
 
     async def _read_ready(self, shard: int, consistency: int, min_revision: int | None,
                           context: grpc.aio.ServicerContext[Any, Any], *, keys: tuple[bytes, ...] = (),
-                          span: tuple[bytes, bytes | None] | None = None) -> ShardReplica:
-        """The replica to read `shard` from, once it may be read at `consistency`; a stale read
-        first waits until it applied `min_revision` (a revision of this shard). A linearizable
-        read of `keys` or `span` also waits for the resolve of a prepared cross-shard transaction
-        holding an exclusive lock on them (T4, in the replica machine)."""
+                          span: tuple[bytes, bytes | None] | None = None) -> tuple[ShardReplica, int]:
+        """The replica to read `shard` from, once it may be read at `consistency`, and the state
+        epoch it was cleared in: read it only while `ShardReplica.unchanged_since` that epoch. A
+        stale read first waits until it applied `min_revision` (a revision of this shard). A
+        linearizable read of `keys` or `span` also waits for the resolve of a prepared
+        cross-shard transaction holding an exclusive lock on them (T4, in the replica machine)."""
         replica = self.node.replica(shard)
+        epoch = replica.state_epoch
         if consistency in (kv_pb2.CONSISTENCY_UNSPECIFIED, kv_pb2.CONSISTENCY_LINEARIZABLE):
-            await replica.barrier(keys, span)
+            epoch = await replica.barrier(keys, span)
         elif consistency == kv_pb2.CONSISTENCY_LEADER_LOCAL:
             replica.require_leader()
         elif consistency == kv_pb2.CONSISTENCY_STALE:
             if min_revision is not None:
                 await replica.wait_applied(min_revision + 1, _deadline_s(context, STALE_WAIT_DEFAULT_S))
+                replica.unchanged_since(epoch)
         else:
             raise errors.InvalidRequestError(f"unknown consistency level {consistency}")
-        return replica
+        return replica, epoch
 
     def _header(self, replica: ShardReplica) -> kv_pb2.ReadHeader:
         return kv_pb2.ReadHeader(shard=replica.shard, applied_revision=replica.store.applied_offset,
@@ -98,13 +101,13 @@ class KVService(kv_pb2_grpc.KVServiceServicer):
         validation.check_key(request.key)
         floor = request.read.min_revision if request.read.HasField("min_revision") else None
         try:
-            replica = await self._read_ready(self.node.shard_for(request.key), request.read.consistency, floor,
-                                             context, keys=(request.key,))
+            replica, _epoch = await self._read_ready(self.node.shard_for(request.key), request.read.consistency,
+                                                     floor, context, keys=(request.key,))
         except errors.NotLeaderError as refusal:
             response = await self._forward(refusal, "Get", request, context, write=False)
             assert isinstance(response, kv_pb2.GetResponse)
             return response
-        state = replica.store.get(request.key)
+        state = replica.store.get(request.key)  # no await since `_read_ready` checked the epoch
         response = kv_pb2.GetResponse(header=self._header(replica), found=state is not None)
         if state is not None:
             response.kv.CopyFrom(key_value(request.key, state))
@@ -210,10 +213,13 @@ class KVService(kv_pb2_grpc.KVServiceServicer):
             start = max(start, request.page_token)
         floors = reads.scan_floors(request.read, request.min_revisions, self.node.config.shards)
         local, remote = self._scan_plan(shards, request.read.consistency) if forward else (shards, {})
-        replicas = [await self._read_ready(shard, request.read.consistency, floors.get(shard), context,
-                                           span=(start, end)) for shard in local]
+        cleared = [await self._read_ready(shard, request.read.consistency, floors.get(shard), context,
+                                          span=(start, end)) for shard in local]
         forwarded = await asyncio.gather(*(self._forward_scan(address, group, request, context)
                                            for address, group in remote.items()))
+        for replica, epoch in cleared:  # the awaits since: none of these states may have gone back
+            replica.unchanged_since(epoch)
+        replicas = [replica for replica, _epoch in cleared]
         response = kv_pb2.ScanResponse(headers=[self._header(r) for r in replicas])
         for part in forwarded:
             response.headers.extend(part.headers)
@@ -303,7 +309,7 @@ class KVService(kv_pb2_grpc.KVServiceServicer):
                 await self._check_history(replica, starts[replica.shard])
         watcher = Watcher(request.key, request.prefix)
         for replica in replicas:
-            watcher.live_from[replica.shard] = replica.store.applied_offset
+            watcher.register(replica.shard, replica.store.applied_offset, starts.get(replica.shard))
             replica.watchers.add(watcher)
         try:
             # Registered: every change applied from here on reaches the queue. Saying so lets a
@@ -320,6 +326,8 @@ class KVService(kv_pb2_grpc.KVServiceServicer):
                         await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                             f"watcher fell {limits.WATCH_QUEUE_EVENTS} events behind "
                                             "(WATCH_QUEUE_EVENTS); watch again from the last revision seen")
+                    if watcher.ended_why is not None:
+                        raise errors.UnavailableError(f"{watcher.ended_why}; watch again from the last revision seen")
                     return
                 shard, change = item
                 yield _event(shard, change)

@@ -111,6 +111,9 @@ class ShardReplica:
         self.on_unable_to_lead: Callable[[int, str | None], None] = lambda shard, reason: None
         # Asked to resolve prepared transactions a read waits on (T4); the node sets it (its resolvers).
         self.resolve_now: Callable[[tuple[str, ...]], None] = lambda txn_ids: None
+        # Bumped whenever the store may go back or miss a committed batch (a wipe, a failed apply,
+        # a restart of the machine, a stop): a read cleared before must not read after (`unchanged_since`).
+        self.state_epoch = 0
         self._tickets: dict[int, asyncio.Future[Any]] = {}  # requests waiting for an AnswerRequest
         self._reads: set[int] = set()  # which of them are read barriers
         self._next_ticket = 0
@@ -183,6 +186,7 @@ class ShardReplica:
         """Graceful: stop taking writes, let the batch in flight finish and answer its clients.
         Past 2 x call_timeout_s an append still running is reported cancelled (its clients hear
         "unknown outcome"); its producer is closed only once its thread returned."""
+        self._state_changed()
         self._step(core.StopRequested())
         bound_s = self.config.call_timeout_s * 2
         if not await self._until(self._exited.is_set, bound_s):
@@ -220,15 +224,32 @@ class ShardReplica:
         answer: Response = await future
         return answer
 
-    async def barrier(self, keys: tuple[bytes, ...] = (), span: tuple[bytes, bytes | None] | None = None) -> None:
+    async def barrier(self, keys: tuple[bytes, ...] = (), span: tuple[bytes, bytes | None] | None = None) -> int:
         """Linearizable read barrier (docs/design.md §5), shared by the reads waiting at that
         moment; then, for `keys` or `span`, until no prepared cross-shard transaction holds an
-        exclusive lock on what is read (T4, bounded: the machine's `read_lock_wait_ms`)."""
+        exclusive lock on what is read (T4, bounded: the machine's `read_lock_wait_ms`).
+        Returns the state epoch the read was cleared in: read the store only while
+        `unchanged_since` it (between the answer and the caller's resumption the store may
+        have been wiped)."""
+        epoch = self.state_epoch
         ticket, future = self._ticket()
         self._reads.add(ticket)
         future.add_done_callback(lambda _f: self._reads.discard(ticket))
         self._step(core.ReadArrived(ticket, self.leader_hint(), keys, span))
         await future
+        self.unchanged_since(epoch)
+        return epoch
+
+    def unchanged_since(self, epoch: int) -> None:
+        """Raise UNAVAILABLE (retriable: nothing was read) if the store may have gone back or
+        missed a committed batch since `epoch` (`state_epoch`). Callers read the store right
+        after, with no await in between."""
+        if self.state_epoch != epoch:
+            raise errors.UnavailableError(f"shard {self.shard}: this replica's state changed while the read waited "
+                                          "(a failed apply, a rebuild or a restart); nothing was read: retry")
+
+    def _state_changed(self) -> None:
+        self.state_epoch += 1
 
     def check_fenced(self) -> bool:
         """Told that someone may have fenced us: probe the log (an empty entry); if we were
@@ -323,6 +344,7 @@ class ShardReplica:
         log.error("shard %d: the replica failed (%s: %s); starting it over from the store and the WAL", self.shard,
                   type(exc).__name__, exc, exc_info=exc)
         old = self.machine
+        self._state_changed()
         tickets, self._tickets = self._tickets, {}
         for ticket, future in tickets.items():
             if not future.done():
@@ -387,7 +409,9 @@ class ShardReplica:
             self.store.rewind_unverified()
             self._later.append(core.Rewound())
         elif isinstance(action, core.Wipe):
+            self._state_changed()
             self.store.wipe(action.reason)
+            self._end_watches(f"shard {self.shard}: the replica serving this watch is rebuilding ({action.reason})")
             self._after_apply([])
             self._later.append(core.Wiped())
         elif isinstance(action, core.LoadSnapshot):
@@ -395,6 +419,7 @@ class ShardReplica:
         elif isinstance(action, core.CloseWriter):
             self._close_writer()
         elif isinstance(action, core.Unable):
+            self._state_changed()  # e.g. a committed batch failed to apply: the store lacks it
             self.on_unable_to_lead(self.shard, action.reason)
         elif isinstance(action, core.Able):
             self.on_unable_to_lead(self.shard, None)
@@ -668,6 +693,13 @@ class ShardReplica:
         except Exception as exc:
             error.append(f"{type(exc).__name__}: {exc}")
 
+    def _end_watches(self, why: str) -> None:
+        """The state went back (a wipe) or jumped ahead (a snapshot): what it applies next would
+        repeat or skip changes on the streams it feeds, so they end and are resumed."""
+        for watcher in list(self.watchers):
+            watcher.close(why)
+        self.watchers.clear()
+
     def _after_apply(self, changes: list[Change]) -> None:
         applied_offset = self.store.applied_offset
         self.metrics.applied_offset.labels(shard=str(self.shard)).set(applied_offset)
@@ -693,6 +725,8 @@ class ShardReplica:
                 shutil.rmtree(found[0], ignore_errors=True)  # nobody waits for it any more
             elif found is not None:
                 self.store = restore.swap_in(self.store, found[0], self.config)
+                self._end_watches(f"shard {self.shard}: the replica serving this watch loaded a snapshot "
+                                  f"at revision {self.store.applied_offset}")
                 self._after_apply([])
                 loaded = True
         except Exception as exc:

@@ -24,6 +24,13 @@ class Watcher:
         # Per shard: changes below this revision come from WAL history, not from live apply.
         self.live_from: dict[int, int] = {}
         self.overflowed = False
+        self.ended_why: str | None = None  # why the replica ended the stream (it went back or jumped ahead)
+
+    def register(self, shard: int, applied: int, start: int | None) -> None:
+        """Live changes of `shard` from `applied` (the replica's checkpoint now) on; history fills
+        [start, applied). Never a change below `start`: a replica behind it (rebuilding, lagging)
+        must not hand its older changes to a watch that asked to begin later."""
+        self.live_from[shard] = applied if start is None else max(applied, start)
 
     def matches(self, key: bytes) -> bool:
         return key.startswith(self.prefix) if self.prefix else key == self.key
@@ -37,8 +44,13 @@ class Watcher:
             self.overflowed = True
             self.close()
 
-    def close(self) -> None:
-        """End the stream: None is the end-of-stream marker, room is made for it if needed."""
+    def close(self, why: str | None = None) -> None:
+        """End the stream: None is the end-of-stream marker, room is made for it if needed.
+        `why`: the replica's state went back or jumped ahead, so the changes it applies next are
+        no continuation of this stream; the watcher hears UNAVAILABLE and watches again from
+        the last revision it saw (history fills the rest)."""
+        if why is not None and self.ended_why is None:
+            self.ended_why = why
         if self.queue.full():
             self.queue.get_nowait()
         self.queue.put_nowait(None)

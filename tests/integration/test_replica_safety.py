@@ -27,6 +27,7 @@ from kvstore.server import failpoints
 from kvstore.server.config import ReplicaConfig
 from kvstore.server.metrics import Metrics
 from kvstore.server.replica import ShardReplica
+from kvstore.server.watch import Watcher
 from kvstore.v1 import kv_pb2
 from tests.conftest import unique
 from tests.waiting import holds_for_async, wait_until_async
@@ -83,10 +84,13 @@ def test_failed_apply_after_commit_answers_committed_and_gives_the_shard_up(kafk
             replica.on_unable_to_lead = lambda shard, reason: told.append(reason)
             await wait_until_async(lambda: replica.role is Role.LEADING, 30, what="the replica to lead")
             await _put(replica, b"before", b"1")
+            cleared = await replica.barrier((b"k",))  # a read cleared before the failed apply...
             failpoints.arm("apply-after-commit", 1)
             response = await _put(replica, b"k", b"v", "rid-1")  # committed: answered as such
             assert response.HasField("result") and response.result.revision > 0
             assert told and told[0] is not None and "failpoint" in told[0]
+            with pytest.raises(errors.UnavailableError, match="state changed while the read waited"):
+                replica.unchanged_since(cleared)  # ...reads nothing after it (the store may be wiped)
             assert replica.role is not Role.LEADING
             replica.set_lead(True)  # the group offering it back at once: refused until rebuilt
             await wait_until_async(lambda: None in told, 30, what="the replica rebuilt (may lead again)")
@@ -351,6 +355,9 @@ def test_checkpoint_beyond_the_end_waits_out_the_grace_then_rebuilds(kafka: Loca
         ahead = store.applied_offset
         store.close()
         async with _replica(config, lead=False) as follower:
+            watcher = Watcher(b"", b"r")  # a stream fed by this replica: it must end, not replay from 0
+            watcher.register(0, follower.store.applied_offset, None)
+            follower.watchers.add(watcher)
             # Half the grace: the checkpoint must be kept all that time (an absence, watched over a window).
             await holds_for_async(lambda: follower.store.applied_offset == ahead
                                   and _metric(follower, "kvstore_rebuilds_total") == 0, 2.0,
@@ -359,6 +366,8 @@ def test_checkpoint_beyond_the_end_waits_out_the_grace_then_rebuilds(kafka: Loca
                                    what="the replica rebuilt from the WAL after the grace")
             assert follower.store.get(b"real") is not None
             assert _metric(follower, "kvstore_rebuilds_total") == 1
+            assert watcher.ended_why is not None and "rebuilding" in watcher.ended_why, watcher.ended_why
+            assert watcher.queue.get_nowait() is None and watcher not in follower.watchers
 
     asyncio.run(scenario())
 

@@ -21,6 +21,7 @@ import dataclasses
 import json
 import logging
 import shutil
+import signal
 import sys
 import time
 from pathlib import Path
@@ -89,10 +90,17 @@ def _logging(out: Path) -> None:
 
 
 def run(settings: Settings) -> dict[str, Any]:
-    """Run the campaign; returns the report (also written to `out`/report.json)."""
+    """Run the campaign; returns the report (also written to `out`/report.json). SIGTERM (and
+    SIGINT, which a shell's background job ignores) ends it early: the report of what ran, the
+    cluster stopped and kept, the namespaces and disks removed."""
     require_root()
+    signal.signal(signal.SIGTERM, _interrupted)
     with machine_lock():
         return _run(settings)
+
+
+def _interrupted(signum: int, _frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
 
 
 def _run(settings: Settings) -> dict[str, Any]:
@@ -157,6 +165,9 @@ def _run(settings: Settings) -> dict[str, Any]:
     except Exception as exc:  # the campaign itself failed: reported as such, everything kept
         log.exception("the campaign failed")
         anomalies.setdefault("campaign-error", []).append(f"{type(exc).__name__}: {exc}")
+    except KeyboardInterrupt as exc:
+        log.warning("interrupted (%s): stopping the cluster, keeping it", exc)
+        anomalies.setdefault("campaign-error", []).append(f"interrupted ({exc}): the checks did not run")
     finally:
         duration = (time.monotonic() - recorder.started) if recorder else 0.0
         result = report.build(

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import logging
 import random
 import threading
 import time
@@ -25,6 +26,8 @@ from kvstore.client import Client, KvError, Op, UnknownOutcome
 from kvstore.client.errors import BatchIncomplete, RequestExpired
 from kvstore.dev.demo import Workload, outcome_of
 from tests.integration.registers import Observer
+
+log = logging.getLogger("soak")
 
 BUCKET_S = 1.0
 MAX_LATENCIES_PER_BUCKET = 2000  # a bucket's latency sample (the p99 of a second), bounded
@@ -190,8 +193,12 @@ class ReadBack:
                 with self._lock:
                     self.reads += 1
                     if not got.found or got.value != ack.value:
+                        h = got.header
+                        where = f" from {h.served_by} at applied revision {h.applied_revision}" if h else ""
                         self.anomalies.append(f"{ack.key!r} acknowledged at revision {ack.revision}, read back "
-                                              f"{'absent' if not got.found else repr(got.value[:40])}")
+                                              f"{'absent' if not got.found else repr(got.value[:40])}{where} "
+                                              f"at {time.strftime('%H:%M:%S')}")
+                        log.warning("read-back anomaly: %s", self.anomalies[-1])
                         del self.anomalies[20:]
 
 
@@ -262,7 +269,9 @@ class Watchers:
             last = self.last[index].get(shard, -1)
             if revision <= last:
                 self.anomalies.append(f"watcher {index}: shard {shard} revision {revision} after {last} "
-                                      f"({key!r}): repeated or out of order")
+                                      f"({key!r}): repeated or out of order at {time.strftime('%H:%M:%S')}")
+                if len(self.anomalies) <= 3:
+                    log.warning("watch anomaly: %s", self.anomalies[-1])
             self.last[index][shard] = max(last, revision)
             self.seen[index][key] = self.seen[index].get(key, 0) + 1
 

@@ -351,6 +351,23 @@ def test_taking_over_fences_catches_up_to_the_fenced_end_then_leads() -> None:
     assert drive.machine.role.upcoming == 6 and drive.machine.term == 7
 
 
+def test_a_replay_past_the_end_it_took_over_at_takes_the_shard_again() -> None:
+    """Issue 22's campaign: after an undelivered batch, the settled end read 1151 while the
+    replay reached 1152; leading from 1151 tripped the W6 assertion. Now: take the shard again."""
+    drive = following(2, [(0, entry(b"a", 0))])
+    run(drive, [
+        (LeadChanged(True), None, []),
+        (Fetched(2, (), 2), None, ["Fence"]),
+        (Fenced(6), 10, ["Note(leader_changes)", "SetTerm(7)", "RewindUnverified"]),
+        (Rewound(), None, ["Fetch(2,6)"]),
+        (Fetched(2, [(3, entry(b"b", 3)), (6, entry(b"c", 6))], 7), None,
+         ["ApplyReplayed(7)", "CloseWriter"]),  # past 6: no leading from a stale end
+    ])
+    assert drive.machine.role.role is not Role.LEADING and drive.machine.role.upcoming is None
+    assert drive.store.applied_offset == 7  # what was replayed stays applied
+    run(drive, [(Tick(), 200, ["Fence"])])  # after the backoff: take it again
+
+
 def test_a_catch_up_past_its_deadline_gives_the_shard_up_and_takes_it_again() -> None:
     drive = following(2, [(0, entry(b"a", 0))])
     run(drive, [
@@ -571,7 +588,22 @@ def test_a_barrier_waits_for_the_batch_in_flight_to_be_applied() -> None:
         (WriteArrived(1, put(b"a"), 10), 100, []), (Tick(), 102, ["Append(2,1)"]),
         (ReadArrived(2), None, ["ReadEnd(barrier)"]),
         (EndRead(EndPurpose.BARRIER, 4), None, []),  # its own batch: wait until applied
-        (committed(drive, 2, 1), None, ["ApplyCommitted(4)", "Answer(1,PutResponse)", "Answer(2,READY)"]),
+        (committed(drive, 2, 1), None, ["ApplyCommitted(4)", "Answer(1,PutResponse)"]),
+        (CommitApplied(), None, ["Answer(2,READY)"]),  # applied: only now
+    ])
+
+
+def test_a_barrier_waiting_for_a_batch_whose_apply_fails_is_refused() -> None:
+    """Issue 22's campaign: a disk full failed the apply of a committed batch; a read told READY
+    at commit found the state without it, then the wiped store (acknowledged keys absent)."""
+    drive = leading(2)
+    run(drive, [
+        (WriteArrived(1, put(b"a"), 10), 100, []), (Tick(), 102, ["Append(2,1)"]),
+        (ReadArrived(2), None, ["ReadEnd(barrier)"]),
+        (EndRead(EndPurpose.BARRIER, 4), None, []),
+        (committed(drive, 2, 1), None, ["ApplyCommitted(4)", "Answer(1,PutResponse)"]),
+        (CommitApplied("IOError: No space left on device"), None,
+         ["Note(apply_failures)", "Unable", "Answer(2,UnavailableError)", "CloseWriter", "Note(rebuilds)", "Wipe"]),
     ])
 
 
@@ -617,8 +649,8 @@ def test_a_barrier_of_a_resigning_leader_is_served_by_its_last_batch_or_refused(
     run(drive, [(WriteArrived(1, put(b"a"), 10), 100, []), (Tick(), 102, ["Append(2,1)"]),
                 (ReadArrived(2), None, ["ReadEnd(barrier)"]), (LeadChanged(False), None, []),
                 (EndRead(EndPurpose.BARRIER, 4), None, []),  # still leading until the batch is done
-                (committed(drive, 2, 1), None, ["ApplyCommitted(4)", "Answer(1,PutResponse)", "Answer(2,READY)"]),
-                (CommitApplied(), None, ["CloseWriter", "RewindUnverified"])])
+                (committed(drive, 2, 1), None, ["ApplyCommitted(4)", "Answer(1,PutResponse)"]),
+                (CommitApplied(), None, ["Answer(2,READY)", "CloseWriter", "RewindUnverified"])])
     drive = leading(2)
     run(drive, [(ReadArrived(1), 100, ["ReadEnd(barrier)"]),  # a query out holds nothing: stop at once
                 (StopRequested(), None, ["Answer(1,UnavailableError)", "CloseWriter", "Exit"])])
@@ -898,7 +930,8 @@ def test_a_read_of_a_locked_key_waits_for_the_apply_that_releases_it() -> None:
                 (CommitApplied(), None, [])])
     drive.store.locks.remove("t")  # the resolve, applied with the next batch
     run(drive, [(WriteArrived(4, put(b"y"), 10), 120, []), (Tick(), 122, ["Append(4,1)"]),
-                (committed(drive, 4, 1), None, ["ApplyCommitted(6)", "Answer(4,PutResponse)", "Answer(1,READY)"])])
+                (committed(drive, 4, 1), None, ["ApplyCommitted(6)", "Answer(4,PutResponse)"]),
+                (CommitApplied(), None, ["Answer(1,READY)"])])
 
 
 def test_a_read_locked_too_long_asks_for_a_resolve_then_gives_up() -> None:
