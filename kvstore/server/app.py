@@ -554,6 +554,9 @@ class ClusterService(cluster_pb2_grpc.ClusterServiceServicer):
             pinned.pop(request.shard, None)
             entry = placement.pin_entry(request.shard, None)
         else:
+            if len(self.node.placement) != shards:  # starting: it has not placed the shards yet
+                raise errors.UnavailableError("this node has not placed the shards yet (it is starting); retry, or "
+                                              "ask another node")
             try:
                 nodes = placement.move(self.node.placement, self.node.members(), self.node.overrides, request.shard,
                                        request.to_node, request.from_node)

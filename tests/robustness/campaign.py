@@ -106,7 +106,10 @@ def _interrupted(signum: int, _frame: object) -> None:
 def _run(settings: Settings) -> dict[str, Any]:
     out = settings.out
     out.mkdir(parents=True, exist_ok=True)
+    earlier = _clear_earlier_run(out)
     _logging(out)
+    if earlier:
+        log.info("removed an earlier run's %s from %s", ", ".join(earlier), out)
     episodes = nemesis.plan(settings.seed, settings.duration_s, snapshot=settings.snapshot) if settings.faults else []
     log.info("seed %d, %.0f s, %d fault episodes planned, output in %s", settings.seed, settings.duration_s,
              len(episodes), out)
@@ -189,6 +192,27 @@ def _run(settings: Settings) -> dict[str, Any]:
              result["operations"]["total"], result["faults"]["total"], result["anomalies"]["total"],
              out / "report.json")
     return result
+
+
+# What a run writes into its directory. A replay of the same seed (or a run killed before it
+# cleaned up) finds them there: brokers and nodes started on an earlier run's data would carry its
+# WAL, its prepared transactions and its LevelDBs into this run.
+RUN_ENTRIES = ("campaign.log", "clock", "history.jsonl", "kafka", "kept", "logs", "nodes", "report.json",
+               "snapshots", "timeline.svg")
+
+
+def _clear_earlier_run(out: Path) -> list[str]:
+    removed = []
+    for name in RUN_ENTRIES:
+        path = out / name
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+        elif path.exists():
+            path.unlink()
+        else:
+            continue
+        removed.append(name)
+    return removed
 
 
 def _progress(recorder: Recorder, duration_s: float, faults: nemesis.Nemesis) -> None:

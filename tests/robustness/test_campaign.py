@@ -77,6 +77,20 @@ def test_accounts_cover_every_shard() -> None:
     assert {shard_of(k, 6) for k in keys} == set(range(6))
 
 
+def test_an_earlier_run_in_the_directory_is_cleared_first(tmp_path: Path) -> None:
+    """A replay of a seed uses the same directory: its brokers and nodes must not start on the
+    earlier run's data (a long run once started on an old WAL with prepared transactions)."""
+    from tests.robustness.campaign import RUN_ENTRIES, _clear_earlier_run
+
+    (tmp_path / "kafka" / "b1").mkdir(parents=True)
+    (tmp_path / "kafka" / "b1" / "meta.properties").write_text("old")
+    (tmp_path / "report.json").write_text("{}")
+    (tmp_path / "mine.txt").write_text("not the run's")
+    assert _clear_earlier_run(tmp_path) == ["kafka", "report.json"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine.txt"]
+    assert _clear_earlier_run(tmp_path) == [] and "nodes" in RUN_ENTRIES
+
+
 def test_without_root_the_campaign_says_why() -> None:
     if ROOT:
         require_root()  # no error as root
