@@ -251,15 +251,31 @@ class PartitionEnds:
     assigned can stay stale for a long time after the leader dies).
     """
 
+    # A fresh admin client connects to every bootstrap broker and asks for metadata: renewed after
+    # every failure, a node's read barriers and end reads against a Kafka that is down made a storm
+    # of them that kept a recovering cluster starved (issue 22's campaign). At most one per interval.
+    RENEW_MIN_INTERVAL_S = 5.0
+
     def __init__(self, bootstrap_servers: str, timeout_s: float, security: ClientSecurity | None = None) -> None:
         self._timeout_s = timeout_s
         self._bootstrap_servers = bootstrap_servers
         self._security = security
         self._admin = self._new_admin()
+        self._renewed_at = time.monotonic()
+        self.renewals = 0
 
     def _new_admin(self) -> AdminClient:
         return AdminClient(client_config(self._bootstrap_servers, self._security,
                                          **{"client.id": "wal-partition-ends"}))
+
+    def _renew_admin(self) -> None:
+        """Start over with fresh metadata, unless that was done less than RENEW_MIN_INTERVAL_S ago."""
+        now = time.monotonic()
+        if now - self._renewed_at < self.RENEW_MIN_INTERVAL_S:
+            return
+        self._renewed_at = now
+        self.renewals += 1
+        self._admin = self._new_admin()
 
     def high_watermark(self, topic: str, partition: int) -> int:
         return self._list_offset(topic, partition, OffsetSpec.latest(),  # type: ignore[no-untyped-call]
@@ -282,18 +298,18 @@ class PartitionEnds:
         try:
             info = futures[tp].result(timeout=self._timeout_s + 1)
         except concurrent.futures.TimeoutError as exc:
-            self._admin = self._new_admin()
+            self._renew_admin()
             raise KafkaException(KafkaError(KafkaError._TIMED_OUT, f"list_offsets {topic}[{partition}]",
                                             retriable=True)) from exc
         except KafkaException:
             # The admin client does not refresh a stale leader epoch by itself after a broker
             # restart (FENCED_LEADER_EPOCH forever): start over with fresh metadata.
-            self._admin = self._new_admin()
+            self._renew_admin()
             raise
         if info.offset < 0:
             # Seen while partition leadership moves: the request "succeeds" with OFFSET_INVALID
             # (-1001). It is not an end; make it a retriable error so callers try again.
-            self._admin = self._new_admin()
+            self._renew_admin()
             raise KafkaException(KafkaError(KafkaError._STATE, f"list_offsets {topic}[{partition}] returned no "
                                             f"offset ({info.offset}) during a leader change", retriable=True))
         return int(info.offset)
