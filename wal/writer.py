@@ -15,8 +15,8 @@ import contextlib
 import dataclasses
 import functools
 import logging
+import threading
 import time
-import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -326,15 +326,50 @@ class ShardWriter:
 
     def _close_producer(self) -> None:
         producer, self._producer = self._producer, None
-        if producer is None:
-            return
-        # A fenced or fatal producer refuses both calls; dropping the instance is what matters.
-        with contextlib.suppress(KafkaException, RuntimeError):
-            producer.purge()
-        with contextlib.suppress(KafkaException, RuntimeError), warnings.catch_warnings():
-            # close() tries to abort an open transaction; the broker will do it anyway.
-            warnings.simplefilter("ignore", RuntimeWarning)
-            producer.close()
+        if producer is not None:
+            retire(producer, self.config.transactional_id)
+
+
+# Producers being retired at once in this process: each normally goes within milliseconds; more
+# than this many still going means librdkafka is stuck destroying them (logged, never waited for).
+RETIRING_WARN_AT = 8
+_retiring: set[threading.Thread] = set()
+_retiring_lock = threading.Lock()
+
+
+def retire(producer: Producer, name: str) -> None:
+    """Drop `producer` off the caller's thread: purge what it holds, then destroy it.
+
+    Never `Producer.close()`: it flushes with no timeout first, and a transactional producer cut
+    off from its coordinator waited there for minutes, holding its shard's writer (and with it the
+    shard's leadership and every cross-shard transaction through it) in issue 22's campaign. Nor a
+    flush: it would serve the delivery reports of a batch this writer has left behind. A fenced or
+    fatal producer refuses the purge; destroying the instance is what matters (the broker aborts
+    an open transaction at its timeout, or the next writer's init_transactions does)."""
+
+    def destroy(held: list[Producer]) -> None:
+        try:
+            with contextlib.suppress(KafkaException, RuntimeError):
+                held[0].purge(in_queue=True, in_flight=True, blocking=False)
+            held.clear()  # the last reference: rd_kafka_destroy runs here, not in the writer's thread
+        finally:
+            with _retiring_lock:
+                _retiring.discard(threading.current_thread())
+
+    thread = threading.Thread(target=destroy, args=([producer],), daemon=True, name=f"retire-{name}")
+    with _retiring_lock:
+        _retiring.add(thread)
+        busy = len(_retiring)
+    del producer
+    thread.start()
+    if busy > RETIRING_WARN_AT:
+        log.warning("%d Kafka producers are being destroyed at once (librdkafka slow to let go of them)", busy)
+
+
+def retiring() -> int:
+    """Producers handed to `retire` and not destroyed yet."""
+    with _retiring_lock:
+        return len(_retiring)
 
 
 def _failed(op: Op, err: KafkaError) -> Failed:

@@ -120,6 +120,7 @@ def _run(settings: Settings) -> dict[str, Any]:
     recorder: Recorder | None = None
     done: list[nemesis.Done] = []
     registers: Registers | None = None
+    faults: nemesis.Nemesis | None = None
     try:
         log.info("starting 3 brokers and 5 nodes in their own network namespaces")
         cluster.start()
@@ -172,6 +173,8 @@ def _run(settings: Settings) -> dict[str, Any]:
         log.warning("interrupted (%s): stopping the cluster, keeping it", exc)
         anomalies.setdefault("campaign-error", []).append(f"interrupted ({exc}): the checks did not run")
     finally:
+        if faults is not None:  # interrupted or failed mid-run: no fault (nor the supervisor) outlives it
+            faults.stop(timeout_s=60)
         duration = (time.monotonic() - recorder.started) if recorder else 0.0
         result = report.build(
             seed=settings.seed, duration_s=duration, operations=recorder.by_outcome() if recorder else {},
