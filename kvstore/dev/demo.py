@@ -113,14 +113,16 @@ class Workload:
     def __init__(self, endpoints: Sequence[str], shards: int, *, writers_per_shard: int = 2,
                  prefix: str | None = None, value_bytes: int = 100,
                  write_timeout_s: float = WRITE_TIMEOUT_S,
-                 observe: Callable[[str, str, float, float], None] | None = None) -> None:
+                 observe: Callable[[str, str, float, float], None] | None = None,
+                 max_backoff_s: float = 0.1) -> None:
         """`write_timeout_s` bounds one put, retries included. Shorter than a takeover, writes
         fail during it: that is how a user with tight deadlines sees the cluster, and what
         `failed_but_applied` checks (a write reported as failed must not be there). `observe`
         is told of every put: ("put", "ok" | "failed" | "unknown", its start and end on
         time.monotonic()), for a timeline."""
-        assert write_timeout_s > 0
+        assert write_timeout_s > 0 and max_backoff_s >= 0
         self.write_timeout_s = write_timeout_s
+        self.max_backoff_s = max_backoff_s
         self.endpoints = list(endpoints)
         self.shards = shards
         self.prefix = prefix or f"demo/{uuid.uuid4().hex[:8]}"
@@ -166,7 +168,8 @@ class Workload:
         next_key = self._keys(shard, writer)
         # A short back-off cap: the measured unavailability should be the cluster's, not the
         # client waiting out a long back-off after the new leader is already there.
-        with Client(self.endpoints, timeout_s=self.write_timeout_s, max_attempts=100, max_backoff_s=0.1) as client:
+        with Client(self.endpoints, timeout_s=self.write_timeout_s, max_attempts=100,
+                    max_backoff_s=self.max_backoff_s) as client:
             while not self._stop.is_set():
                 key = next_key()
                 if key is None:

@@ -446,16 +446,46 @@ def _event(shard: int, change: Any) -> kv_pb2.WatchResponse:
                                 kv=kv_pb2.KeyValue(key=change.key, mod_revision=change.revision), shard=shard)
 
 
+# A merged shard map is reused this long, and one is merged at a time: every map asks each peer
+# for its view, and clients refetch the map after each refusal. With a shard between leaders, some
+# 130 clients in issue 22's campaign made each node fan out hundreds of calls a second, which kept
+# two cores busy and the brokers starved. Routing tolerates a map this old (a refusal hints anyway).
+SHARD_MAP_REUSE_S = 0.25
+_monotonic = time.monotonic  # a seam for the reuse test (patching time.monotonic would stop asyncio's clock)
+
+
 class ClusterService(cluster_pb2_grpc.ClusterServiceServicer):
     def __init__(self, node: Node, peers: Peers) -> None:
         self.node = node
         self.peers = peers
+        self._merged: tuple[float, cluster_pb2.ShardMapResponse] | None = None
+        self._merging: asyncio.Future[cluster_pb2.ShardMapResponse] | None = None
 
     async def ShardMap(self, request: cluster_pb2.ShardMapRequest,
                        context: Any) -> cluster_pb2.ShardMapResponse:
-        local = await local_view(self.node)
         if not self.node.config.lead:
-            return local
+            return await local_view(self.node)
+        merged = self._merged
+        if merged is not None and _monotonic() - merged[0] < SHARD_MAP_REUSE_S:
+            return merged[1]
+        if self._merging is None:
+            self._merging = asyncio.ensure_future(self._merge_map())
+
+            def done(future: asyncio.Future[cluster_pb2.ShardMapResponse]) -> None:
+                self._merging = None
+                if not future.cancelled() and future.exception() is None:
+                    self._merged = (_monotonic(), future.result())
+
+            self._merging.add_done_callback(done)
+        # Shielded: a caller that goes away does not cancel the merge the others wait for.
+        return await asyncio.shield(self._merging)
+
+    def forget_merged_map(self) -> None:
+        """The placement changed here (a move, a drain): the next map is merged afresh."""
+        self._merged = None
+
+    async def _merge_map(self) -> cluster_pb2.ShardMapResponse:
+        local = await local_view(self.node)
         me = self.node.config.node_id
         addresses = sorted({a for node_id, a in self.node.view.members.items() if a and node_id != me})
         answers = await asyncio.gather(*(self._peer_view(address) for address in addresses))
@@ -537,6 +567,7 @@ class ClusterService(cluster_pb2_grpc.ClusterServiceServicer):
         overrides = dataclasses.replace(self.node.overrides, drained=drained - {node_id} if request.undo
                                         else drained | {node_id})
         moves = await self.node.set_override(placement.drain_entry(node_id, undo=request.undo), overrides)
+        self.forget_merged_map()
         log.warning("placement: %s %s by an operator (%d shards to move)", "undrained" if request.undo else "drained",
                     node_id, len(moves))
         return cluster_pb2.DrainResponse(changes=_changes(moves))
@@ -565,6 +596,7 @@ class ClusterService(cluster_pb2_grpc.ClusterServiceServicer):
             pinned[request.shard] = nodes
             entry = placement.pin_entry(request.shard, nodes)
         moves = await self.node.set_override(entry, dataclasses.replace(self.node.overrides, pinned=pinned))
+        self.forget_merged_map()
         log.warning("placement: shard %d %s by an operator", request.shard,
                     "unpinned" if request.unpin else f"pinned to {', '.join(pinned[request.shard])}")
         return cluster_pb2.MoveShardResponse(changes=_changes(moves))

@@ -36,8 +36,9 @@ class Bank:
     """Transfers and sums from threads, each with its own client."""
 
     def __init__(self, endpoints: Sequence[str], keys: list[bytes], *, observe: Observer | None = None,
-                 seed: int = 0, sum_pause_s: float = 0.1) -> None:
+                 seed: int = 0, sum_pause_s: float = 0.1, max_backoff_s: float = 0.2) -> None:
         self.endpoints = list(endpoints)
+        self.max_backoff_s = max_backoff_s
         self.keys = keys
         self.stop = threading.Event()
         self.lock = threading.Lock()
@@ -70,7 +71,7 @@ class Bank:
         assert not any(t.is_alive() for t in self.threads), "a bank thread hangs"
 
     def _client(self) -> Client:
-        return Client(self.endpoints, timeout_s=30, max_attempts=200, max_backoff_s=0.2)
+        return Client(self.endpoints, timeout_s=30, max_attempts=200, max_backoff_s=self.max_backoff_s)
 
     def _observed(self, kind: str, outcome: str, started: float) -> None:
         if self._observe is not None:

@@ -30,11 +30,13 @@ Observer = Callable[[str, str, float, float], None]
 
 class Registers:
     def __init__(self, endpoints: Sequence[str], keys: Sequence[bytes], *, threads: int = 4, seed: int = 0,
-                 pause_s: float = 0.01, rotate_s: float | None = None, observe: Observer | None = None) -> None:
+                 pause_s: float = 0.01, rotate_s: float | None = None, observe: Observer | None = None,
+                 max_backoff_s: float = 0.1) -> None:
         """`rotate_s`: every so many seconds the threads move on to fresh copies of `keys` (the
         key plus `/<epoch>`), so that no key's history grows past what the checker can search in
         a long run (checking is exponential in the operations that overlap on one key)."""
         self._endpoints = list(endpoints)
+        self._max_backoff_s = max_backoff_s
         self._base = list(keys)
         self.keys = list(keys) if rotate_s is None else []  # every key used, for the check
         self._rotate_s = rotate_s
@@ -91,7 +93,7 @@ class Registers:
         return keys
 
     def _run(self, index: int, rng: random.Random) -> None:
-        with Client(self._endpoints, timeout_s=15, max_attempts=100, max_backoff_s=0.1) as client:
+        with Client(self._endpoints, timeout_s=15, max_attempts=100, max_backoff_s=self._max_backoff_s) as client:
             counter = 0
             while not self._stop.is_set():
                 counter += 1

@@ -35,7 +35,7 @@ from tests.integration.registers import Registers
 from tests.robustness import nemesis, report
 from tests.robustness.cluster import BROKERS, NODES, SoakCluster
 from tests.robustness.net import machine_lock, require_root
-from tests.robustness.workloads import BulkLoad, ReadBack, Recorder, Watchers
+from tests.robustness.workloads import CLIENT_MAX_BACKOFF_S, BulkLoad, ReadBack, Recorder, Watchers
 from tests.waiting import wait_until
 
 log = logging.getLogger("soak")
@@ -129,12 +129,13 @@ def _run(settings: Settings) -> dict[str, Any]:
         register_threads = 3 * settings.clients
         registers = Registers(endpoints, [f"reg-{i}".encode() for i in range(REGISTER_KEYS * settings.clients)],
                               threads=register_threads,
-                              seed=settings.seed, rotate_s=REGISTER_ROTATE_S, observe=recorder.observe)
+                              seed=settings.seed, rotate_s=REGISTER_ROTATE_S, observe=recorder.observe,
+                              max_backoff_s=CLIENT_MAX_BACKOFF_S)
         bank = Bank(endpoints, accounts(settings.shards), observe=recorder.observe, seed=settings.seed,
-                    sum_pause_s=0.5)
+                    sum_pause_s=0.5, max_backoff_s=CLIENT_MAX_BACKOFF_S)
         bank.open_accounts()
         writes = demo.Workload(endpoints, settings.shards, writers_per_shard=2 * settings.clients, prefix=WRITES_PREFIX,
-                               observe=recorder.observe)
+                               observe=recorder.observe, max_backoff_s=CLIENT_MAX_BACKOFF_S)
         watchers = Watchers(endpoints, f"{WRITES_PREFIX}/".encode(), settings.shards).start()
         reads = ReadBack(endpoints, writes, observe=recorder.observe, threads=2 * settings.clients,
                          seed=settings.seed)

@@ -84,7 +84,7 @@ class SoakCluster:
         return [n.address for n in self.nodes.values()]
 
     def client(self, timeout_s: float = 20.0) -> Client:
-        return Client(self.endpoints, timeout_s=timeout_s, max_attempts=100, max_backoff_s=0.2)
+        return Client(self.endpoints, timeout_s=timeout_s, max_attempts=100, max_backoff_s=1.0)
 
     def shard_map(self) -> ShardMap | None:
         try:

@@ -30,6 +30,10 @@ from tests.integration.registers import Observer
 log = logging.getLogger("soak")
 
 BUCKET_S = 1.0
+# Every client of the campaign backs off as the library does by default (kvstore.client.retry):
+# at 0.1-0.2 s, some 130 client threads retrying against a shard without a leader kept two cores
+# busy answering refusals and fetching shard maps, and the brokers starved (the store stood still).
+CLIENT_MAX_BACKOFF_S = 1.0
 MAX_LATENCIES_PER_BUCKET = 2000  # a bucket's latency sample (the p99 of a second), bounded
 BULK_ROWS = 50
 BULK_ATTEMPTS = 20
@@ -105,7 +109,7 @@ class BulkLoad:
         return f"bulk-{batch}-{row}".encode()
 
     def _run(self) -> None:
-        with Client(self.endpoints, timeout_s=15, max_attempts=50, max_backoff_s=0.2) as client:
+        with Client(self.endpoints, timeout_s=15, max_attempts=50, max_backoff_s=CLIENT_MAX_BACKOFF_S) as client:
             batch = 0
             while not self._stop.is_set():
                 ops = [Op.put(self.key(batch, row), self.value(batch, row)) for row in range(BULK_ROWS)]
@@ -176,7 +180,7 @@ class ReadBack:
 
     def _run(self, index: int) -> None:
         rng = random.Random(self._seed * 1000 + index)
-        with Client(self.endpoints, timeout_s=15, max_attempts=50, max_backoff_s=0.2) as client:
+        with Client(self.endpoints, timeout_s=15, max_attempts=50, max_backoff_s=CLIENT_MAX_BACKOFF_S) as client:
             while not self._stop.is_set():
                 acks = self.writes.acks  # appended to under the workload's lock; reading an index is safe
                 if not acks:
@@ -240,7 +244,7 @@ class Watchers:
             return all(last.get(shard, -1) >= end for last in self.last for shard, end in ends.items())
 
     def _run(self, index: int) -> None:
-        with Client(self.endpoints, timeout_s=15, max_attempts=50, max_backoff_s=0.2) as client:
+        with Client(self.endpoints, timeout_s=15, max_attempts=50, max_backoff_s=CLIENT_MAX_BACKOFF_S) as client:
             while not self._stop.is_set():
                 with self._lock:
                     starts = {s: self.last[index].get(s, -1) + 1 for s in range(self.shards)}
