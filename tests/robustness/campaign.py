@@ -176,6 +176,7 @@ def _run(settings: Settings) -> dict[str, Any]:
     finally:
         if faults is not None:  # interrupted or failed mid-run: no fault (nor the supervisor) outlives it
             faults.stop(timeout_s=60)
+            done = sorted(faults.done, key=lambda d: d.episode.index)  # what ran, even if cut short
         duration = (time.monotonic() - recorder.started) if recorder else 0.0
         result = report.build(
             seed=settings.seed, duration_s=duration, operations=recorder.by_outcome() if recorder else {},
