@@ -59,6 +59,10 @@ SNAPSHOT_MIN_DURATION_S = 240.0  # shorter campaigns take no snapshot (Spark cos
 RESTART_TIMEOUT_S = 120.0
 BROKERS_BACK_TIMEOUT_S = 600.0  # lane 0 waits at most this long for every broker before its next fault
 SPARK_TIMEOUT_S = 600.0
+# A pipeline step that failed (Kafka between partition leaders while a broker fault runs: the
+# snapshot job exits 1) is tried again this many times in all, this long apart.
+PIPELINE_ATTEMPTS = 3
+PIPELINE_RETRY_WAIT_S = 30.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -382,12 +386,22 @@ class Nemesis:
     def _snapshot_truncate(self, e: Episode, done: Done) -> None:
         done.targets = [str(self.cluster.snapshot_dir)]
         common = self.pipeline_args()
+        retried = []
         for step in (["snapshot", "create", "--dir", str(self.cluster.snapshot_dir), "--master", "local[2]"],
                      ["wal", "truncate", "--dir", str(self.cluster.snapshot_dir)]):
-            code, tail = run_cli(self.out / "logs" / "pipeline.log", [*common[:4], *step, *common[4:]])
-            if code != 0:
-                raise RuntimeError(f"kvstore {' '.join(step[:2])} exited {code}: {tail}")
-        done.detail = "snapshot taken, WAL truncated below it"
+            name = " ".join(step[:2])
+            for attempt in range(1, PIPELINE_ATTEMPTS + 1):
+                code, tail = run_cli(self.out / "logs" / "pipeline.log", [*common[:4], *step, *common[4:]])
+                if code == 0:
+                    break
+                if attempt == PIPELINE_ATTEMPTS or self._stop.is_set():
+                    raise RuntimeError(f"kvstore {name} exited {code} ({attempt} attempts): {tail}")
+                log.warning("kvstore %s exited %d (attempt %d of %d), again in %.0f s: %s", name, code, attempt,
+                            PIPELINE_ATTEMPTS, PIPELINE_RETRY_WAIT_S, tail)
+                retried.append(name)
+                self._stop.wait(PIPELINE_RETRY_WAIT_S)
+        done.detail = "snapshot taken, WAL truncated below it" + (
+            f" (tried again: {', '.join(retried)})" if retried else "")
 
     def pipeline_args(self) -> list[str]:
         return ["--endpoints", ",".join(self.cluster.endpoints), "--output", "json",

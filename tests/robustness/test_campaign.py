@@ -91,6 +91,34 @@ def test_an_earlier_run_in_the_directory_is_cleared_first(tmp_path: Path) -> Non
     assert _clear_earlier_run(tmp_path) == [] and "nodes" in RUN_ENTRIES
 
 
+def test_a_failed_pipeline_step_is_tried_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The second long run's snapshot failed once (Kafka between partition leaders under a
+    broker fault) and the run took none: a step is tried again, bounded, and says so."""
+    import types
+
+    calls: list[str] = []
+    codes = iter([1, 0, 0, 0, 1, 1])  # run 1: the snapshot fails once; run 2: the truncation fails twice
+
+    def fake_cli(log_path: Path, args: list[str], timeout_s: float = 0.0) -> tuple[int, str]:
+        calls.append(" ".join(a for a in args if a in ("snapshot", "create", "wal", "truncate")))
+        return next(codes), "no leader for partition 0"
+
+    monkeypatch.setattr(nemesis, "run_cli", fake_cli)
+    monkeypatch.setattr(nemesis, "PIPELINE_ATTEMPTS", 2)
+    monkeypatch.setattr(nemesis, "PIPELINE_RETRY_WAIT_S", 0.0)
+    cluster = types.SimpleNamespace(snapshot_dir=tmp_path / "snapshots", endpoints=["127.0.0.1:1"], brokers=[],
+                                    kafka=types.SimpleNamespace(bootstrap_servers="127.0.0.1:2"))
+    episode = nemesis.Episode(0, 2, "snapshot-truncate", 0.0, 0.0, 0)
+    runner = nemesis.Nemesis(cluster, [episode], 0.0, tmp_path)  # type: ignore[arg-type]
+    done = nemesis.Done(episode)
+    runner._snapshot_truncate(episode, done)
+    assert done.detail == "snapshot taken, WAL truncated below it (tried again: snapshot create)"
+    assert calls == ["snapshot create", "snapshot create", "wal truncate"]
+    with pytest.raises(RuntimeError, match=r"kvstore wal truncate exited 1 \(2 attempts\): no leader"):
+        runner._snapshot_truncate(episode, nemesis.Done(episode))
+    assert calls[3:] == ["snapshot create", "wal truncate", "wal truncate"]
+
+
 def test_without_root_the_campaign_says_why() -> None:
     if ROOT:
         require_root()  # no error as root
