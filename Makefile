@@ -77,12 +77,14 @@ COV_FLOOR_WAL  ?= 85
 COV_FLOOR_CORE ?= 99
 NOCOV_TESTS    ?= tests/sim
 COV_REPORT      = $(PY) -m coverage report
+# The suite must stay well under 30 minutes on two cores: each run lists its slowest tests.
+DURATIONS      ?= 25
 
 test: venv proto kafka spark lint $(GRPCURL)
 ifeq ($(strip $(PYTEST_ARGS)),)
-	$(PY) -m pytest -q --cov --cov-report= $(addprefix --ignore=,$(NOCOV_TESTS))
+	$(PY) -m pytest -q --durations=$(DURATIONS) --cov --cov-report= $(addprefix --ignore=,$(NOCOV_TESTS))
 ifneq ($(strip $(NOCOV_TESTS)),)
-	$(PY) -m pytest -q $(NOCOV_TESTS)
+	$(PY) -m pytest -q --durations=$(DURATIONS) $(NOCOV_TESTS)
 endif
 	status=0; \
 	$(COV_REPORT) --include='wal/*' --fail-under=$(COV_FLOOR_WAL) || status=1; \
