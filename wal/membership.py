@@ -57,6 +57,14 @@ ADDRESS_SEPARATOR = "@"
 POLL_INTERVAL_S = 0.05  # also the heartbeat cadence (see _membership) and the delay of a leave
 LEAVE_TIMEOUT_S = 5.0
 MISSING_LIMIT_S = 5.0  # not listed by the coordinator this long (at least): rejoin (`listed`)
+# librdkafka's own timeout of a DescribeConsumerGroups request: far past any wait of ours, so it
+# never fires while the client lives. When it fires with the request still waiting for a group
+# coordinator, librdkafka frees the request's state under it, and the coordinator's coming back
+# then aborts the process (`rd_kafka_enq_once_del_source_return: Assertion eonce->refcnt > 0`:
+# librdkafka issues 4605 and 3663, fix in pull request 5397, not in 2.16; nodes exited -6 three
+# times in issue 22's campaign). `describe` waits its own bound instead and then destroys the
+# client, whose shutdown ends the request while its state is still alive.
+DESCRIBE_REQUEST_TIMEOUT_S = 3600.0
 # Polls further apart than this share of the session timeout are logged: heartbeats then go out
 # only on librdkafka's own wake-ups (see _membership), and a stall that long is worth knowing.
 POLL_GAP_WARN_SHARE = 1 / 3
@@ -294,15 +302,19 @@ class GroupMember:
             self._missing_since = None
 
     def describe(self, timeout_s: float) -> list[Member]:
-        """The group as its coordinator sees it now. Raises KafkaException."""
+        """The group as its coordinator sees it now, within `timeout_s`. Raises KafkaException, or
+        TimeoutError past the bound (the client is then destroyed: DESCRIBE_REQUEST_TIMEOUT_S)."""
+        assert 0 < timeout_s < DESCRIBE_REQUEST_TIMEOUT_S, f"describe bound {timeout_s}s"
         if self._admin is None:
             self._admin = AdminClient(client_config(self._bootstrap_servers, self._security,
                                                     **{"client.id": f"{self.member_id}-describe"}))
         try:
-            futures = self._admin.describe_consumer_groups([self.group], request_timeout=timeout_s)
-            description = futures[self.group].result(timeout=timeout_s + 1)
+            futures = self._admin.describe_consumer_groups([self.group], request_timeout=DESCRIBE_REQUEST_TIMEOUT_S)
+            description = futures[self.group].result(timeout=timeout_s)
         except Exception:
-            self._admin = None  # a fresh client next time: stale metadata must not stick
+            # A fresh client next time: stale metadata must not stick, and a request still
+            # waiting must end with its client, never by librdkafka's timer (above).
+            self._admin = None
             raise
         return [members_from(m, self.topic) for m in description.members]
 

@@ -219,3 +219,48 @@ def test_a_member_the_coordinator_stops_listing_rejoins(monkeypatch: pytest.Monk
     now[0] += 60
     member.listed(False)
     assert not member._rejoin.is_set()
+
+
+def test_describe_waits_its_own_bound_and_never_lets_librdkafka_time_the_request_out(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """librdkafka's timeout of a coordinator request that is still waiting frees its state under
+    it; the coordinator's return then aborts the process (issues 4605 and 3663 upstream, the -6
+    exits of issue 22's campaign). `describe` asks for a timeout no node outlives, waits its own
+    bound, and destroys a client whose request did not answer: shutdown ends the request safely."""
+    import concurrent.futures
+
+    import wal.membership as membership
+
+    made: list[FakeAdmin] = []
+
+    class FakeAdmin:
+        def __init__(self, config: dict[str, object]) -> None:
+            self.timeouts: list[float] = []
+            self.answer: concurrent.futures.Future[object] = concurrent.futures.Future()
+            made.append(self)
+
+        def describe_consumer_groups(self, groups: list[str], request_timeout: float) -> dict[str, object]:
+            self.timeouts.append(request_timeout)
+            return {groups[0]: self.answer}
+
+    monkeypatch.setattr(membership, "AdminClient", FakeAdmin)
+    member = membership.GroupMember(bootstrap_servers="127.0.0.1:1", group="g", topic="t", member_id="n1",
+                                    address="a:1", session_timeout_ms=1500, on_assigned=lambda _: None,
+                                    on_revoked=lambda _p, _l: None)
+    with pytest.raises(TimeoutError):
+        member.describe(0.05)  # the coordinator never answers
+    assert made[0].timeouts == [membership.DESCRIBE_REQUEST_TIMEOUT_S] and member._admin is None  # destroyed
+
+    class Description:
+        members: list[object] = []
+
+    def answered(config: dict[str, object]) -> FakeAdmin:
+        admin = FakeAdmin(config)
+        admin.answer.set_result(Description())
+        return admin
+
+    monkeypatch.setattr(membership, "AdminClient", answered)
+    assert member.describe(0.05) == []
+    assert member.describe(0.05) == [] and len(made) == 2  # an answering client is kept
+    with pytest.raises(AssertionError, match="describe bound"):
+        member.describe(membership.DESCRIBE_REQUEST_TIMEOUT_S)
