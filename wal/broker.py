@@ -71,6 +71,12 @@ BROKER_SETTINGS: Mapping[str, str] = {
     # Lowest consumer-group session timeout a node may ask for (failure detection speed).
     "group.min.session.timeout.ms": "1000",
     "group.initial.rebalance.delay.ms": "0",
+    # How long a starting broker waits to register with the controller quorum before its process
+    # exits (default 60 s). Every node here is broker and controller in one JVM, so that exit takes
+    # a quorum voter down too: in issue 22's campaign, on two starved cores, two restarting nodes
+    # gave up in turn, each exit keeping the other from a majority, and Kafka had no controller
+    # (nor partition leaders) for minutes. Waiting keeps the voter up.
+    "initial.broker.registration.timeout.ms": "600000",
     # Small internal topics start fast on a laptop; production clusters keep the defaults.
     "offsets.topic.num.partitions": "4",
     "transaction.state.log.num.partitions": "4",
@@ -356,6 +362,21 @@ class LocalKafka:
                 last_error = str(exc)
             time.sleep(0.2)
         raise BrokerError(f"Kafka not ready after {timeout_s}s: {last_error}")
+
+    def serving(self, node: int, timeout_s: float = 2.0) -> bool:
+        """Whether `node` itself answers a metadata request on its broker listener and lists every
+        broker: its startup is over (a broker serves requests only once the controller has
+        acknowledged it caught up). The other brokers' metadata proves nothing of it: they list a
+        killed broker until its session times out, and a restarted one before it registered."""
+        proc = self._procs.get(node)
+        if proc is None or proc.poll() is not None:
+            return False
+        admin = AdminClient(client_config(self.node_bootstrap(node), self.credentials(), log_level=0))
+        try:
+            meta = admin.list_topics(timeout=timeout_s)
+        except KafkaException:
+            return False
+        return meta.orig_broker_id in (-1, node + 1) and set(meta.brokers) == set(range(1, self.nodes + 1))
 
     def stop_node(self, node: int, timeout_s: float = 30.0) -> None:
         """Controlled shutdown (SIGTERM), SIGKILL if it does not exit in time."""

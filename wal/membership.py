@@ -64,7 +64,7 @@ MISSING_LIMIT_S = 5.0  # not listed by the coordinator this long (at least): rej
 # librdkafka issues 4605 and 3663, fix in pull request 5397, not in 2.16; nodes exited -6 three
 # times in issue 22's campaign). `describe` waits its own bound instead and then destroys the
 # client, whose shutdown ends the request while its state is still alive.
-DESCRIBE_REQUEST_TIMEOUT_S = 3600.0
+DESCRIBE_REQUEST_TIMEOUT_S = 600.0
 # Polls further apart than this share of the session timeout are logged: heartbeats then go out
 # only on librdkafka's own wake-ups (see _membership), and a stall that long is worth knowing.
 POLL_GAP_WARN_SHARE = 1 / 3

@@ -78,3 +78,13 @@ def test_a_topic_just_created_is_waited_for_not_taken_for_missing(cluster: Local
         # Straight away, through another broker: its metadata may still lag the controller's.
         assert ensure_side_topic(cluster.node_bootstrap((i + 1) % 3), topic, control_topic(topic), "control")
         assert not ensure_wal_topic(cluster.node_bootstrap((i + 2) % 3), topic, partitions=3)  # found, as made
+
+
+def test_a_broker_is_serving_only_once_it_answers_itself(cluster: LocalKafka) -> None:
+    """The robustness campaign takes its next broker down only once every broker serves again
+    (`serving`): the others' metadata lists a killed broker until its session times out."""
+    assert all(cluster.serving(n) for n in range(3))
+    cluster.kill_node(2)
+    assert not cluster.serving(2)
+    cluster.start_node(2, wait=True)
+    wait_until(lambda: cluster.serving(2), 60, interval_s=0.5, what="broker 3 serving again")

@@ -225,7 +225,7 @@ def test_describe_waits_its_own_bound_and_never_lets_librdkafka_time_the_request
         monkeypatch: pytest.MonkeyPatch) -> None:
     """librdkafka's timeout of a coordinator request that is still waiting frees its state under
     it; the coordinator's return then aborts the process (issues 4605 and 3663 upstream, the -6
-    exits of issue 22's campaign). `describe` asks for a timeout no node outlives, waits its own
+    exits of issue 22's campaign). `describe` asks for a timeout far past its own wait, waits its own
     bound, and destroys a client whose request did not answer: shutdown ends the request safely."""
     import concurrent.futures
 
