@@ -31,6 +31,7 @@ import secrets
 import shutil
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import time
@@ -226,6 +227,30 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def answers_api_versions(address: str, timeout_s: float) -> bool:
+    """Whether the broker at `address` answers an ApiVersions request (v0, which every broker
+    answers before any authentication) within `timeout_s`: it processes requests, so its startup
+    is over. Asked on a socket of our own, since a librdkafka client picks its broker itself."""
+    host, _, port = address.rpartition(":")
+    client_id = b"wal-broker-check"
+    correlation_id = 0x6B76
+    header = struct.pack(">hhih", 18, 0, correlation_id, len(client_id)) + client_id  # ApiVersions v0
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout_s) as sock:
+            sock.settimeout(timeout_s)
+            sock.sendall(struct.pack(">i", len(header)) + header)
+            answer = b""
+            while len(answer) < 10:  # size, correlation id, error code
+                chunk = sock.recv(10 - len(answer))
+                if not chunk:
+                    return False
+                answer += chunk
+    except OSError:
+        return False
+    _size, answered_id, error_code = struct.unpack(">iih", answer)
+    return bool(answered_id == correlation_id and error_code == 0)
+
+
 class LocalKafka:
     """One or three KRaft nodes (each broker+controller) on 127.0.0.1, data under `data_dir`.
 
@@ -364,19 +389,20 @@ class LocalKafka:
         raise BrokerError(f"Kafka not ready after {timeout_s}s: {last_error}")
 
     def serving(self, node: int, timeout_s: float = 2.0) -> bool:
-        """Whether `node` itself answers a metadata request on its broker listener and lists every
-        broker: its startup is over (a broker serves requests only once the controller has
-        acknowledged it caught up). The other brokers' metadata proves nothing of it: they list a
-        killed broker until its session times out, and a restarted one before it registered."""
+        """Whether `node` itself answers requests on its broker listener, and the cluster's
+        metadata lists every broker: its startup is over (a broker serves requests only once the
+        controller has acknowledged it caught up). Metadata alone proves nothing of one broker:
+        a client asks whichever broker it likes, and the others list a killed broker until its
+        session times out, a restarted one before it registered."""
         proc = self._procs.get(node)
-        if proc is None or proc.poll() is not None:
+        if proc is None or proc.poll() is not None or not answers_api_versions(self.node_bootstrap(node), timeout_s):
             return False
         admin = AdminClient(client_config(self.node_bootstrap(node), self.credentials(), log_level=0))
         try:
             meta = admin.list_topics(timeout=timeout_s)
         except KafkaException:
             return False
-        return meta.orig_broker_id in (-1, node + 1) and set(meta.brokers) == set(range(1, self.nodes + 1))
+        return set(meta.brokers) == set(range(1, self.nodes + 1))
 
     def stop_node(self, node: int, timeout_s: float = 30.0) -> None:
         """Controlled shutdown (SIGTERM), SIGKILL if it does not exit in time."""
