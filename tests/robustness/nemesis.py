@@ -408,14 +408,22 @@ class Nemesis:
 
 def run_cli(log_path: Path, args: list[str], timeout_s: float = SPARK_TIMEOUT_S) -> tuple[int, str]:
     """`kvstore ARGS` in a child process (Spark's JVM with it), output appended to `log_path`;
-    returns the exit code and the last line of output."""
+    returns the exit code and the last line of its output, or when it failed the last line of
+    its errors (where it says why: "kvstore: snapshot: Spark failed: ...")."""
     with open(log_path, "ab") as out:
         out.write(f"\n$ kvstore {' '.join(args)}\n".encode())
         out.flush()
+        errors_from = out.tell()
         result = subprocess.run([sys.executable, "-m", "kvstore.cli", *args], stdout=subprocess.PIPE,
                                 stderr=out, timeout=timeout_s, check=False)
         out.write(result.stdout)
-    lines = result.stdout.decode(errors="replace").strip().splitlines()
+    said = result.stdout
+    if result.returncode != 0:
+        with open(log_path, "rb") as log_file:
+            log_file.seek(errors_from)
+            said = log_file.read()
+    lines = [line for line in said.decode(errors="replace").splitlines()
+             if line.strip() and not line.startswith(("%", "\t", " "))]  # not librdkafka's log, a trace's frames
     return result.returncode, lines[-1] if lines else ""
 
 

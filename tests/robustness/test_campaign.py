@@ -119,6 +119,12 @@ def test_a_failed_pipeline_step_is_tried_again(tmp_path: Path, monkeypatch: pyte
     assert calls[3:] == ["snapshot create", "wal truncate", "wal truncate"]
 
 
+def test_a_failed_command_says_why_in_its_last_error_line(tmp_path: Path) -> None:
+    code, said = nemesis.run_cli(tmp_path / "pipeline.log", ["--no-such-option"], timeout_s=60)
+    assert code != 0 and "--no-such-option" in said
+    assert "$ kvstore --no-such-option" in (tmp_path / "pipeline.log").read_text()
+
+
 def test_without_root_the_campaign_says_why() -> None:
     if ROOT:
         require_root()  # no error as root
