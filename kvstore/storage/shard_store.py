@@ -24,6 +24,7 @@ forgot, for `kvstore.core.request_horizon` to refuse retries it can no longer re
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import shutil
@@ -64,6 +65,8 @@ _PREPARED_HEAD = struct.Struct(">QQ")  # revision, leader_unix_ms
 # (measured: apply 35k -> 55k records/s for 200k new keys). Tables written before it have no
 # filter and are still read correctly.
 _DB_OPTIONS: dict[str, object] = {"create_if_missing": True, "paranoid_checks": True, "bloom_filter_bits": 10}
+# Room a full disk must have again before a store reopens its LevelDB after a failed write.
+_REOPEN_MIN_FREE_BYTES = 4 << 20
 
 
 class StorageError(Exception):
@@ -139,6 +142,7 @@ class ShardStore:
         self.max_request_ids = max_request_ids
         self.request_id_horizon_ms = request_id_horizon_ms
         self.rebuilt_reason: str | None = None
+        self._reopen_pending: str | None = None  # a write failed: its error (`_writing`)
         self._db = self._open()
         self._held = self._held_keys()
         self.locks = self._stored_locks()
@@ -226,6 +230,7 @@ class ShardStore:
         self._held = None
         self._db.close()
         self._db = self._wipe_and_create(why)
+        self._reopen_pending = None
         self._held = self._held_keys()
         self.locks = LockIndex()
 
@@ -387,7 +392,7 @@ class ShardStore:
         if held is not None and held.full:
             held = self._held = None
         held_bits = held.bits if held is not None else None
-        with self._db.write_batch(sync=sync) as batch:
+        with self._writing(), self._db.write_batch(sync=sync) as batch:
             for key, state in applied.writes.items():  # bounded by the records
                 if state is None:
                     batch.delete(_DATA + key)
@@ -422,6 +427,31 @@ class ShardStore:
         self.locks.change(applied.prepared)  # after the write: a failed write changed nothing
         return applied
 
+    @contextlib.contextmanager
+    def _writing(self) -> Iterator[None]:
+        """Around a write to the handle: LevelDB answers every write of a handle with the error of
+        its last failed background write (a memtable flush or a compaction that met a full disk)
+        for as long as the handle is open, however much room the disk has again, and a follower
+        retrying its replay stayed behind for good (issue 22's fourth long run). After a failed
+        write the store reopens its handle, which keeps the data, as soon as the disk has room."""
+        if self._reopen_pending is not None:
+            self._reopen_if_room()
+        try:
+            yield
+        except plyvel.Error as exc:
+            self._reopen_pending = str(exc)
+            self._reopen_if_room()
+            raise
+
+    def _reopen_if_room(self) -> None:
+        if shutil.disk_usage(self.path).free < _REOPEN_MIN_FREE_BYTES:
+            return  # the next write asks again
+        log.warning("shard %d: reopening the store's LevelDB after a failed write (%s)", self.shard,
+                    self._reopen_pending)
+        self._db.close()
+        self._db = plyvel.DB(str(self.path), **_DB_OPTIONS)
+        self._reopen_pending = None
+
     def _stored_requests(self) -> Iterator[tuple[int, str, int]]:
         """(revision, request id, leader ms) of the kept ids, oldest first, read lazily: an apply
         that forgets nothing reads only the first row."""
@@ -448,6 +478,7 @@ class ShardStore:
         self._db.close()
         shutil.rmtree(self.path, ignore_errors=True)
         self._db = plyvel.DB(str(self.path), **_DB_OPTIONS)
+        self._reopen_pending = None
         self.rebuilt_reason = None
         self.locks = LockIndex()
         self._initialise(self._db)
@@ -493,7 +524,7 @@ class ShardStore:
         unverified = self.unverified
         if unverified is None or not past_marker(self.applied_offset, unverified):
             return False
-        with self._db.write_batch(sync=True) as batch:
+        with self._writing(), self._db.write_batch(sync=True) as batch:
             batch.put(_META + b"checkpoint", _U64.pack(unverified))
             batch.delete(_META + b"unverified")
         return True

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import random
 import shutil
+import subprocess
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -646,3 +648,39 @@ def test_a_request_keeps_its_kind(store: ShardStore) -> None:
     record = store.request("rid-d")
     assert record == RequestRecord("rid-d", 0, b"r", 5, pb.REQUEST_KIND_DELETE)
     assert list(store.requests()) == [record]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="a small disk (a tmpfs mount) needs root")
+def test_a_store_whose_flush_met_a_full_disk_writes_again_once_there_is_room(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """LevelDB keeps a failed flush's error for every later write of its handle, even once the
+    disk has room (issue 22's fourth long run: a follower retried its replay for minutes). The
+    store reopens its handle, keeping the data, and the retry applies."""
+    from kvstore.storage import shard_store
+
+    monkeypatch.setitem(shard_store._DB_OPTIONS, "write_buffer_size", 64 * 1024)  # flushes come soon
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "kvstore-test-disk", str(disk)], check=True)
+    try:
+        store = ShardStore(disk / "shard", topic=TOPIC, shard=0)
+        store.apply([(0, put(b"first"))], 1)
+        filler = disk / "filler.bin"
+        filler.write_bytes(b"\0" * (shutil.disk_usage(disk).free - 200 * 1024))
+        offset, failed = 1, None
+        for _ in range(2_000):  # bounded: 200 KiB fills long before
+            records = [(offset + i, put(b"k%08d" % (offset + i), random.randbytes(200))) for i in range(20)]
+            try:
+                store.apply(records, offset + 20)
+            except plyvel.Error as exc:
+                failed = exc
+                break
+            offset += 20
+        assert failed is not None and "No space left" in str(failed), failed
+        filler.unlink()
+        store.apply([(offset, put(b"after"))], offset + 1)  # the first retry with room applies
+        assert store.applied_offset == offset + 1
+        assert store.get(b"first") is not None and store.get(b"after") is not None
+        store.close()
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)
