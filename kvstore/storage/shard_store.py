@@ -375,6 +375,7 @@ class ShardStore:
         not read; it is remembered until a later apply moves the checkpoint on (a replay read the
         slot, or the leader's next batch landed right after it, which proves the marker there)."""
         assert unverified is None or unverified == new_checkpoint - 1, "only the marker's slot is unverified"
+        self._reopen_if_room()  # before any read: a reopen that failed left the handle closed
         current = self.applied_offset
         assert new_checkpoint >= current, f"checkpoint would go back from {current} to {new_checkpoint}"
         # The ends suffice: apply_entries refuses records out of order before anything is written
@@ -433,9 +434,8 @@ class ShardStore:
         its last failed background write (a memtable flush or a compaction that met a full disk)
         for as long as the handle is open, however much room the disk has again, and a follower
         retrying its replay stayed behind for good (issue 22's fourth long run). After a failed
-        write the store reopens its handle, which keeps the data, as soon as the disk has room."""
-        if self._reopen_pending is not None:
-            self._reopen_if_room()
+        write the store reopens its handle, which keeps the data, as soon as the disk has room:
+        here, or first thing in the next `apply` or `rewind_unverified` (`_reopen_if_room`)."""
         try:
             yield
         except plyvel.Error as exc:
@@ -444,8 +444,8 @@ class ShardStore:
             raise
 
     def _reopen_if_room(self) -> None:
-        if shutil.disk_usage(self.path).free < _REOPEN_MIN_FREE_BYTES:
-            return  # the next write asks again
+        if self._reopen_pending is None or shutil.disk_usage(self.path).free < _REOPEN_MIN_FREE_BYTES:
+            return  # nothing failed, or no room yet: the next write asks again
         log.warning("shard %d: reopening the store's LevelDB after a failed write (%s)", self.shard,
                     self._reopen_pending)
         self._db.close()
@@ -521,6 +521,7 @@ class ShardStore:
         that the next replay reads it (docs/design.md §4.1: the marker's slot is assumed, not observed):
         if a writer that bypassed the guard slipped a record in there, every replica applies it.
         True if it moved. Nothing this store applied lies in that slot."""
+        self._reopen_if_room()
         unverified = self.unverified
         if unverified is None or not past_marker(self.applied_offset, unverified):
             return False
