@@ -404,6 +404,37 @@ class LocalKafka:
             return False
         return set(meta.brokers) == set(range(1, self.nodes + 1))
 
+    def under_replicated(self, timeout_s: float = 2.0) -> list[str] | None:
+        """The partitions (`topic-N`, internal topics included) whose in-sync replicas are fewer
+        than their replicas in any running broker's view, or None when a running broker does not
+        answer. Every broker is asked: a restarted one may still hold the image it had before its
+        kill, where every replica was in sync."""
+        lagging: set[str] = set()
+        for node in range(self.nodes):
+            proc = self._procs.get(node)
+            if proc is None or proc.poll() is not None:
+                continue
+            admin = AdminClient(client_config(self.node_bootstrap(node), self.credentials(), log_level=0))
+            try:
+                meta = admin.list_topics(timeout=timeout_s)
+            except KafkaException:
+                return None
+            for topic in meta.topics.values():
+                for partition in topic.partitions.values():
+                    if len(partition.isrs) < len(partition.replicas):
+                        lagging.add(f"{topic.topic}-{partition.id}")
+        return sorted(lagging)
+
+    def in_sync(self, timeout_s: float = 2.0) -> bool:
+        """Every broker serving (`serving`) and every partition's replicas all in sync: the
+        cluster has its full redundancy again. Serving is not enough: a restarted broker answers
+        requests while the controller still holds it fenced, out of every ISR (a minute, on two
+        starved cores), and it must then catch up before it rejoins them. Issue 22's fifth long
+        run killed a second broker in that window, and the partitions whose ISR had shrunk to it
+        had no leader for the five minutes its restart took."""
+        return (all(self.serving(node, timeout_s) for node in range(self.nodes))
+                and self.under_replicated(timeout_s) == [])
+
     def stop_node(self, node: int, timeout_s: float = 30.0) -> None:
         """Controlled shutdown (SIGTERM), SIGKILL if it does not exit in time."""
         proc = self._procs.get(node)

@@ -88,3 +88,24 @@ def test_a_broker_is_serving_only_once_it_answers_itself(cluster: LocalKafka) ->
     assert not cluster.serving(2)
     cluster.start_node(2, wait=True)
     wait_until(lambda: cluster.serving(2), 60, interval_s=0.5, what="broker 3 serving again")
+
+
+def test_a_restarted_broker_is_in_sync_only_once_it_rejoined_every_isr(cluster: LocalKafka) -> None:
+    """The campaign's lane 0 waits for `in_sync`, not only `serving`: the fifth long run killed a
+    broker while another, answering requests, was still fenced, and partitions had no leader for
+    five minutes. Killed, a broker drops out of the ISRs (the others' view says so); restarted,
+    the cluster is in sync again only once every partition has all its replicas in sync."""
+    topic = unique("wal-isr")
+    cluster.create_topic(topic, partitions=2)
+    wait_until(cluster.in_sync, 60, interval_s=0.5, what="every partition in sync before the kill")
+    assert cluster.under_replicated() == []
+    cluster.kill_node(2)
+    assert not cluster.in_sync()
+    # Fenced once its 3 s session ends, then removed from every ISR, in the others' view.
+    wait_until(lambda: {f"{topic}-0", f"{topic}-1"} <= set(cluster.under_replicated() or []), 60,
+               interval_s=0.5, what=f"{topic}'s partitions under-replicated without broker 3")
+    cluster.start_node(2, wait=True)
+    wait_until(cluster.in_sync, 120, interval_s=0.5, what="every partition in sync after the restart")
+    admin = AdminClient({"bootstrap.servers": cluster.bootstrap_servers})
+    for partition in admin.list_topics(topic, timeout=10).topics[topic].partitions.values():
+        assert sorted(partition.isrs) == sorted(partition.replicas) == [1, 2, 3], partition

@@ -61,7 +61,7 @@ BROKERS_BACK_TIMEOUT_S = 600.0  # lane 0 waits at most this long for every broke
 SPARK_TIMEOUT_S = 600.0
 # A pipeline step that failed (Kafka between partition leaders while a broker fault runs: the
 # snapshot job exits 1) is tried again this many times in all, this long apart and once every
-# broker serves again (bounded: BROKERS_BACK_TIMEOUT_S).
+# broker serves again, in sync (bounded: BROKERS_BACK_TIMEOUT_S).
 PIPELINE_ATTEMPTS = 3
 PIPELINE_RETRY_WAIT_S = 30.0
 
@@ -170,26 +170,30 @@ class Nemesis:
                 self.done.append(done)
 
     def _brokers_back(self) -> None:
-        """Before the next process or link fault: every broker up and serving again. A
-        broker's restart can outlast its episode on two starved cores (more than two minutes),
-        and the next episode then took a second broker down with it: Kafka without a quorum or
-        partition leaders for minutes, a fault beyond the model (one broker at a time: Limits).
-        Bounded: past BROKERS_BACK_TIMEOUT_S the lane goes on, and says so."""
+        """Before the next process or link fault: every broker up, serving and back in every
+        ISR (`LocalKafka.in_sync`). A broker's restart can outlast its episode on two starved
+        cores (minutes), and the next episode then took a second broker down with it: Kafka
+        without a quorum or partition leaders for minutes, a fault beyond the model (one broker
+        at a time: Limits). Bounded: past BROKERS_BACK_TIMEOUT_S the lane goes on, and says so."""
         started = time.monotonic()
         while not self._stop.is_set():
             # Each broker asked itself: the others list a restarted broker before its startup is
             # over (the third long run's first stall: a kill went on while another broker was
-            # still starting, and the quorum lost its majority).
-            if all(self.cluster.kafka.serving(i) for i in range(len(self.cluster.brokers))):
+            # still starting, and the quorum lost its majority). And in sync, not only serving:
+            # the fifth run's stall (a broker still fenced when the next one was killed).
+            if self.cluster.kafka.in_sync():
                 break
             if time.monotonic() - started > BROKERS_BACK_TIMEOUT_S:
-                log.warning("the brokers are not all back after %.0f s: the next fault goes on anyway",
-                            BROKERS_BACK_TIMEOUT_S)
+                lagging = self.cluster.kafka.under_replicated()
+                log.warning("the brokers are not all back in sync after %.0f s (%s): the next fault goes on "
+                            "anyway", BROKERS_BACK_TIMEOUT_S,
+                            "a broker does not answer" if lagging is None else
+                            f"under-replicated: {', '.join(lagging) or 'none'}")
                 return
             self._stop.wait(1.0)
         waited = time.monotonic() - started
         if waited > 5:
-            log.info("waited %.0f s for every broker to be back before the next fault", waited)
+            log.info("waited %.0f s for every broker to be back and in sync before the next fault", waited)
 
     def _hold(self, seconds: float) -> None:
         """Hold a fault; the campaign's end does not cut it short (every fault is undone)."""

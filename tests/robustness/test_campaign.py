@@ -106,14 +106,21 @@ def test_a_failed_pipeline_step_is_tried_again(tmp_path: Path, monkeypatch: pyte
     monkeypatch.setattr(nemesis, "run_cli", fake_cli)
     monkeypatch.setattr(nemesis, "PIPELINE_ATTEMPTS", 2)
     monkeypatch.setattr(nemesis, "PIPELINE_RETRY_WAIT_S", 0.0)
+    asked_in_sync: list[bool] = []
+
+    def in_sync() -> bool:  # each retry waits for every broker back in sync first
+        asked_in_sync.append(True)
+        return True
+
     cluster = types.SimpleNamespace(snapshot_dir=tmp_path / "snapshots", endpoints=["127.0.0.1:1"], brokers=[],
-                                    kafka=types.SimpleNamespace(bootstrap_servers="127.0.0.1:2"))
+                                    kafka=types.SimpleNamespace(bootstrap_servers="127.0.0.1:2", in_sync=in_sync))
     episode = nemesis.Episode(0, 2, "snapshot-truncate", 0.0, 0.0, 0)
     runner = nemesis.Nemesis(cluster, [episode], 0.0, tmp_path)  # type: ignore[arg-type]
     done = nemesis.Done(episode)
     runner._snapshot_truncate(episode, done)
     assert done.detail == "snapshot taken, WAL truncated below it (tried again: snapshot create)"
     assert calls == ["snapshot create", "snapshot create", "wal truncate"]
+    assert len(asked_in_sync) == 1
     with pytest.raises(RuntimeError, match=r"kvstore wal truncate exited 1 \(2 attempts\): no leader"):
         runner._snapshot_truncate(episode, nemesis.Done(episode))
     assert calls[3:] == ["snapshot create", "wal truncate", "wal truncate"]
