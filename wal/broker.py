@@ -286,6 +286,8 @@ class LocalKafka:
         self.ports = ports or saved or [(free_port(), free_port()) for _ in range(nodes)]
         assert len(self.ports) == nodes
         self._procs: dict[int, subprocess.Popen[bytes]] = {}
+        self._log_from: dict[int, int] = {}  # where each node's broker.log was at its last start
+        self._startup_over: set[int] = set()  # nodes whose JVM logged its startup over since then
         self._credentials: dict[str, str] = {}  # user -> password (secure mode), from start() on
 
     # ---- addresses ---------------------------------------------------------------------------
@@ -355,6 +357,8 @@ class LocalKafka:
         if proc is not None and proc.poll() is None:
             return
         log = open(self._node_dir(node) / "broker.log", "ab")  # noqa: SIM115 - owned by Popen
+        self._log_from[node] = log.tell()
+        self._startup_over.discard(node)
         prefix = self.launcher(node) if self.launcher is not None else []
         cmd = [*prefix, self._java(), f"-Xmx{self.heap_mb}m", f"-Xms{min(self.heap_mb, 256)}m",
                "-XX:+UseG1GC", "-Djava.awt.headless=true",
@@ -404,6 +408,25 @@ class LocalKafka:
             return False
         return set(meta.brokers) == set(range(1, self.nodes + 1))
 
+    def startup_over(self, node: int) -> bool:
+        """Whether `node`'s JVM logged "Kafka Server started" since its last start: its
+        controller and its broker have both finished starting (`KafkaRaftServer`, whose INFO lines
+        `_LOG4J2` keeps). A broker serves requests and may even be listed in every ISR before
+        that; a controller still replaying the metadata log is a voter that cannot elect anyone
+        (issue 22's sixth long run: the active controller killed then, and Kafka had no
+        controller, hence no partition leader moves, for minutes)."""
+        if node in self._startup_over:
+            return True
+        try:
+            with open(self._node_dir(node) / "broker.log", "rb") as log:
+                log.seek(self._log_from.get(node, 0))
+                if b"Kafka Server started" not in log.read():
+                    return False
+        except OSError:
+            return False
+        self._startup_over.add(node)
+        return True
+
     def under_replicated(self, timeout_s: float = 2.0) -> list[str] | None:
         """The partitions (`topic-N`, internal topics included) whose in-sync replicas are fewer
         than their replicas in any running broker's view, or None when a running broker does not
@@ -426,13 +449,14 @@ class LocalKafka:
         return sorted(lagging)
 
     def in_sync(self, timeout_s: float = 2.0) -> bool:
-        """Every broker serving (`serving`) and every partition's replicas all in sync: the
-        cluster has its full redundancy again. Serving is not enough: a restarted broker answers
+        """Every node started (`startup_over`), every broker serving (`serving`) and every
+        partition's replicas all in sync: the cluster has its full redundancy again. Serving is
+        not enough: a restarted broker answers
         requests while the controller still holds it fenced, out of every ISR (a minute, on two
         starved cores), and it must then catch up before it rejoins them. Issue 22's fifth long
         run killed a second broker in that window, and the partitions whose ISR had shrunk to it
         had no leader for the five minutes its restart took."""
-        return (all(self.serving(node, timeout_s) for node in range(self.nodes))
+        return (all(self.startup_over(node) and self.serving(node, timeout_s) for node in range(self.nodes))
                 and self.under_replicated(timeout_s) == [])
 
     def stop_node(self, node: int, timeout_s: float = 30.0) -> None:

@@ -106,6 +106,7 @@ def test_a_restarted_broker_is_in_sync_only_once_it_rejoined_every_isr(cluster: 
                interval_s=0.5, what=f"{topic}'s partitions under-replicated without broker 3")
     cluster.start_node(2, wait=True)
     wait_until(cluster.in_sync, 120, interval_s=0.5, what="every partition in sync after the restart")
+    assert cluster.startup_over(2)  # "Kafka Server started" in its log, since this start
     admin = AdminClient({"bootstrap.servers": cluster.bootstrap_servers})
     for partition in admin.list_topics(topic, timeout=10).topics[topic].partitions.values():
         assert sorted(partition.isrs) == sorted(partition.replicas) == [1, 2, 3], partition

@@ -58,6 +58,7 @@ COOLDOWN_S = 5.0  # no episode starts this close to the end
 SNAPSHOT_MIN_DURATION_S = 240.0  # shorter campaigns take no snapshot (Spark costs a minute of CPU)
 RESTART_TIMEOUT_S = 120.0
 BROKERS_BACK_TIMEOUT_S = 600.0  # lane 0 waits at most this long for every broker before its next fault
+BROKERS_SETTLED_S = 8.0  # ... and for them to stay in sync this long (over twice a broker's session)
 SPARK_TIMEOUT_S = 600.0
 # A pipeline step that failed (Kafka between partition leaders while a broker fault runs: the
 # snapshot job exits 1) is tried again this many times in all, this long apart and once every
@@ -171,17 +172,24 @@ class Nemesis:
 
     def _brokers_back(self) -> None:
         """Before the next process or link fault: every broker up, serving and back in every
-        ISR (`LocalKafka.in_sync`). A broker's restart can outlast its episode on two starved
+        ISR (`LocalKafka.in_sync`), for BROKERS_SETTLED_S. A broker's restart can outlast its episode on two starved
         cores (minutes), and the next episode then took a second broker down with it: Kafka
         without a quorum or partition leaders for minutes, a fault beyond the model (one broker
         at a time: Limits). Bounded: past BROKERS_BACK_TIMEOUT_S the lane goes on, and says so."""
         started = time.monotonic()
+        in_sync_since: float | None = None
         while not self._stop.is_set():
             # Each broker asked itself: the others list a restarted broker before its startup is
             # over (the third long run's first stall: a kill went on while another broker was
             # still starting, and the quorum lost its majority). And in sync, not only serving:
-            # the fifth run's stall (a broker still fenced when the next one was killed).
-            if self.cluster.kafka.in_sync():
+            # the fifth run's stall (a broker still fenced when the next one was killed). And for
+            # a while: a pause or a cut fences a broker only once its session (3 s) has run out.
+            now = time.monotonic()
+            if not self.cluster.kafka.in_sync():
+                in_sync_since = None
+            elif in_sync_since is None:
+                in_sync_since = now
+            if in_sync_since is not None and now - in_sync_since >= BROKERS_SETTLED_S:
                 break
             if time.monotonic() - started > BROKERS_BACK_TIMEOUT_S:
                 lagging = self.cluster.kafka.under_replicated()

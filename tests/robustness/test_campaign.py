@@ -15,6 +15,8 @@ import socket
 import subprocess
 import sys
 import threading
+import time
+import types
 import xml.etree.ElementTree as ET
 from collections.abc import Iterator
 from pathlib import Path
@@ -94,7 +96,6 @@ def test_an_earlier_run_in_the_directory_is_cleared_first(tmp_path: Path) -> Non
 def test_a_failed_pipeline_step_is_tried_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The second long run's snapshot failed once (Kafka between partition leaders under a
     broker fault) and the run took none: a step is tried again, bounded, and says so."""
-    import types
 
     calls: list[str] = []
     codes = iter([1, 0, 0, 0, 1, 1])  # run 1: the snapshot fails once; run 2: the truncation fails twice
@@ -106,6 +107,7 @@ def test_a_failed_pipeline_step_is_tried_again(tmp_path: Path, monkeypatch: pyte
     monkeypatch.setattr(nemesis, "run_cli", fake_cli)
     monkeypatch.setattr(nemesis, "PIPELINE_ATTEMPTS", 2)
     monkeypatch.setattr(nemesis, "PIPELINE_RETRY_WAIT_S", 0.0)
+    monkeypatch.setattr(nemesis, "BROKERS_SETTLED_S", 0.0)
     asked_in_sync: list[bool] = []
 
     def in_sync() -> bool:  # each retry waits for every broker back in sync first
@@ -124,6 +126,24 @@ def test_a_failed_pipeline_step_is_tried_again(tmp_path: Path, monkeypatch: pyte
     with pytest.raises(RuntimeError, match=r"kvstore wal truncate exited 1 \(2 attempts\): no leader"):
         runner._snapshot_truncate(episode, nemesis.Done(episode))
     assert calls[3:] == ["snapshot create", "wal truncate", "wal truncate"]
+
+
+def test_lane_0_waits_for_the_brokers_to_stay_in_sync(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pause fences a broker only once its session has run out, after the episode: one answer
+    "in sync" right after it proves nothing. The wait starts over at every "not in sync"."""
+    monkeypatch.setattr(nemesis, "BROKERS_SETTLED_S", 1.0)
+    answers = iter([True, False, True, True, True])
+    asked: list[float] = []
+
+    def in_sync() -> bool:
+        asked.append(time.monotonic())
+        return next(answers)
+
+    cluster = types.SimpleNamespace(brokers=["b1"], kafka=types.SimpleNamespace(in_sync=in_sync))
+    runner = nemesis.Nemesis(cluster, [], 0.0, tmp_path)  # type: ignore[arg-type]
+    runner._brokers_back()
+    assert len(asked) == 4  # in sync, not, in sync, still in sync a second later
+    assert asked[-1] - asked[2] >= 1.0
 
 
 def test_a_failed_command_says_why_in_its_last_error_line(tmp_path: Path) -> None:
