@@ -150,6 +150,12 @@ def cleanup_leftovers(prefix: str = PREFIX) -> None:
     for name in listed:
         if name.startswith(f"{prefix}-"):
             _run("ip", "netns", "del", name, check=False)
+    # A namespace some process still runs in (a node restarted while the run stopped) outlives
+    # its name, and its veth pair with it: delete the host side by name, which deletes the pair.
+    for line in _run("ip", "-o", "link", "show", check=False).stdout.splitlines():
+        link = line.split(":")[1].strip().split("@")[0] if line.count(":") >= 2 else ""
+        if link.startswith(f"{prefix}-"):
+            _run("ip", "link", "del", link, check=False)
     _run("ip", "link", "del", f"{prefix}0", check=False)
 
 
