@@ -231,7 +231,8 @@ def test_a_short_campaign_finds_no_anomaly(tmp_path: Path) -> None:
     assert result["ok"] and set(result["checks"].values()) == {"ok"}, result["checks"]
     assert {"linearizable", "bank", "acknowledged-lost", "failed-but-applied", "replicas-equal", "applied-twice",
             "bulk-load", "watch", "prepared-left", "read-back", "audit"} <= set(result["checks"])
-    assert result["faults"]["total"] >= 5 and not result["faults"]["not_done"], result["faults"]
+    # Lane 0 waits for the brokers to be in sync 8 s before each fault: 4 or more of seed 5's 6 in 40 s.
+    assert result["faults"]["total"] >= 4 and not result["faults"]["not_done"], result["faults"]
     by_kind = result["operations"]["by_kind"]
     for kind in ("put", "register-get", "bank-transfer", "bulk-batch", "read-back"):
         assert by_kind.get(kind, {}).get("ok", 0) > 0, f"no {kind} acknowledged: {by_kind}"
