@@ -79,6 +79,9 @@ class Reason(enum.StrEnum):
     PERMISSION_DENIED = "PERMISSION_DENIED"  # the caller's role does not allow the call
     INTERNAL = "INTERNAL"  # a bug: the outcome of a write is unknown
     TXN_CONFLICT = "TXN_CONFLICT"  # a key is locked by a prepared cross-shard Txn (metadata["txn_id"]): retry
+    # A cross-shard Txn was aborted and its request id's outcome recorded as failed: nothing of it
+    # was or will be applied; a retry with the same id gets this answer again: retry with a new id.
+    TXN_ABORTED = "TXN_ABORTED"
 
 
 # RetryInfo.retry_delay: how long a client should wait before the same request can succeed. Short:
@@ -212,6 +215,25 @@ class TxnConflictError(StoreError):
         return info
 
 
+class TxnAbortedError(StoreError):
+    """A cross-shard transaction was aborted, and the abort is its request id's recorded outcome
+    (docs/design.md §10, T5): nothing of the request was applied, and no attempt with that id
+    ever will be, earlier ones still running included. A retry with the same request id is
+    answered with this abort; to try the Txn again, send it with a new request id. The message
+    says why it aborted (a lock held too long, a shard unavailable, a resolver's timeout)."""
+
+    code = grpc.StatusCode.ABORTED
+    reason = Reason.TXN_ABORTED
+    retry_after_ms = RETRY_TXN_CONFLICT_MS
+
+    def __init__(self, message: str, *, txn_id: str = "") -> None:
+        super().__init__(message)
+        self.txn_id = txn_id
+
+    def info(self) -> dict[str, str]:
+        return {INFO_TXN_ID: self.txn_id} if self.txn_id else {}
+
+
 class UnknownOutcomeError(StoreError):
     """W7: the write may or may not have committed. Retry with the same request id."""
 
@@ -325,6 +347,8 @@ def from_status(code: grpc.StatusCode, details: str, trailing: Trailers | None) 
     if reason == Reason.TXN_CONFLICT:
         return TxnConflictError(details, txn_id=info.get(INFO_TXN_ID, ""),
                                 same_request=info.get(INFO_SAME_REQUEST) == "true")
+    if reason == Reason.TXN_ABORTED:
+        return TxnAbortedError(details, txn_id=info.get(INFO_TXN_ID, ""))
     if reason == Reason.REQUEST_ID_EXPIRED:
         return RequestExpiredError(details)
     if reason in (Reason.INVALID_ARGUMENT, Reason.LIMIT_EXCEEDED):

@@ -21,6 +21,10 @@ MAX_PREPARED_TXNS = 10_000
 # none. Far above a healthy transaction's life (milliseconds), below a client's patience. The
 # default of the node setting `txn_in_doubt_ms` (KVSTORE_TXN_IN_DOUBT_MS).
 TXN_IN_DOUBT_AFTER_MS = 5_000
+# A decision the coordinator shard has held this long (its driver died before every participant
+# resolved, or a participant was away) is resolved again at every participant by the coordinator's
+# leader, then forgotten: the default of the node setting `txn_finish_after_ms`.
+TXN_FINISH_AFTER_MS = 10_000
 # One shard's part of a WriteBatch (one WAL record). The part's bytes are bounded by
 # MAX_REQUEST_BYTES and by the WAL's record limit; this bounds the work of one record.
 MAX_BATCH_MUTATIONS = 10_000

@@ -19,6 +19,7 @@ from kvstore.client.errors import (
     KvError,
     NotLeader,
     RequestExpired,
+    TxnAborted,
     UnknownOutcome,
     error_from_rpc,
     error_from_status,
@@ -227,8 +228,13 @@ class Client:
         shard and the decision's revision; each operation's result names its own shard. A key
         locked by another cross-shard transaction is retried (`TxnConflict`). Ids and outcomes as
         in `put` (a Txn is a write, even when its branch only reads).
+
+        A cross-shard Txn that aborts (`TxnAborted`: a lock held too long, a shard unavailable)
+        spends its request id: the abort is that id's recorded outcome. When this call chose the
+        id (`request_id` None), it tries again under a fresh id, within the deadline and the
+        client's attempts; the result (or the error) names the id that counted. A caller's own id
+        is never replaced: its `TxnAborted` is the answer.
         """
-        rid = make_request_id(request_id)
         first_ms = make_first_attempt_unix_ms(first_attempt_unix_ms, request_id)
         deadline = self._deadline(timeout_s)
         route = txn_route_key(compares, success, failure, self._known_shard_count(deadline))
@@ -236,13 +242,22 @@ class Client:
             compares=[c.to_pb() for c in compares],
             success=[o.to_pb() for o in success],
             failure=[o.to_pb() for o in failure],
-            request_id=rid,
             first_attempt_unix_ms=first_ms,
         )
-        resp = self._call(
-            "Txn", request, kv_pb2.TxnResponse, key=route, deadline=deadline, request_id=rid,
-            write=True, first_attempt_unix_ms=first_ms,
-        )
+        for fresh in range(self._max_attempts):  # bounded: each round also spends the deadline
+            rid = make_request_id(request_id)
+            request.request_id = rid
+            try:
+                resp = self._call(
+                    "Txn", request, kv_pb2.TxnResponse, key=route, deadline=deadline, request_id=rid,
+                    write=True, first_attempt_unix_ms=request.first_attempt_unix_ms,
+                )
+                break
+            except TxnAborted:
+                if request_id is not None or fresh + 1 >= self._max_attempts or deadline - time.monotonic() <= 0:
+                    raise
+                request.first_attempt_unix_ms = make_first_attempt_unix_ms(None, None)
+                self._sleep_backoff(fresh + 1, deadline, None)
         branch = success if resp.succeeded else failure
         results = tuple(txn_op_result(op.key, r, rid) for op, r in zip(branch, resp.results, strict=False))
         w = resp.result

@@ -205,6 +205,19 @@ class TxnConflict(KvError):
         return self.details.info.get(INFO_TXN_ID) or None
 
 
+class TxnAborted(KvError):
+    """A cross-shard Txn was aborted (a key stayed locked, a shard was unavailable, a resolver
+    gave up on it), and the abort is its request id's recorded outcome (docs/design.md §10, T5):
+    nothing of it was applied, and no attempt with that id ever will be, earlier ones still
+    running included. So it is definite even after an attempt whose outcome was unknown. A retry
+    with the same id gets this answer again: the Txn must be sent with a new request id, which
+    `Client.txn` does by itself when it chose the id. `txn_id` names the aborted transaction."""
+
+    @property
+    def txn_id(self) -> str | None:
+        return self.details.info.get(INFO_TXN_ID) or None
+
+
 class Compacted(KvError):
     """A Watch asked for history below a shard's log start: the WAL was truncated there (etcd's
     ErrCompacted). Nothing was started; read the current state, then watch from `log_start`."""
@@ -323,6 +336,8 @@ def error_from_status(
         # The server's own full queue. gRPC's RESOURCE_EXHAUSTED (a message above its size cap)
         # carries neither and falls through: retrying the same bytes cannot help.
         return Overloaded(message, **kwargs)
+    if reason == Reason.TXN_ABORTED:
+        return TxnAborted(message, **kwargs)
     if reason == Reason.TXN_CONFLICT or (code == grpc.StatusCode.ABORTED and metadata.get(OUTCOME_KEY) == OUTCOME_NONE):
         return TxnConflict(message, **kwargs)
     if reason == Reason.COMPACTED or code == grpc.StatusCode.OUT_OF_RANGE:

@@ -14,6 +14,7 @@ from kvstore.client.errors import (
     NotLeader,
     Overloaded,
     RequestExpired,
+    TxnAborted,
     TxnConflict,
     Unavailable,
     UnknownOutcome,
@@ -64,9 +65,10 @@ def keep_unknown(error: KvError, unknown: UnknownOutcome | None, *, write: bool 
     (unavailable, not leader, overloaded, invalid, a deadline, ...) says nothing about that
     attempt, so the call as a whole still has an unknown outcome and must not look like a clean
     failure. `RequestExpired` already says the outcome is unknown (and that retrying is futile):
-    it is kept. Reads keep their older rule, which also let InvalidArgument and DeadlineExceeded
+    it is kept. So is `TxnAborted`: the request's recorded outcome, which no earlier attempt can
+    change any more. Reads keep their older rule, which also let InvalidArgument and DeadlineExceeded
     through (a read has no outcome to hide)."""
-    if unknown is None or isinstance(error, UnknownOutcome | RequestExpired):
+    if unknown is None or isinstance(error, UnknownOutcome | RequestExpired | TxnAborted):
         return error
     if not write and isinstance(error, InvalidArgument | DeadlineExceeded):
         return error

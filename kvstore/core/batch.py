@@ -50,8 +50,39 @@ from kvstore.v1 import kv_pb2
 from wal.offsets import batch_end
 
 Build = Callable[[Lookup, int], Evaluation]
-# A cross-shard transaction's record is built against the locks too (kvstore.core.txn).
-LockedBuild = Callable[[Lookup, "LockView", int], Evaluation]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Horizon:
+    """The request-id horizon as the planner judges it for this batch (`admit`): what a
+    transaction's decision needs to tell whether the client's request id may still be recorded
+    as its outcome, or may be one the table has forgotten."""
+
+    now_unix_ms: int
+    evicted_through_ms: int
+    horizon_ms: int = limits.REQUEST_ID_HORIZON_MS
+    skew_ms: int = limits.MAX_CLOCK_SKEW_MS
+    # Request ids the batch's earlier records record (their own, and a decision's client id,
+    # `Evaluation.outcome`): a later write of the same batch must see them as if committed, as it
+    # sees their keys (a Put reusing a cross-shard Txn's id, or the other way round, is refused).
+    outcomes: dict[str, RequestRecord] = dataclasses.field(default_factory=dict)
+
+    def request(self, table: RequestTable, request_id: str) -> RequestRecord | None:
+        """`request_id` as the batch so far and the committed table know it."""
+        recorded = self.outcomes.get(request_id)
+        return recorded if recorded is not None else table.request(request_id)
+
+    def expired(self, first_attempt_unix_ms: int) -> str | None:
+        """Why a request first attempted then may have been forgotten (`request_horizon.expired`);
+        an unknown first attempt (0) is taken as expired: nothing can be ruled out."""
+        if first_attempt_unix_ms <= 0:
+            return "the request's first attempt is not known"
+        return request_horizon.expired(first_attempt_unix_ms, self.now_unix_ms, self.evicted_through_ms,
+                                       self.horizon_ms, self.skew_ms)
+
+
+# A cross-shard transaction's record is built against the locks and the horizon too (kvstore.core.txn).
+LockedBuild = Callable[[Lookup, "LockView", int, Horizon], Evaluation]
 
 
 class RequestTable(Protocol):
@@ -73,6 +104,9 @@ class Write:
     first_attempt_unix_ms: int = 0
     kind: int = wal_entry_pb2.REQUEST_KIND_UNSPECIFIED  # WalEntry.request_kind: stamped into its entry
     locked_build: LockedBuild | None = None  # instead of `build`: a transaction's prepare or resolve
+    # False: admission never refuses it as expired (`kvstore.core.request_horizon`): an abort
+    # decision, which may be recorded whenever no decision is (its build judges the client's id).
+    check_horizon: bool = True
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -148,6 +182,7 @@ TXN_RECORD_KINDS = frozenset({wal_entry_pb2.REQUEST_KIND_TXN_PREPARE, wal_entry_
 
 _KIND_NAMES: dict[int, str] = {wal_entry_pb2.REQUEST_KIND_PUT: "a Put", wal_entry_pb2.REQUEST_KIND_DELETE: "a Delete",
                                wal_entry_pb2.REQUEST_KIND_TXN: "a Txn",
+                               wal_entry_pb2.REQUEST_KIND_TXN_ABORTED: "a cross-shard Txn (aborted)",
                                wal_entry_pb2.REQUEST_KIND_WRITE_BATCH_PART: "a WriteBatch part"}
 
 
@@ -196,7 +231,7 @@ def admit(write: Write, table: RequestTable, in_progress: Container[str], now_un
     if earlier is not None:
         return replayed(write, earlier)
     why = request_horizon.expired(write.first_attempt_unix_ms, now_unix_ms, table.evicted_through_ms, horizon_ms,
-                                  skew_ms)
+                                  skew_ms) if write.check_horizon else None
     if why is not None:
         return errors.RequestExpiredError(why)
     if write.request_id in in_progress:
@@ -234,19 +269,20 @@ def plan_batch(writes: Sequence[Write], revision: int, lookup: Lookup, table: Re
 
     in_batch: dict[str, Response] = {}  # first answer of each id planned in this batch
     batch_locks = BatchLocks(locks)
+    horizon = Horizon(now_unix_ms, table.evicted_through_ms, horizon_ms, skew_ms)
     for index, write in enumerate(writes):
         rid = write.request_id
         if rid and rid in in_batch:
             plan.after_commit.append((index, in_batch[rid]))  # its first attempt's record, once
             continue
-        refusal = admit(write, table, (), now_unix_ms, horizon_ms=horizon_ms, skew_ms=skew_ms)
+        refusal = admit(write, _BatchTable(table, horizon), (), now_unix_ms, horizon_ms=horizon_ms, skew_ms=skew_ms)
         if refusal is not None:
             plan.now.append((index, refusal))
             continue
         record_revision = revision + len(plan.payloads)
         try:
             if write.locked_build is not None:
-                evaluation = write.locked_build(current, batch_locks, record_revision)
+                evaluation = write.locked_build(current, batch_locks, record_revision, horizon)
             else:
                 evaluation = write.build(current, record_revision)
         except ValueError as exc:  # a condition the validator could not see (e.g. an unknown compare op)
@@ -288,11 +324,29 @@ def plan_batch(writes: Sequence[Write], revision: int, lookup: Lookup, table: Re
             plan.payloads.append(payload)
             plan.payload_bytes += len(payload)
         batch_locks.planned(evaluation)
+        if evaluation.entry is not None:
+            if evaluation.outcome is not None:
+                horizon.outcomes[evaluation.outcome.request_id] = evaluation.outcome
+            if rid:
+                horizon.outcomes[rid] = RequestRecord(rid, record_revision, evaluation.entry.response, now_unix_ms,
+                                                      write.kind)
         if rid:
             in_batch[rid] = evaluation.response
         plan.after_commit.append((index, evaluation.response))
     _check(plan, len(writes))
     return plan
+
+
+class _BatchTable:
+    """The committed request-id table with the ids recorded earlier in the batch (admission)."""
+
+    def __init__(self, table: RequestTable, horizon: Horizon) -> None:
+        self._table = table
+        self._horizon = horizon
+        self.evicted_through_ms = table.evicted_through_ms
+
+    def request(self, request_id: str) -> RequestRecord | None:
+        return self._horizon.request(self._table, request_id)
 
 
 def _locked(evaluation: Evaluation, request_id: str, locks: LockView) -> errors.StoreError | None:

@@ -19,12 +19,12 @@ from collections.abc import Sequence
 
 from kvstore import errors, limits
 from kvstore.core.reads import field_bytes
-from kvstore.core.state import KeyState, Lookup, PreparedTxn, next_key_state
+from kvstore.core.state import KeyState, Lookup, PreparedTxn, RequestRecord, next_key_state
 from kvstore.internal.v1 import wal_entry_pb2
 from kvstore.v1 import kv_pb2
 
 Response = (kv_pb2.PutResponse | kv_pb2.DeleteResponse | kv_pb2.TxnResponse | kv_pb2.ShardMutationsResult
-            | wal_entry_pb2.TxnVote | wal_entry_pb2.TxnDecided | wal_entry_pb2.TxnResolve)
+            | wal_entry_pb2.TxnVote | wal_entry_pb2.TxnDecided | wal_entry_pb2.TxnResolve | wal_entry_pb2.TxnForget)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +43,9 @@ class Evaluation:
     reads: Sequence[bytes] = ()
     locks: PreparedTxn | None = None
     releases: str = ""
+    # A client request id the entry records as its outcome besides its own (a cross-shard
+    # decision's): the planner shows it to the records after it in the batch.
+    outcome: RequestRecord | None = None
 
 
 def key_value(key: bytes, state: KeyState) -> kv_pb2.KeyValue:

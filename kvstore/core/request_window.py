@@ -35,7 +35,8 @@ from collections.abc import Callable, Iterator, Sequence
 
 from kvstore import limits
 from kvstore.core.locks import LockIndex
-from kvstore.core.state import Applied, KeyState, RequestRecord, apply_entries
+from kvstore.core.recent_writes import RecentWrites
+from kvstore.core.state import Applied, DecidedTxn, KeyState, RequestRecord, apply_entries
 from wal.offsets import past_marker
 
 StoredRow = tuple[int, str, int]  # (revision, request id, leader unix ms) of an id kept before this apply
@@ -116,12 +117,30 @@ class MemoryShard:
     evicted_through_ms: int = 0
     unverified: int | None = None  # the marker slot a leader assumed, not read (`ShardStore.unverified`)
     locks: LockIndex = dataclasses.field(default_factory=LockIndex)  # prepared cross-shard transactions
+    # The decision table (coordinator shard): decisions not yet resolved by every participant.
+    decisions: dict[str, DecidedTxn] = dataclasses.field(default_factory=dict)
+    # Not durable (`ShardStore.recent`): what the records applied since the replica started wrote.
+    recent: RecentWrites = dataclasses.field(default_factory=RecentWrites, compare=False, repr=False)
 
     def get(self, key: bytes) -> KeyState | None:
         return self.keys.get(key)
 
     def request(self, request_id: str) -> RequestRecord | None:
         return self.requests.get(request_id)
+
+    def decided_txn(self, txn_id: str) -> DecidedTxn | None:
+        return self.decisions.get(txn_id)
+
+    def decided(self) -> list[DecidedTxn]:
+        """The decision table, oldest decision first."""
+        return sorted(self.decisions.values(), key=lambda d: d.revision)
+
+    def decided_request(self, request_id: str) -> DecidedTxn | None:
+        """The decision in the table that recorded the client's `request_id` as its outcome."""
+        for decided in self.decisions.values():  # the model: a store keeps an index
+            if decided.decision.request_id == request_id:
+                return decided
+        return None
 
     def apply(self, records: Sequence[tuple[int, bytes]], new_checkpoint: int, *,
               unverified: int | None = None) -> Applied:
@@ -136,16 +155,25 @@ class MemoryShard:
             count=len(self.requests), evicted_through_ms=self.evicted_through_ms, limit=self.max_request_ids,
             horizon_ms=self.request_id_horizon_ms)
         applied = apply_entries(self.get, window.seen, records, on_request=window.add,
-                                on_leader_time=window.forget_older, prepared=self.locks.prepared_txn)
+                                on_leader_time=window.forget_older, prepared=self.locks.prepared_txn,
+                                decided=self.decisions.get)
         self.locks.change(applied.prepared)
+        for txn_id, decided in applied.decided.items():
+            if decided is None:
+                self.decisions.pop(txn_id, None)
+            else:
+                self.decisions[txn_id] = decided
         for key, state in applied.writes.items():
             if state is None:
                 self.keys.pop(key, None)
             else:
                 self.keys[key] = state
+        self.recent.note(applied.changed[0], applied.changed[2])
         for _revision, rid in window.evicted_stored:
             del self.requests[rid]
-        for rid, request in window.added.items():
+        # In (revision, id) order, as LevelDB keeps them: two ids recorded at one revision (a
+        # decision's and its client's) must be forgotten in the same order as the store does.
+        for rid, request in sorted(window.added.items(), key=lambda item: (item[1].revision, item[0])):
             self.requests[rid] = request
         assert len(self.requests) == window.count, (len(self.requests), window.count)
         self.evicted_through_ms = window.evicted_through_ms
@@ -155,6 +183,10 @@ class MemoryShard:
             self.unverified = None
         self.applied_offset = new_checkpoint
         return applied
+
+    def restarted(self) -> None:
+        """The process restarted: what is not durable (`recent`) is gone."""
+        self.recent = RecentWrites(floor=self.applied_offset)
 
     def rewind_unverified(self) -> bool:
         """`ShardStore.rewind_unverified`: move the checkpoint back over the assumed marker slot."""
@@ -166,7 +198,9 @@ class MemoryShard:
     def load(self, snapshot: MemoryShard) -> None:
         """Become a copy of `snapshot` (a snapshot loaded: its cut is the checkpoint)."""
         loaded = snapshot.copy()
-        self.keys, self.requests, self.locks = loaded.keys, loaded.requests, loaded.locks
+        self.keys, self.requests, self.locks, self.decisions = (loaded.keys, loaded.requests, loaded.locks,
+                                                                 loaded.decisions)
+        self.recent = RecentWrites(floor=loaded.applied_offset)
         self.applied_offset, self.evicted_through_ms, self.unverified = (loaded.applied_offset,
                                                                          loaded.evicted_through_ms, None)
 
@@ -175,10 +209,12 @@ class MemoryShard:
         self.keys.clear()
         self.requests.clear()
         self.locks = LockIndex()
+        self.decisions = {}
+        self.recent = RecentWrites()
         self.applied_offset, self.evicted_through_ms, self.unverified = 0, 0, None
 
     def copy(self) -> MemoryShard:
         """A durable copy (what survives a crash in the simulation: LevelDB's state and checkpoint)."""
         return MemoryShard(self.max_request_ids, self.request_id_horizon_ms, dict(self.keys),
                            collections.OrderedDict(self.requests), self.applied_offset, self.evicted_through_ms,
-                           self.unverified, LockIndex(self.locks.prepared()))
+                           self.unverified, LockIndex(self.locks.prepared()), dict(self.decisions))

@@ -102,6 +102,13 @@ def resolve_id(txn_id: str) -> str:
     return f"{TXN_ID_PREFIX}r/{txn_id}"
 
 
+def forgotten_id(txn_id: str) -> str:
+    """The id under which a forgotten decision stays in the request-id table (its horizon), with
+    its answer: a late question about it is answered, and once even that is forgotten, the
+    table's `evicted_through_ms` tells an abort asked before the forget from a fresh one."""
+    return f"{TXN_ID_PREFIX}f/{txn_id}"
+
+
 class PreparedTxn(NamedTuple):
     """A transaction prepared at this shard and not resolved yet: it holds locks on its keys."""
 
@@ -115,6 +122,44 @@ class PreparedTxn(NamedTuple):
 
 
 PreparedLookup = Callable[[str], "PreparedTxn | None"]
+
+
+class DecidedTxn(NamedTuple):
+    """A decision in the coordinator's decision table: kept until every other participant
+    resolved it (a `TxnForget`), so recovery, resolvers and operators learn it from the
+    coordinator's state, never from the request-id table's bounded memory (T3)."""
+
+    decision: wal_entry_pb2.TxnDecision
+    revision: int  # the decision's offset
+    leader_unix_ms: int  # when its leader built it (0: not known): how long it has waited
+    response: bytes = b""  # what it answered (a serialized TxnDecided): replayed to anyone asking again
+
+    @property
+    def txn_id(self) -> str:
+        return self.decision.txn_id
+
+    @property
+    def pending(self) -> tuple[int, ...]:
+        """The participants that must resolve it: all but the coordinator (the lowest), which
+        applied its part with the decision."""
+        return tuple(self.decision.participants)[1:]
+
+    def decided(self) -> wal_entry_pb2.TxnDecided:
+        """What the decision answers anyone asking again (the driver's retry, a resolver): its
+        recorded answer; for a record without one, the decision itself."""
+        d = self.decision
+        try:
+            answered = wal_entry_pb2.TxnDecided.FromString(self.response)
+        except Exception:  # hostile bytes in a well-formed decision: the decision still says it all
+            answered = wal_entry_pb2.TxnDecided()
+        if answered.commit != d.commit or answered.succeeded != d.succeeded:
+            answered = wal_entry_pb2.TxnDecided(commit=d.commit, succeeded=d.succeeded, reason=d.reason,
+                                                answer=d.answer if d.commit else b"")
+        answered.revision = self.revision
+        return answered
+
+
+DecidedLookup = Callable[[str], "DecidedTxn | None"]
 
 
 @dataclasses.dataclass
@@ -134,6 +179,8 @@ class Applied:
     # txn id prepared here, or None: released by its resolve), and the transaction records not
     # applied because they break a rule (`txn_record_rule`), counted like malformed ones.
     prepared: dict[str, PreparedTxn | None] = dataclasses.field(default_factory=dict)
+    # The decision table's changes, in order (a decision recorded, or None: forgotten).
+    decided: dict[str, DecidedTxn | None] = dataclasses.field(default_factory=dict)
     txn_skipped: int = 0
     # Each effect applied, as three flat columns (key, new state or None, revision): no object per effect.
     changed: tuple[list[bytes], list[KeyState | None], list[int]] = dataclasses.field(
@@ -390,6 +437,7 @@ def apply_entries(
     on_request: Callable[[RequestRecord], None] | None = None,
     on_leader_time: Callable[[int], None] | None = None,
     prepared: PreparedLookup | None = None,
+    decided: DecidedLookup | None = None,
 ) -> Applied:
     """Apply accepted WAL records (offset, payload) in offset order; pure.
 
@@ -406,10 +454,10 @@ def apply_entries(
     duplicate check (an id is never forgotten from under its own retry) and before its request
     reaches `on_request`. That is the clock by which a bounded table forgets ids by age.
 
-    `prepared` reads the shard's prepared table (cross-shard transactions, docs/design.md §10):
-    None for a caller with no transaction state, which then sees every resolve as an orphan (the
-    Spark jobs, which keep no locks, pass their own). A transaction's record is applied by
-    `txn_record_rule`; its changes to the table are `Applied.prepared`.
+    `prepared` reads the shard's prepared table and `decided` its decision table (cross-shard
+    transactions, docs/design.md §10): None for a caller with no transaction state, which then
+    sees every resolve as an orphan and every decision as new. A transaction's record is applied
+    by `txn_record_rule`; its changes to the tables are `Applied.prepared` and `Applied.decided`.
 
     Replay runs this loop once per record (a bootstrap: millions), so it works on plain values
     (`decode_fields`), looks a key up only for a put (a delete's new state is none, whatever
@@ -448,7 +496,7 @@ def apply_entries(
         if duplicate:
             out.duplicates += 1
             continue
-        extra: RequestRecord | None = None
+        extra: tuple[RequestRecord, ...] = ()
         if txn is not None:
             def seen(rid: str) -> bool:
                 return (on_request is None and rid in seen_here) or request_seen(rid)
@@ -458,16 +506,23 @@ def apply_entries(
                     return out.prepared[txn_id]
                 return prepared(txn_id) if prepared is not None else None
 
-            rule = txn_record_rule(txn, offset, leader_ms, seen, prepared_now)
+            def decided_now(txn_id: str) -> DecidedTxn | None:
+                if txn_id in out.decided:
+                    return out.decided[txn_id]
+                return decided(txn_id) if decided is not None else None
+
+            rule = txn_record_rule(txn, offset, leader_ms, seen, prepared_now, decided_now)
             if rule.skip:
                 out.txn_skipped += 1
                 if not rule.record_id:
                     continue
             if rule.change is not None:
                 out.prepared[rule.change[0]] = rule.change[1]
+            for txn_id, decision in rule.decisions:
+                out.decided[txn_id] = decision
             if not rule.apply_effects:
                 effects = []
-            extra = rule.client_request
+            extra = rule.requests
         for key, value in effects:  # bounded by the entry
             new_state = None if value is None else put_state(writes[key] if key in writes else lookup(key),
                                                               value, offset)
@@ -475,22 +530,22 @@ def apply_entries(
             changed_keys.append(key)
             changed_states.append(new_state)
             changed_revisions.append(offset)
+        recorded: tuple[RequestRecord, ...] = extra
         if request_id:
-            seen_here.add(request_id)
-            request = RequestRecord(request_id, offset, bytes(response), leader_ms, kind)
+            recorded = (RequestRecord(request_id, offset, bytes(response), leader_ms, kind), *extra)
+        if len(recorded) > 1:  # (a decision's client id, a forget's tombstones): one revision, ids in order
+            recorded = tuple(sorted(recorded, key=lambda r: r.request_id))
+        for request in recorded:  # the table keeps (revision, id) order, whatever the batches
+            seen_here.add(request.request_id)
             requests.append(request)
             if on_request is not None:
                 on_request(request)
-        if extra is not None:  # a commit decision's client request id, with the Txn's answer
-            seen_here.add(extra.request_id)
-            requests.append(extra)
-            if on_request is not None:
-                on_request(extra)
     return out
 
 
 def _is_txn_record(entry: wal_entry_pb2.WalEntry) -> bool:
-    return entry.HasField("prepare") or entry.HasField("decision") or entry.HasField("resolve")
+    return (entry.HasField("prepare") or entry.HasField("decision") or entry.HasField("resolve")
+            or entry.HasField("forget"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -499,29 +554,39 @@ class TxnRule:
 
     skip: bool = False  # the record breaks a rule: counted in Applied.txn_skipped
     record_id: bool = True  # its request id is recorded (a skipped orphan resolve's still is)
-    apply_effects: bool = False  # its effects are applied (a commit's resolve of a prepared txn)
+    apply_effects: bool = False  # its effects are applied (a commit decision; a commit's resolve of a prepared txn)
     change: tuple[str, PreparedTxn | None] | None = None  # the prepared table's change
-    client_request: RequestRecord | None = None  # a commit decision's client request id
+    decisions: tuple[tuple[str, DecidedTxn | None], ...] = ()  # the decision table's changes
+    requests: tuple[RequestRecord, ...] = ()  # ids recorded besides the entry's own (a decision's client's, ...)
 
 
 _SKIP = TxnRule(skip=True, record_id=False)
 
 
 def txn_record_rule(entry: wal_entry_pb2.WalEntry, offset: int, leader_ms: int, seen: RequestSeen,
-                    prepared: PreparedLookup) -> TxnRule:
+                    prepared: PreparedLookup, decided: DecidedLookup | None = None) -> TxnRule:
     """The rules of a cross-shard transaction's record (docs/design.md §10), applied by every
     replayer alike; any record that breaks one is skipped and counted, never applied:
 
-    * exactly one of prepare / decision / resolve, its request id the one derived from its txn id
-      (`prepare_id`, ...), and no effects but a resolve's;
+    * exactly one of prepare / decision / resolve / forget; a prepare's, decision's or resolve's
+      request id the one derived from its txn id (`prepare_id`, ...), a forget's none; no effects
+      but a resolve's and a commit decision's (the coordinator's own part);
     * a prepare locks its keys unless its transaction is prepared here already or resolved (a
       prepare arriving after its resolve must not lock again: its resolve id is remembered);
-    * a decision records itself under its id, so a second decision of the txn id is a duplicate
-      and never applied (T1); a commit records the client's request id with the Txn's answer;
+    * a decision joins the decision table, where it stays until a forget removes it (T3); it
+      records itself under its id too, and a second decision of a txn id, a duplicate of either,
+      is never applied (T1). A commit applies the coordinator's effects with it. Its client
+      request id, when set and not seen, is recorded as the request's outcome: a commit's answer
+      (REQUEST_KIND_TXN), or the abort (REQUEST_KIND_TXN_ABORTED, T5);
     * a resolve applies its effects only for a transaction prepared here and a commit (T2), and
-      releases the locks; an orphan resolve (nothing prepared) applies nothing but keeps its id.
+      releases the locks; an orphan resolve (nothing prepared) applies nothing but keeps its id;
+    * a forget removes the decisions it names from the table (an id not there is no change) and
+      leaves each in the request-id table under `forgotten_id` with its answer: for the table's
+      horizon a late question is answered, and after it an abort asked before the forget is
+      refused by the table's `evicted_through_ms` (`kvstore.core.txn.evaluate_decision`).
     """
-    kinds = int(entry.HasField("prepare")) + int(entry.HasField("decision")) + int(entry.HasField("resolve"))
+    kinds = (int(entry.HasField("prepare")) + int(entry.HasField("decision")) + int(entry.HasField("resolve"))
+             + int(entry.HasField("forget")))
     if kinds != 1:
         return _SKIP
     if entry.HasField("prepare"):
@@ -533,13 +598,34 @@ def txn_record_rule(entry: wal_entry_pb2.WalEntry, offset: int, leader_ms: int, 
         return TxnRule(change=(prepare.txn_id, PreparedTxn(prepare, offset, leader_ms)))
     if entry.HasField("decision"):
         decision = entry.decision
-        if not decision.txn_id or entry.request_id != decision_id(decision.txn_id) or len(entry.effects):
+        if (not decision.txn_id or entry.request_id != decision_id(decision.txn_id)
+                or (len(entry.effects) and not decision.commit) or len(decision.participants) < 2):
             return _SKIP
+        if decided is not None and decided(decision.txn_id) is not None:
+            return TxnRule(skip=True)  # a second decision of a transaction decided here (T1)
+        recorded: tuple[tuple[str, DecidedTxn | None], ...] = ()
+        if decision.kept:  # (an older release's decision is not kept: its id answers for it)
+            recorded = ((decision.txn_id, DecidedTxn(decision, offset, leader_ms, bytes(entry.response))),)
         client = decision.request_id
-        if not (decision.commit and client) or client.startswith(TXN_ID_PREFIX) or seen(client):
-            return TxnRule()
-        return TxnRule(client_request=RequestRecord(client, offset, bytes(decision.answer), leader_ms,
-                                                    wal_entry_pb2.REQUEST_KIND_TXN))
+        if not client or client.startswith(TXN_ID_PREFIX) or seen(client):
+            return TxnRule(apply_effects=decision.commit, decisions=recorded)
+        if decision.commit:
+            answer = bytes(decision.answer) or DecidedTxn(decision, offset, leader_ms, bytes(entry.response)).decided(
+            ).answer
+            outcome = RequestRecord(client, offset, answer, leader_ms, wal_entry_pb2.REQUEST_KIND_TXN)
+        else:
+            aborted = wal_entry_pb2.TxnDecided(commit=False, reason=decision.reason, revision=offset)
+            outcome = RequestRecord(client, offset, aborted.SerializeToString(), leader_ms,
+                                    wal_entry_pb2.REQUEST_KIND_TXN_ABORTED)
+        return TxnRule(apply_effects=decision.commit, decisions=recorded, requests=(outcome,))
+    if entry.HasField("forget"):
+        if entry.request_id or len(entry.effects):
+            return _SKIP
+        gone = {t: d for t in entry.forget.txn_ids if decided is not None and (d := decided(t)) is not None}
+        tombstones = tuple(RequestRecord(forgotten_id(t), offset, d.decided().SerializeToString(), leader_ms,
+                                         wal_entry_pb2.REQUEST_KIND_TXN_DECISION)
+                           for t, d in gone.items() if not seen(forgotten_id(t)))
+        return TxnRule(decisions=tuple((txn_id, None) for txn_id in gone), requests=tombstones)
     resolve = entry.resolve
     if not resolve.txn_id or entry.request_id != resolve_id(resolve.txn_id):
         return _SKIP

@@ -20,8 +20,12 @@ What counts as an anomaly, and why a healthy cluster has none:
   for a transaction (T1); a committed transaction resolved differently at a participant, or
   resolved there without its prepare (its effects never applied); an aborted or undecided one
   applied somewhere (T2). Read from the accepted records of every shard with the apply rule's
-  bookkeeping (`atomicity`). A transaction decided but not yet resolved everywhere at the cut is
-  in doubt, a note, not an anomaly (its resolvers finish it).
+  bookkeeping (`atomicity`). The coordinator shard (the lowest participant) applies its own part
+  with a commit decision and resolves nothing; only a coordinator that prepared the transaction
+  (a record of a release before the decision table) must resolve it too. A transaction decided
+  but not yet resolved everywhere at the cut is in doubt, a note, not an anomaly (its resolvers
+  finish it); so is a decision forgotten (`TxnForget`) before a participant's resolve is below
+  the cut, since the cuts of two shards are not read at one instant.
 - *Digests that differ*: the newest snapshot's manifest against the same state recomputed from
   its own base plus the WAL, and every replica (ClusterService.ShardDigest) against the WAL's state at
   that replica's checkpoint. Both sides run the same `ShardStore` code (`kvstore.pipeline.fold`),
@@ -93,12 +97,14 @@ class TxnRecord(NamedTuple):
 
     shard: int
     offset: int
-    kind: str  # prepare | decision | resolve
-    txn_id: str
+    kind: str  # prepare | decision | resolve | forget
+    txn_id: str  # "" for a forget (it names its decisions in txn_ids)
     commit: bool
     succeeded: bool
     participants: tuple[int, ...]
-    records: int  # how many of the three the entry holds (the apply rule skips it unless 1)
+    records: int  # how many of the four the entry holds (the apply rule skips it unless 1)
+    effects: int = 0  # the entry's effects (a commit decision's are the coordinator's part)
+    txn_ids: tuple[str, ...] = ()  # a forget's: the decisions it removes from its shard's table
 
 
 class FoldPoint(NamedTuple):
@@ -116,6 +122,8 @@ class FoldPoint(NamedTuple):
     evicted_through_ms: int = 0
     prepared: int = 0  # cross-shard transactions prepared there, and their digest
     prepared_digest: str = ""
+    decided: int = 0  # the decision table there, and its digest
+    decided_digest: str = ""
 
 
 @dataclasses.dataclass
@@ -209,37 +217,66 @@ def atomicity(records: Sequence[TxnRecord], prepared_at_start: Mapping[int, set[
               from_zero: bool) -> tuple[list[str], list[str], dict[str, int]]:
     """(anomalies, notes, counts) of the transactions in `records` (every shard's, in any
     order), judged by the apply rule's bookkeeping (`kvstore.core.state.txn_record_rule`): a
-    resolve applies only what its shard prepared. `prepared_at_start`: per shard, the
-    transactions prepared in the state the audit starts from; `from_zero`: the audit reads every
-    shard from offset 0 (else a decision may lie before its start: an undecided resolve is a note)."""
+    resolve applies only what its shard prepared, and each kind of record has its own branch (a
+    kind this audit does not know is never taken for another). `prepared_at_start`: per shard,
+    the transactions prepared in the state the audit starts from; `from_zero`: the audit reads
+    every shard from offset 0 (else a decision may lie before its start: an undecided resolve is
+    a note).
+
+    Which participants must resolve a decision: every one but the coordinator (the lowest), which
+    applied its part with the decision; the coordinator too only where it prepared the
+    transaction (a record of a release before the decision table, whose coordinator prepared and
+    resolved like any participant)."""
     anomalies: list[str] = []
     notes: list[str] = []
     decisions: dict[str, list[TxnRecord]] = {}
     resolves: dict[tuple[str, int], tuple[TxnRecord, bool]] = {}  # (txn, shard) -> the first resolve, applied?
+    ever_prepared: set[tuple[str, int]] = {(t, s) for s, ids in prepared_at_start.items() for t in ids}
+    forgotten: dict[str, TxnRecord] = {}  # txn -> the forget that removed its decision from its shard's table
     for shard in sorted({r.shard for r in records} | set(prepared_at_start)):
         prepared = set(prepared_at_start.get(shard, ()))
         resolved: set[str] = set()
+        table: set[str] = set()  # this shard's decision table, as far as the audited range shows it
         for record in sorted((r for r in records if r.shard == shard), key=lambda r: r.offset):
-            if record.records != 1 or not record.txn_id:
+            if record.records != 1:
                 continue  # skipped by every replica (and by the fold, which counts it)
+            if record.kind == "forget":
+                if record.effects:
+                    continue  # skipped by the rule
+                for txn_id in record.txn_ids:
+                    if txn_id in table:
+                        table.discard(txn_id)
+                        forgotten.setdefault(txn_id, record)
+                continue
+            if not record.txn_id:
+                continue  # skipped by the rule
             if record.kind == "prepare":
-                if record.txn_id not in resolved:
+                if record.txn_id not in resolved and not record.effects:
                     prepared.add(record.txn_id)
+                    ever_prepared.add((record.txn_id, shard))
             elif record.kind == "decision":
+                if (record.effects and not record.commit) or len(record.participants) < 2:
+                    continue  # skipped by the rule
                 decisions.setdefault(record.txn_id, []).append(record)
-            elif (record.txn_id, shard) not in resolves:
+                table.add(record.txn_id)
+            elif record.kind == "resolve" and (record.txn_id, shard) not in resolves:
                 resolves[(record.txn_id, shard)] = (record, record.txn_id in prepared)
                 prepared.discard(record.txn_id)
                 resolved.add(record.txn_id)
-    counts = {"decided": len(decisions), "committed": 0, "aborted": 0, "in_doubt": 0}
+            # else: a repeated resolve (a duplicate id: applies nothing), or a kind this release does
+            # not know, which it never takes for another
+    counts = {"decided": len(decisions), "committed": 0, "aborted": 0, "in_doubt": 0, "forgotten": 0}
     for txn_id, found in sorted(decisions.items()):
         decision = found[0]
         if len(found) > 1:
             anomalies.append(f"transaction {txn_id}: {len(found)} decisions (T1), at "
                              f"{[(r.shard, r.offset, r.commit) for r in found][:4]}")
         counts["committed" if decision.commit else "aborted"] += 1
+        coordinator = decision.participants[0]
         unresolved = []
         for shard in decision.participants:
+            if shard == coordinator and (txn_id, shard) not in ever_prepared:
+                continue  # the coordinator's part was applied with the decision: nothing to resolve there
             entry = resolves.get((txn_id, shard))
             if entry is None:
                 unresolved.append(shard)
@@ -257,6 +294,13 @@ def atomicity(records: Sequence[TxnRecord], prepared_at_start: Mapping[int, set[
                                  "(T2)")
         if unresolved:
             counts["in_doubt"] += 1
+        forget = forgotten.get(txn_id)
+        if forget is not None:
+            counts["forgotten"] += 1
+            if unresolved:
+                notes.append(f"transaction {txn_id}: its decision was forgotten at shard {forget.shard} offset "
+                             f"{forget.offset}, but shard(s) {unresolved} have no resolve of it by the cut (one "
+                             "appended as the cut was taken, or a decision forgotten too early)")
     for (txn_id, shard), (resolve, applied) in sorted(resolves.items()):
         if txn_id in decisions or not (resolve.commit and applied):
             continue
@@ -352,7 +396,8 @@ def _shard_report(s: int, newest: snapshot.Manifest | None, start: Start, cut: i
         loaded = fold.get(begin)
         why = None if loaded is None else snapshot.mismatch(
             start.manifest.shard(s), loaded.digest, loaded.keys, loaded.requests, loaded.requests_digest,
-            loaded.evicted_through_ms, prepared=loaded.prepared, prepared_digest=loaded.prepared_digest)
+            loaded.evicted_through_ms, prepared=loaded.prepared, prepared_digest=loaded.prepared_digest,
+            decided=loaded.decided, decided_digest=loaded.decided_digest)
         if why is not None:
             anomalies.append(f"shard {s}: snapshot {start.manifest.name}'s files do not reproduce its manifest ({why})")
 
@@ -376,7 +421,8 @@ def _shard_report(s: int, newest: snapshot.Manifest | None, start: Start, cut: i
             digest_wal_note = f"recomputed from {start.describe()} plus the WAL to {meta.offset}"
             why = snapshot.mismatch(meta, recomputed.digest, recomputed.keys, recomputed.requests,
                                     recomputed.requests_digest, recomputed.evicted_through_ms,
-                                    prepared=recomputed.prepared, prepared_digest=recomputed.prepared_digest)
+                                    prepared=recomputed.prepared, prepared_digest=recomputed.prepared_digest,
+                                    decided=recomputed.decided, decided_digest=recomputed.decided_digest)
             if why is not None:
                 anomalies.append(f"shard {s}: snapshot {newest.name} differs from the WAL at its cut {meta.offset}: "
                                  f"recomputed {why}")
@@ -493,14 +539,16 @@ def fold_points(spark: SparkSession, target: WalTarget, root: str, start: Start,
                           emit_state=False)
     rows = (states.where(F.col("kind") == "meta")
             .select("shard", "offset", "digest", "keys", "wal_records", "duplicates", "malformed_entries",
-                    "requests", "requests_digest", "evicted_through_ms", "prepared", "prepared_digest")
+                    "requests", "requests_digest", "evicted_through_ms", "prepared", "prepared_digest", "decided",
+                    "decided_digest")
             .collect())
     out: dict[int, dict[int, FoldPoint]] = {s: {} for s in range(target.shards)}
     for row in rows:
         out[int(row["shard"])][int(row["offset"])] = FoldPoint(
             int(row["offset"]), str(row["digest"]), int(row["keys"]), int(row["wal_records"]),
             int(row["duplicates"]), int(row["malformed_entries"]), int(row["requests"]), str(row["requests_digest"]),
-            int(row["evicted_through_ms"]), int(row["prepared"]), str(row["prepared_digest"]))
+            int(row["evicted_through_ms"]), int(row["prepared"]), str(row["prepared_digest"]), int(row["decided"]),
+            str(row["decided_digest"]))
     return out
 
 
@@ -514,7 +562,8 @@ def slim_records(judged: DataFrame) -> DataFrame:
         "shard", "offset", "verdict", "writer_term",
         (is_accepted & F.col("entry").isNull()).alias("bad_entry"),
         F.col("entry")["request_id"].alias("request_id"),
-        F.col("entry")["txn"].alias("txn"))
+        F.col("entry")["txn"].alias("txn"),
+        F.when(F.col("entry")["txn"].isNotNull(), F.size(F.col("entry")["effects"])).alias("effects"))
 
 
 def findings(slim: DataFrame, limit: int = OFFSETS_LIMIT) -> DataFrame:
@@ -583,17 +632,18 @@ def wal_stats(spark: SparkSession, target: WalTarget, ranges: Mapping[int, tuple
             stats = out[int(row["shard"])]
             stats.duplicate_request_ids = int(row["total"])
             stats.duplicate_examples.append((str(row["request_id"]), [int(o) for o in row["offsets"]]))
-        # Cross-shard transactions' records: three per transaction and shard, few next to the WAL.
+        # Cross-shard transactions' records: a few per transaction and shard, few next to the WAL.
         txn = F.col("txn")
         for row in (slim.where((F.col("verdict") == wal_source.ACCEPTED) & txn.isNotNull())
                     .select("shard", "offset", txn["kind"].alias("kind"), txn["txn_id"].alias("txn_id"),
                             txn["commit"].alias("commit"), txn["succeeded"].alias("succeeded"),
-                            txn["participants"].alias("participants"), txn["records"].alias("records"))
+                            txn["participants"].alias("participants"), txn["records"].alias("records"),
+                            "effects", txn["txn_ids"].alias("txn_ids"))
                     .collect()):
             out[int(row["shard"])].txn_records.append(TxnRecord(
                 int(row["shard"]), int(row["offset"]), str(row["kind"]), str(row["txn_id"] or ""),
                 bool(row["commit"]), bool(row["succeeded"]), tuple(int(p) for p in row["participants"] or ()),
-                int(row["records"] or 0)))
+                int(row["records"] or 0), int(row["effects"] or 0), tuple(str(t) for t in row["txn_ids"] or ())))
     finally:
         slim.unpersist()
     return out
@@ -694,7 +744,8 @@ def render(report: Mapping[str, Any]) -> str:
     txns = report.get("transactions") or {}
     if txns.get("decided"):
         lines.append(f"cross-shard transactions decided: {txns['decided']} ({txns['committed']} committed, "
-                     f"{txns['aborted']} aborted, {txns['in_doubt']} in doubt at the cut)")
+                     f"{txns['aborted']} aborted, {txns['in_doubt']} in doubt at the cut, "
+                     f"{txns.get('forgotten', 0)} forgotten by their coordinator)")
     lines += [f"note: {n}" for n in report["notes"]]
     lines += [f"ANOMALY: {a}" for a in report["anomalies"]]
     count = len(report["anomalies"])

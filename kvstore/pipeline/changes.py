@@ -89,8 +89,9 @@ CHANGES_SCHEMA = StructType([
     StructField("term", LongType()),
     StructField("timestamp", TimestampType()),  # the Kafka record's time
     StructField("leader_unix_ms", LongType()),  # 0: written before WalEntry had it
-    # The cross-shard transaction whose resolve applied this effect (docs/design.md §10), NULL for
-    # any other write: a consumer groups a transaction's rows, over every shard, by it.
+    # The cross-shard transaction whose record applied this effect (docs/design.md §10): a
+    # participant's resolve, or the coordinator's commit decision (its own part); NULL for any other
+    # write. A consumer groups a transaction's rows, over every shard, by it.
     StructField("txn_id", StringType()),
 ])
 CHANGES_COLUMNS = tuple(f.name for f in CHANGES_SCHEMA.fields)
@@ -115,7 +116,7 @@ def changes_frame(judged_frame: DataFrame) -> DataFrame:
         "shard", "offset", "timestamp_ms", "writer_id", "writer_term",
         F.col("entry.request_id").alias("request_id"),
         F.col("entry.leader_unix_ms").alias("leader_unix_ms"),
-        F.when(F.col("entry.txn.kind") == "resolve", F.col("entry.txn.txn_id")).alias("txn_id"),
+        F.when(F.col("entry.txn.kind").isin("resolve", "decision"), F.col("entry.txn.txn_id")).alias("txn_id"),
         F.posexplode(F.col("entry.effects")).alias("effect_index", "effect"),
     )
     return exploded.select(

@@ -9,11 +9,13 @@ advanced with `ShardStore.apply` (what every replica runs), digested with `Shard
 offset unless one of them was altered, which is what the audit looks for.
 
 Input rows (FOLD_INPUT, one Arrow table per shard): one `control` row (the cut, the base's cut
-and evicted-through time, offsets to digest at), the base snapshot's `key`, `request` and
+and evicted-through time, offsets to digest at), the base snapshot's `key`, `request`,
 `prepared` rows (a prepared cross-shard transaction: its txn id in `request_id`, its prepare in
-`payload`), and the accepted `wal` records in [base cut, cut). Output rows (FOLD_OUTPUT): the
-state at the cut as `key`, `request` and `prepared` rows (the prepare in `response`), and one
-`meta` row per digest point (the cut's marked).
+`payload`) and `decided` rows (a decision of the coordinator's decision table: its txn id in
+`request_id`, the decision in `payload`, its recorded answer in `response`), and the accepted
+`wal` records in [base cut, cut). Output rows (FOLD_OUTPUT): the state at the cut as `key`,
+`request`, `prepared` (the prepare in `response`) and `decided` rows (the decision in `payload`,
+its answer in `response`), and one `meta` row per digest point (the cut's marked).
 """
 
 from __future__ import annotations
@@ -27,9 +29,9 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from kvstore.core.state import KeyState, PreparedTxn, RequestRecord
+from kvstore.core.state import DecidedTxn, KeyState, PreparedTxn, RequestRecord
 from kvstore.internal.v1 import wal_entry_pb2
-from kvstore.storage.shard_store import ShardStore
+from kvstore.storage.shard_store import ShardStore, decided_digest
 from kvstore.storage.snapshot import encode_states
 
 APPLY_CHUNK_RECORDS = 10_000  # records per LevelDB write batch while folding
@@ -50,6 +52,7 @@ FOLD_OUTPUT = pa.schema([
     ("evicted_through_ms", pa.int64()), ("wal_records", pa.int64()), ("duplicates", pa.int64()),
     ("malformed_entries", pa.int64()), ("is_cut", pa.bool_()), ("request_kind", pa.int32()),
     ("requests_digest", pa.string()), ("prepared", pa.int64()), ("prepared_digest", pa.string()),
+    ("payload", pa.binary()), ("decided", pa.int64()), ("decided_digest", pa.string()),
 ])
 # The same schemas as Spark DDL, for createDataFrame and applyInArrow.
 FOLD_INPUT_DDL = ("shard int, kind string, offset bigint, payload binary, key binary, value binary, version bigint, "
@@ -60,7 +63,8 @@ FOLD_OUTPUT_DDL = ("shard int, kind string, key binary, value binary, version bi
                    "create_revision bigint, request_id string, revision bigint, leader_unix_ms bigint, "
                    "response binary, offset bigint, digest string, keys bigint, requests bigint, "
                    "evicted_through_ms bigint, wal_records bigint, duplicates bigint, malformed_entries bigint, "
-                   "is_cut boolean, request_kind int, requests_digest string, prepared bigint, prepared_digest string")
+                   "is_cut boolean, request_kind int, requests_digest string, prepared bigint, prepared_digest string, "
+                   "payload binary, decided bigint, decided_digest string")
 
 
 class FoldError(Exception):
@@ -102,9 +106,12 @@ def fold(table: pa.Table, *, topic: str, max_request_ids: int, request_id_horizo
         prepared_cols = _columns(table, "prepared", "request_id", "revision", "leader_unix_ms", "payload")
         base_prepared = [PreparedTxn(wal_entry_pb2.TxnPrepare.FromString(body), rev, ms or 0)
                          for _tid, rev, ms, body in zip(*prepared_cols, strict=True)]
+        decided_cols = _columns(table, "decided", "request_id", "revision", "leader_unix_ms", "payload", "response")
+        base_decided = [DecidedTxn(wal_entry_pb2.TxnDecision.FromString(body), rev, ms or 0, resp or b"")
+                        for _tid, rev, ms, body, resp in zip(*decided_cols, strict=True)]
         del key_rows, req_cols
         store.load_snapshot([base_keys], [base_requests], checkpoint=base_offset,
-                            evicted_through_ms=int(evicted[0] or 0), prepared=base_prepared)
+                            evicted_through_ms=int(evicted[0] or 0), prepared=base_prepared, decided=base_decided)
         del base_keys, base_requests
         out = _Output(shard)
         duplicates = malformed = 0
@@ -120,14 +127,17 @@ def fold(table: pa.Table, *, topic: str, max_request_ids: int, request_id_horizo
             if store.applied_offset < point:
                 store.apply([], point)
             digest, keys = store.digest()
+            decided = store.decided()
             out.meta(offset=point, digest=digest, keys=keys, requests=store.request_count,
                      evicted_through_ms=store.evicted_through_ms, wal_records=len(wal), duplicates=duplicates,
                      malformed_entries=malformed, is_cut=point == cut, requests_digest=store.requests_digest(),
-                     prepared=store.locks.prepared_count(), prepared_digest=store.prepared_digest())
+                     prepared=store.locks.prepared_count(), prepared_digest=store.prepared_digest(),
+                     decided=len(decided), decided_digest=decided_digest(decided))
         if emit_state:
             out.keys(store.keys())
             out.requests(store.requests())
             out.prepared(store.locks.prepared())
+            out.decided(store.decided())
         return out.table()
     finally:
         store.close()
@@ -147,9 +157,12 @@ class _Output:
         self._metas: dict[str, list[Any]] = {c: [] for c in ("offset", "digest", "keys", "requests",
                                                              "evicted_through_ms", "wal_records", "duplicates",
                                                              "malformed_entries", "is_cut", "requests_digest",
-                                                             "prepared", "prepared_digest")}
+                                                             "prepared", "prepared_digest", "decided",
+                                                             "decided_digest")}
         self._prepared: dict[str, list[Any]] = {c: [] for c in ("request_id", "revision", "leader_unix_ms",
                                                                 "response")}
+        self._decided: dict[str, list[Any]] = {c: [] for c in ("request_id", "revision", "leader_unix_ms",
+                                                               "payload", "response")}
 
     def keys(self, states: Iterator[tuple[bytes, KeyState]]) -> None:
         key, value, version, mod, create = self._keys.values()
@@ -177,6 +190,15 @@ class _Output:
             leader_ms.append(txn.leader_unix_ms)
             body.append(txn.prepare.SerializeToString())
 
+    def decided(self, decided: list[DecidedTxn]) -> None:
+        tid, revision, leader_ms, body, response = self._decided.values()
+        for row in decided:
+            tid.append(row.txn_id)
+            revision.append(row.revision)
+            leader_ms.append(row.leader_unix_ms)
+            body.append(row.decision.SerializeToString())
+            response.append(row.response)
+
     def meta(self, **values: Any) -> None:
         assert values.keys() == self._metas.keys(), f"meta fields {sorted(values)}"
         for name, value in values.items():
@@ -185,7 +207,7 @@ class _Output:
     def table(self) -> pa.Table:
         parts = []
         for kind, columns in (("key", self._keys), ("request", self._requests), ("prepared", self._prepared),
-                              ("meta", self._metas)):
+                              ("decided", self._decided), ("meta", self._metas)):
             n = len(next(iter(columns.values())))
             arrays = []
             for field in FOLD_OUTPUT:

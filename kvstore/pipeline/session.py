@@ -24,7 +24,7 @@ ENTRY_UDF = "kv_decode_entry"
 RECORD_TYPE = "struct<expected_offset:bigint,writer_id:string,writer_term:bigint,payload:binary>"
 ENTRY_TYPE = ("struct<request_id:string,effects:array<struct<kind:string,key:binary,value:binary>>,"
               "response:binary,leader_unix_ms:bigint,txn:struct<kind:string,txn_id:string,commit:boolean,"
-              "succeeded:boolean,coordinator:int,participants:array<int>,records:int>>")
+              "succeeded:boolean,coordinator:int,participants:array<int>,records:int,txn_ids:array<string>>>")
 
 
 def parse_conf(pairs: list[str] | None) -> dict[str, str]:

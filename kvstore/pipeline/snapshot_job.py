@@ -99,6 +99,10 @@ def build_states(spark: SparkSession, target: WalTarget, root: str, base: snapsh
             frames.append(spark.read.schema(_ddl(snapshot.PREPARED_SCHEMA)).parquet(f"{uri}/prepared").select(
                 F.col("shard").cast("int"), F.lit("prepared").alias("kind"), F.col("txn_id").alias("request_id"),
                 "revision", "leader_unix_ms", F.col("prepare").alias("payload")))
+        if snapshot.has_table(root, base.name, "decided"):  # format 4: a base of an older format has none
+            frames.append(spark.read.schema(_ddl(snapshot.DECIDED_SCHEMA)).parquet(f"{uri}/decided").select(
+                F.col("shard").cast("int"), F.lit("decided").alias("kind"), F.col("txn_id").alias("request_id"),
+                "revision", "leader_unix_ms", F.col("decision").alias("payload"), "response"))
         if snapshot.has_table(root, base.name, "requests"):
             frames.append(spark.read.schema(_ddl(snapshot.REQUESTS_SCHEMA)).parquet(f"{uri}/requests").select(
                 F.col("shard").cast("int"), F.lit("request").alias("kind"), "request_id", "revision",
@@ -157,7 +161,8 @@ def create(spark: SparkSession, target: WalTarget, root: str, *,
                     continue
                 why = snapshot.mismatch(expected, str(m["digest"]), int(m["keys"]), int(m["requests"]),
                                         str(m["requests_digest"]), int(m["evicted_through_ms"]),
-                                        prepared=int(m["prepared"]), prepared_digest=str(m["prepared_digest"]))
+                                        prepared=int(m["prepared"]), prepared_digest=str(m["prepared_digest"]),
+                                        decided=int(m["decided"]), decided_digest=str(m["decided_digest"]))
                 if why is not None:
                     raise SnapshotError(
                         f"the newest snapshot {base.name} does not reproduce its own manifest for shard {m['shard']} "
@@ -176,6 +181,10 @@ def create(spark: SparkSession, target: WalTarget, root: str, *,
          .select("shard", F.col("request_id").alias("txn_id"), "revision", "leader_unix_ms",
                  F.col("response").alias("prepare"))
          .write.partitionBy("shard").parquet(f"{uri}/prepared"))
+        (states.where(F.col("kind") == "decided")
+         .select("shard", F.col("request_id").alias("txn_id"), "revision", "leader_unix_ms",
+                 F.col("payload").alias("decision"), "response")
+         .write.partitionBy("shard").parquet(f"{uri}/decided"))
     finally:
         states.unpersist()
     by_shard = {int(m["shard"]): m for m in metas}
@@ -189,7 +198,8 @@ def create(spark: SparkSession, target: WalTarget, root: str, *,
                                             digest=str(m["digest"]), requests=int(m["requests"]),
                                             evicted_through_ms=int(m["evicted_through_ms"]),
                                             requests_digest=str(m["requests_digest"]), prepared=int(m["prepared"]),
-                                            prepared_digest=str(m["prepared_digest"]))
+                                            prepared_digest=str(m["prepared_digest"]), decided=int(m["decided"]),
+                                            decided_digest=str(m["decided_digest"]))
                      for s, m in sorted(by_shard.items())))
     snapshot.write_manifest(root, manifest)
     log.info("snapshot %s: %d shards, %d keys, %.1fs", name, target.shards, sum(s.keys for s in manifest.shards),

@@ -38,11 +38,18 @@ import wal
 import wal.transactions
 from kvstore import errors, limits
 from kvstore.core import placement, reads, validation
+from kvstore.core import txn as txn_core
 from kvstore.core.batch import write_of
+from kvstore.core.cut import Answer as CutAnswer
+from kvstore.core.cut import Cut, CutConfig
+from kvstore.core.cut import GiveUp as CutGiveUp
+from kvstore.core.cut import ReadParts as CutReadParts
+from kvstore.core.cut import ValidateParts as CutValidateParts
 from kvstore.core.evaluate import key_value
 from kvstore.core.state import ChangeType
 from kvstore.internal.v1 import peer_pb2, peer_pb2_grpc, wal_entry_pb2
 from kvstore.server import auth, config, forward, shardmap
+from kvstore.server import txns as txns_module
 from kvstore.server.config import NodeConfig
 from kvstore.server.interceptor import ErrorInterceptor
 from kvstore.server.node import Node
@@ -58,6 +65,7 @@ STALE_WAIT_DEFAULT_S = 5.0
 MAX_IO_THREADS = 512
 PEER_TIMEOUT_S = 0.5  # ShardMap fan-out: a node that does not answer within this is left out
 FORWARD_TIMEOUT_S = 10.0  # a forwarded scan part, when the caller set no shorter deadline
+SCAN_CUT = CutConfig()  # a linearizable multi-shard page: read at most this many times before UNAVAILABLE
 
 
 def _deadline_s(context: grpc.aio.ServicerContext[Any, Any], default: float) -> float:
@@ -205,12 +213,63 @@ class KVService(kv_pb2_grpc.KVServiceServicer):
                    context: grpc.aio.ServicerContext[Any, Any], *, forward: bool) -> kv_pb2.ScanResponse:
         """One page of `request` over `shards`. `forward`: the shards this node cannot serve go
         to their leaders (PeerService.ScanShards); without it (a part forwarded to us) every shard is
-        served here or refused, so a part is never forwarded twice."""
+        served here or refused, so a part is never forwarded twice.
+
+        A linearizable page over several shards, gathered here, is one cut (T4, `kvstore.core.cut`):
+        once every shard's part was read, each is validated (nothing in the page's span changed
+        since the revision it was read at); a page that changed is read again, a few times, then
+        refused as retriable. Stale and leader-local pages promise no cut and are not validated."""
         start, end, limit = validation.scan_bounds(request)
         if request.page_token:
             if request.page_token <= start and not request.page_token.startswith(start):
                 raise errors.InvalidRequestError("page_token does not belong to this scan")
             start = max(start, request.page_token)
+        linearizable = request.read.consistency in (kv_pb2.CONSISTENCY_UNSPECIFIED, kv_pb2.CONSISTENCY_LINEARIZABLE)
+        if not forward or not linearizable or len(shards) < 2:
+            return await self._scan_page(request, shards, start, end, limit, context, forward=forward)
+        cut = Cut(shards, SCAN_CUT)
+        action = cut.start()
+        page = kv_pb2.ScanResponse()
+        while True:  # bounded: the cut gives up after its rounds
+            if isinstance(action, CutReadParts):
+                page = await self._scan_page(request, shards, start, end, limit, context, forward=True)
+                action = cut.read({h.shard: h.applied_revision for h in page.headers})
+            elif isinstance(action, CutValidateParts):
+                span = (start, page.next_page_token or end)
+                checks = await asyncio.gather(*(self._validate_part(shard, revision, span, context)
+                                                for shard, revision in sorted(action.revisions.items())))
+                action = cut.validated([shard for shard, ok in zip(sorted(action.revisions), checks, strict=True)
+                                        if not ok])
+            elif isinstance(action, CutAnswer):
+                if action.rounds > 1:
+                    self.node.metrics.scan_cut_rounds.inc(action.rounds - 1)
+                return page
+            else:
+                assert isinstance(action, CutGiveUp)
+                raise action.error
+
+    async def _validate_part(self, shard: int, since: int, span: tuple[bytes, bytes | None],
+                             context: grpc.aio.ServicerContext[Any, Any]) -> bool:
+        """Whether nothing in `span` changed at `shard` at or after `since` (its leader says, this
+        node's own replica when it leads it); no answer counts as a change."""
+        try:
+            if self.node.leads(shard):
+                return await self.node.txns.validate(shard, since, (), span)
+            leader = self.node.leader_address(shard)
+            if not leader:
+                return False
+            ask = peer_pb2.ValidateReadsRequest(shard=shard, since_revision=since, has_span=True, span_start=span[0],
+                                                span_end=span[1] or b"", span_to_end=span[1] is None)
+            reply = await self.peers.peer(leader).ValidateReads(ask, timeout=_deadline_s(context, FORWARD_TIMEOUT_S))
+            return bool(reply.unchanged)
+        except (errors.StoreError, grpc.RpcError) as exc:
+            log.debug("shard %d: validating a scan's part failed: %s", shard, exc)
+            return False
+
+    async def _scan_page(self, request: kv_pb2.ScanRequest, shards: list[int], start: bytes, end: bytes | None,
+                         limit: int, context: grpc.aio.ServicerContext[Any, Any], *,
+                         forward: bool) -> kv_pb2.ScanResponse:
+        """One page read once: every shard's part, here or at its leader, merged."""
         floors = reads.scan_floors(request.read, request.min_revisions, self.node.config.shards)
         local, remote = self._scan_plan(shards, request.read.consistency) if forward else (shards, {})
         cleared = [await self._read_ready(shard, request.read.consistency, floors.get(shard), context,
@@ -719,22 +778,37 @@ class PeerService(peer_pb2_grpc.PeerServiceServicer):
 
     async def PrepareTxn(self, request: peer_pb2.PrepareTxnRequest, context: Any) -> peer_pb2.PrepareTxnResponse:
         participants = validation.check_txn(request.txn, self.node.config.shards)
-        if self._shard(request.shard) not in participants or len(participants) < 2 or not request.txn_id:
-            raise errors.InvalidRequestError(f"shard {request.shard} is no participant of this cross-shard Txn")
+        if self._shard(request.shard) not in participants[1:] or not request.txn_id:
+            raise errors.InvalidRequestError(f"shard {request.shard} does not prepare this cross-shard Txn (only its "
+                                             "participants but the first, its coordinator, do)")
         txns = self.node.txns
         answer = await txns.record(request.shard, txns.prepare_write(request), request.ByteSize())
         assert isinstance(answer, wal_entry_pb2.TxnVote), type(answer)
         return peer_pb2.PrepareTxnResponse(vote=answer)
 
     async def DecideTxn(self, request: peer_pb2.DecideTxnRequest, context: Any) -> peer_pb2.DecideTxnResponse:
+        raise errors.InvalidRequestError(
+            "DecideTxn is the decision of an older release, whose coordinator prepared too; this node decides "
+            "with DecideTxnWithPart (docs/design.md section 10): nothing was appended. Upgrade every node before "
+            "running cross-shard transactions through it")
+
+    async def DecideTxnWithPart(self, request: peer_pb2.DecideTxnWithPartRequest,
+                                context: Any) -> peer_pb2.DecideTxnWithPartResponse:
         decision = request.decision
-        if not decision.txn_id or len(decision.participants) < 2:
-            raise errors.InvalidRequestError("a decision needs a txn id and its participants")
+        shards = sorted(set(decision.participants))
+        if not decision.txn_id or len(shards) < 2 or list(decision.participants) != shards:
+            raise errors.InvalidRequestError("a decision needs a txn id and its participants, ascending")
+        self._shard(shards[-1])
+        if decision.commit and (tuple(validation.check_txn(request.txn, self.node.config.shards)) != tuple(shards)
+                                or sorted(v.shard for v in request.votes) != shards[1:]
+                                or request.txn.request_id != decision.request_id):
+            raise errors.InvalidRequestError("a commit decision needs the client's Txn over exactly its participants, "
+                                             "with one vote from every participant but the first")
         txns = self.node.txns
         answer = await txns.record(self._shard(decision.participants[0]), txns.decide_write(request),
                                    request.ByteSize())
         assert isinstance(answer, wal_entry_pb2.TxnDecided), type(answer)
-        return peer_pb2.DecideTxnResponse(decided=answer)
+        return peer_pb2.DecideTxnWithPartResponse(decided=answer)
 
     async def ResolveTxn(self, request: peer_pb2.ResolveTxnRequest, context: Any) -> peer_pb2.ResolveTxnResponse:
         if not request.resolve.txn_id:
@@ -743,6 +817,33 @@ class PeerService(peer_pb2_grpc.PeerServiceServicer):
         answer = await txns.record(self._shard(request.shard), txns.resolve_write(request), request.ByteSize())
         assert isinstance(answer, wal_entry_pb2.TxnResolve), type(answer)
         return peer_pb2.ResolveTxnResponse(resolve=answer)
+
+    async def ForgetTxns(self, request: peer_pb2.ForgetTxnsRequest, context: Any) -> peer_pb2.ForgetTxnsResponse:
+        if len(request.txn_ids) > txns_module.MAX_FORGET_IDS:
+            raise errors.InvalidRequestError(f"at most {txns_module.MAX_FORGET_IDS} txn ids per ForgetTxns",
+                                             limit="MAX_FORGET_IDS")
+        self.node.txns.note_forget(self._shard(request.shard), list(request.txn_ids))
+        return peer_pb2.ForgetTxnsResponse()
+
+    async def ReadTxnPart(self, request: peer_pb2.ReadTxnPartRequest, context: Any) -> peer_pb2.ReadTxnPartResponse:
+        participants = validation.check_txn(request.txn, self.node.config.shards)
+        if self._shard(request.shard) not in participants or not txn_core.read_only(request.txn):
+            raise errors.InvalidRequestError(f"shard {request.shard} is no participant of this read-only Txn")
+        read = await self.node.txns.read_part(request.shard, request.txn)
+        return peer_pb2.ReadTxnPartResponse(vote=read.vote, revision=read.revision)
+
+    async def ValidateReads(self, request: peer_pb2.ValidateReadsRequest,
+                            context: Any) -> peer_pb2.ValidateReadsResponse:
+        for key in request.keys:
+            validation.check_key(key)
+        if len(request.keys) > limits.MAX_TXN_OPS:
+            raise errors.InvalidRequestError(f"at most {limits.MAX_TXN_OPS} keys per validation", limit="MAX_TXN_OPS")
+        span = None
+        if request.has_span:
+            span = (bytes(request.span_start), None if request.span_to_end else bytes(request.span_end))
+        unchanged = await self.node.txns.validate(self._shard(request.shard), request.since_revision,
+                                                  tuple(request.keys), span)
+        return peer_pb2.ValidateReadsResponse(unchanged=unchanged)
 
     async def ResolvePrepared(self, request: peer_pb2.ResolvePreparedRequest,
                               context: Any) -> peer_pb2.ResolvePreparedResponse:

@@ -80,8 +80,10 @@ _METHODS: dict[str, Role | None] = {
                                                                 "ResolveTransaction")},
     **{f"/kvstore.internal.v1.PeerService/{m}": Role.NODE for m in ("ScanShards", "LocalShardView", "CheckFenced",
                                                                             "WatchShards", "PrepareTxn", "DecideTxn",
-                                                                            "ResolveTxn", "PreparedTxns",
-                                                                            "ResolvePrepared")},
+                                                                            "DecideTxnWithPart",
+                                                                            "ResolveTxn", "ForgetTxns", "PreparedTxns",
+                                                                            "ResolvePrepared", "ReadTxnPart",
+                                                                            "ValidateReads")},
 }
 _SERVICES: dict[str, Role | None] = {
     "kvstore.internal.v1.PeerService": Role.NODE,  # an RPC added later is still node-only

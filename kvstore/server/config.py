@@ -114,6 +114,15 @@ class NodeConfig(BaseSettings):
                                  description="a cross-shard transaction prepared this long ago at a shard this node "
                                              "leads is in doubt: the node resolves it from its coordinator's WAL "
                                              "(abort if undecided; docs/design.md §10)")
+    txn_finish_after_ms: int = Field(limits.TXN_FINISH_AFTER_MS, ge=100, le=86_400_000,
+                                     description="a cross-shard decision the coordinator shards this node leads have "
+                                                 "held this long is resolved again at every participant, then "
+                                                 "forgotten (its driver died, or a participant was away)")
+    max_request_ids: int = Field(limits.MAX_REQUEST_IDS, ge=16, le=10_000_000,
+                                 description="request ids each shard remembers (with the time horizon, "
+                                             "REQUEST_ID_HORIZON_MS): every node of a cluster must use the same value "
+                                             "(a snapshot records it); lowered only by tests that must see ids "
+                                             "forgotten")
     wal_replication_factor: int = Field(0, ge=0, description="the WAL topic's Kafka replication factor when the node "
                                                              "creates it (0: min(3, number of brokers))")
     max_pending_writes: int = Field(limits.MAX_PENDING_WRITES_PER_SHARD, ge=1, le=1_000_000,
@@ -356,5 +365,6 @@ class ReplicaConfig:
     barrier_timeout_s: float = 10.0
     # Snapshots to load when this replica is empty or below the WAL's log start (None: replay only).
     snapshot_dir: str | None = None
+    max_request_ids: int = limits.MAX_REQUEST_IDS  # the request-id table's count bound (NodeConfig)
     # The node's Kafka login, for every client the replica creates (writer, replayers, ends).
     kafka_security: wal.clients.ClientSecurity = dataclasses.field(default_factory=wal.clients.ClientSecurity)

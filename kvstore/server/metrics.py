@@ -69,7 +69,16 @@ class Metrics:
                             "committed, aborted (definite), unknown", ["outcome"], registry=r)
         self.txn_recoveries = Counter("kvstore_txn_recoveries",
                                       "prepares in doubt this node's resolvers finished, by the decision learned "
-                                      "(unknown: the coordinator did not answer, or forgot)", ["outcome"], registry=r)
+                                      "(unknown: the coordinator did not answer)", ["outcome"], registry=r)
+        self.scan_cut_rounds = Counter("kvstore_scan_cut_rounds",
+                                       "linearizable multi-shard scan pages read again because something in the page "
+                                       "changed between the shards' reads (kvstore.core.cut)", registry=r)
+        self.txn_finishes = Counter("kvstore_txn_finishes",
+                                    "decisions this node's coordinator shards held past txn_finish_after_ms and "
+                                    "resolved again at every participant, by the decision", ["outcome"], registry=r)
+        self.txn_decisions_pending = Gauge("kvstore_txn_decisions_pending",
+                                           "decisions the coordinator shards this node leads keep until every "
+                                           "participant resolved them", registry=r)
         self.txn_in_doubt_age = Gauge("kvstore_txn_in_doubt_oldest_seconds",
                                       "age of the oldest prepared cross-shard transaction at the shards this node "
                                       "leads (0: none)", registry=r)

@@ -306,7 +306,8 @@ class Node:
             bootstrap_servers=self.config.kafka, node_id=self.config.node_id,
             data_dir=self.config.data_dir, transaction_timeout_ms=self.config.transaction_timeout_ms,
             max_pending_writes=self.config.max_pending_writes,
-            snapshot_dir=self.config.snapshot_dir or None, kafka_security=self.config.kafka_security),
+            snapshot_dir=self.config.snapshot_dir or None, kafka_security=self.config.kafka_security,
+            max_request_ids=self.config.max_request_ids),
             self.metrics, _CLOCK)
         assert replica.store.path == shard_dir(self.config.data_dir, shard), replica.store.path
         self.replicas[shard] = replica

@@ -97,7 +97,8 @@ class ShardReplica:
         self.clock = clock  # every wait and every time stamp (kvstore.server.clock)
         self.shard = config.shard
         self.metrics = metrics
-        self.store = ShardStore(config.data_dir / f"shard-{config.shard}", topic=config.topic, shard=config.shard)
+        self.store = ShardStore(config.data_dir / f"shard-{config.shard}", topic=config.topic, shard=config.shard,
+                                max_request_ids=config.max_request_ids)
         # A snapshot load cut short (crash) leaves its scratch directory: never trust it.
         shutil.rmtree(restore.scratch_path(self.store.path), ignore_errors=True)
         self.machine = core.ReplicaMachine(machine_config(config, standby=True), _View(self))

@@ -78,7 +78,7 @@ def _load_into_scratch(config: ReplicaConfig, root: str, manifest: Any, clock: C
 
     path = scratch_path(config.data_dir / f"shard-{config.shard}")
     shutil.rmtree(path, ignore_errors=True)
-    scratch = ShardStore(path, topic=config.topic, shard=config.shard)
+    scratch = ShardStore(path, topic=config.topic, shard=config.shard, max_request_ids=config.max_request_ids)
     total = manifest.shard(config.shard).keys
     last_log = [clock.monotonic()]
 
@@ -106,7 +106,7 @@ def swap_in(store: ShardStore, loaded: Path, config: ReplicaConfig) -> ShardStor
     store.close()
     shutil.rmtree(path)
     os.replace(loaded, path)
-    swapped = ShardStore(path, topic=config.topic, shard=config.shard)
+    swapped = ShardStore(path, topic=config.topic, shard=config.shard, max_request_ids=config.max_request_ids)
     if swapped.rebuilt_reason:
         raise StorageError(f"shard {config.shard}: the loaded snapshot did not reopen: {swapped.rebuilt_reason}")
     return swapped

@@ -1,6 +1,6 @@
 """A node's cross-shard transactions (docs/design.md §10): the shell of
-`kvstore.core.txn_driver.TxnDriver`, for the Txns its clients send and for the prepares in
-doubt at the shards it leads.
+`kvstore.core.txn_driver.TxnDriver`, for the Txns its clients send, the prepares in doubt at
+the shards it leads, and the decisions its coordinator shards still hold.
 
 Each driver action becomes one call: to this node's own replica when it leads the shard, else to
 the shard leader's `PeerService` (`PrepareTxn`, `DecideTxn`, `ResolveTxn`), which appends the
@@ -9,10 +9,19 @@ call with no answer is reported to the driver as an unknown outcome, a peer's re
 error it was (`kvstore.errors.from_status`). The driver decides everything else.
 
 A driver runs in a task of its own, shielded from its client: a client that gives up does not
-cut a transaction off between its decision and its resolves. The resolvers (`_resolve_loop`)
-look at the prepared table of every shard this node leads every `TXN_RESOLVE_EVERY_S`; a prepare
-older than `TXN_IN_DOUBT_AFTER_MS` gets a recovery driver (abort unless decided, then resolve
-everywhere). An operator's `kvstore txn resolve` starts the same recovery at once.
+cut a transaction off between its decision and its resolves. Every `TXN_RESOLVE_EVERY_S`, for the
+shards this node leads, the background round (`_resolve_loop`):
+
+* starts a recovery for every prepare older than `txn_in_doubt_ms` (abort unless decided, then
+  resolve everywhere);
+* starts a finish for every decision its coordinator shards have held longer than
+  `txn_finish_after_ms` (resolve it again everywhere: a driver died, or a participant was away);
+* appends a forget record for the decisions every other participant resolved (a driver's or a
+  finisher's `Forget`, from here or a peer's `ForgetTxns`).
+
+Recoveries and finishers are bounded by `MAX_BACKGROUND`, apart from the clients' `MAX_DRIVERS`,
+so a load of client transactions never starves them. An operator's `kvstore txn resolve` starts
+the same recovery or finish at once.
 """
 
 from __future__ import annotations
@@ -21,7 +30,7 @@ import asyncio
 import logging
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -29,20 +38,27 @@ import grpc
 from kvstore import errors
 from kvstore.core import txn
 from kvstore.core.batch import Write
+from kvstore.core.txn import Decide
 from kvstore.core.txn_driver import (
     DecideAnswered,
     DriverConfig,
     Finished,
+    Forget,
+    Mode,
+    PartRead,
     Phase,
     PrepareAnswered,
+    ReadAnswered,
     Reply,
     ResolveAnswered,
     SendDecide,
     SendPrepare,
-    SendResolve,
+    SendRead,
+    SendValidate,
     Started,
     Tick,
     TxnDriver,
+    ValidateAnswered,
 )
 from kvstore.internal.v1 import peer_pb2
 from kvstore.server import failpoints
@@ -58,8 +74,13 @@ log = logging.getLogger("kvstore.txn")
 
 TXN_CALL_TIMEOUT_S = 5.0  # one record's call to a shard's leader (its batch and commit included)
 TXN_BUDGET_S = 10.0  # a driver's time for its prepares, when the client's deadline is not shorter
-TXN_RESOLVE_EVERY_S = 1.0  # how often the resolvers look for prepares in doubt
-MAX_DRIVERS = 1_000  # transactions this node drives at once (its clients' and its resolvers')
+TXN_ANSWER_MARGIN_S = 1.0  # of the client's deadline, left for the decision and the answer
+TXN_RESOLVE_EVERY_S = 1.0  # how often the background round looks for prepares in doubt and old decisions
+MAX_DRIVERS = 1_000  # client transactions this node drives at once
+MAX_BACKGROUND = 200  # recoveries and finishes this node runs at once (apart from MAX_DRIVERS)
+MAX_FORGET_IDS = 1_000  # decisions one forget record names
+MAX_FORGET_RECORDS = 4  # forget records a shard appends per round
+MAX_FORGET_PENDING = 100_000  # decisions a shard waits to forget (hints past it are dropped: finishers redo them)
 TXN_ID_BYTES = 16  # an attempt's id: random, never repeated
 
 
@@ -68,18 +89,21 @@ class Transactions:
         self.node = node
         self.peers = peers
         self.config = DriverConfig(shard_count=node.config.shards)
-        self._running: dict[str, asyncio.Task[Any]] = {}
+        self._running: dict[str, asyncio.Task[Any]] = {}  # clients' drivers, by txn id
+        self._background: dict[str, asyncio.Task[Any]] = {}  # recoveries and finishes, by txn id
+        self._forgets: dict[int, set[str]] = {}  # coordinator shard -> decisions resolved everywhere
+        self._hints: set[asyncio.Task[Any]] = set()  # ForgetTxns calls in flight (bounded by the drivers)
         self._resolver: asyncio.Task[None] | None = None
 
     def start(self) -> None:
         self._resolver = asyncio.create_task(self._resolve_loop(), name="txn-resolver")
 
     async def stop(self) -> None:
-        """Stop the resolvers; drivers still running finish (each is bounded)."""
+        """Stop the background round; drivers still running finish (each is bounded)."""
         if self._resolver is not None:
             self._resolver.cancel()
             await asyncio.gather(self._resolver, return_exceptions=True)
-        running = list(self._running.values())
+        running = [*self._running.values(), *self._background.values(), *self._hints]
         if running:
             await asyncio.wait(running, timeout=TXN_CALL_TIMEOUT_S * 2)
 
@@ -90,8 +114,10 @@ class Transactions:
         driver answered with."""
         if len(self._running) >= MAX_DRIVERS:
             raise errors.OverloadedError(f"{len(self._running)} cross-shard transactions running here (limit "
-                                         f"MAX_DRIVERS {MAX_DRIVERS}); back off")
-        budget_s = TXN_BUDGET_S if remaining_s is None else max(0.0, min(TXN_BUDGET_S, remaining_s))
+                                         f"MAX_DRIVERS {MAX_DRIVERS}); nothing of this attempt was done: back off")
+        # The prepares' budget leaves the decision and the answer room within the client's deadline.
+        budget_s = TXN_BUDGET_S if remaining_s is None else max(0.0, min(
+            TXN_BUDGET_S, max(remaining_s / 2, remaining_s - TXN_ANSWER_MARGIN_S)))
         txn_id = secrets.token_hex(TXN_ID_BYTES)
         driver = TxnDriver.begin(self.config, txn_id, request, now_unix_ms=_unix_ms(),
                                  deadline_ms=_now_ms() + budget_s * 1000)
@@ -103,15 +129,17 @@ class Transactions:
             raise answer
         return answer
 
-    # ---- resolvers ---------------------------------------------------------------------------------------
+    # ---- the background round ------------------------------------------------------------------------------
 
     async def _resolve_loop(self) -> None:
         while True:
             await asyncio.sleep(TXN_RESOLVE_EVERY_S)
             try:
                 self.resolve_in_doubt()
-            except Exception:  # a resolver must outlive whatever one round met
-                log.exception("resolving prepared transactions failed")
+                self.finish_decisions()
+                self._forget_resolved()
+            except Exception:  # the round must outlive whatever one round met
+                log.exception("resolving cross-shard transactions failed")
 
     def resolve_in_doubt(self, *, older_than_ms: int | None = None, only: str = "") -> list[str]:
         """Start a recovery for every prepare older than `older_than_ms` at the shards this node
@@ -130,30 +158,142 @@ class Transactions:
                 oldest_ms = max(oldest_ms, age_ms)
                 if (only and prepared.txn_id != only) or (not only and age_ms < older_than_ms):
                     continue
-                if prepared.txn_id in self._running or len(self._running) >= MAX_DRIVERS:
+                if not self._may_start(prepared.txn_id):
                     continue
-                driver = TxnDriver.recover(self.config, prepared.prepare, prepared_unix_ms=prepared.leader_unix_ms,
-                                           deadline_ms=_now_ms() + TXN_BUDGET_S * 1000,
-                                           reason=f"in doubt at shard {shard} for {age_ms} ms"
-                                                  + (" (an operator)" if only else ""))
-                log.warning("resolving transaction %s, prepared at shard %d %d ms ago", prepared.txn_id, shard,
-                            age_ms, extra={"event": "txn_resolve", "txn_id": prepared.txn_id, "shard": shard})
-                self._launch(prepared.txn_id, driver, None)
+                reason = f"in doubt at shard {shard} for {age_ms} ms" + (" (an operator)" if only else "")
+                self._start_background(prepared.txn_id, self._recover(shard, prepared.txn_id, reason))
                 started.append(prepared.txn_id)
         self.node.metrics.txn_in_doubt_age.set(oldest_ms / 1000)
         return started
 
+    async def _recover(self, shard: int, txn_id: str, reason: str) -> Finished | None:
+        """A recovery, once a read barrier showed that this node leads `shard` and still holds
+        the prepare in doubt: a stale view (a node paused while it led, waking up) would abort a
+        transaction that was resolved everywhere and forgotten meanwhile. The recovery's start,
+        which the coordinator judges its abort by, is that moment."""
+        replica = self.node.replica(shard)
+        try:
+            await asyncio.wait_for(replica.barrier(), TXN_CALL_TIMEOUT_S)
+        except (errors.StoreError, TimeoutError) as exc:
+            log.info("transaction %s at shard %d: not resolved now (%s)", txn_id, shard, exc)
+            return None
+        prepared = replica.store.locks.prepared_txn(txn_id)
+        if prepared is None or not self.node.leads(shard):
+            return None
+        log.warning("resolving transaction %s: %s", txn_id, reason,
+                    extra={"event": "txn_resolve", "txn_id": txn_id, "shard": shard})
+        driver = TxnDriver.recover(self.config, prepared.prepare, at_shard=shard, now_unix_ms=_unix_ms(),
+                                   deadline_ms=_now_ms() + TXN_BUDGET_S * 1000, reason=reason)
+        return await self._drive(driver, None)
+
+    def finish_decisions(self, *, older_than_ms: int | None = None, only: str = "") -> list[str]:
+        """Start a finish for every decision the coordinator shards this node leads have held
+        longer than `older_than_ms` (default the node's `txn_finish_after_ms`; `only`: that txn id alone):
+        its participants resolve it again (a replay where they did), then it is forgotten. Also
+        sets the pending-decisions gauge."""
+        if older_than_ms is None:
+            older_than_ms = self.node.config.txn_finish_after_ms
+        now = _unix_ms()
+        started: list[str] = []
+        pending = 0
+        for shard, replica in sorted(self.node.replicas.items()):
+            if not self.node.leads(shard):
+                self._forgets.pop(shard, None)  # hints for a shard led elsewhere now: its leader's finishers redo them
+                continue
+            store = replica.store
+            for decided in store.decided():
+                pending += 1
+                age_ms = max(0, now - decided.leader_unix_ms) if decided.leader_unix_ms else older_than_ms
+                if (only and decided.txn_id != only) or (not only and age_ms < older_than_ms):
+                    continue
+                if not self._may_start(decided.txn_id):
+                    continue
+                driver = TxnDriver.finish(self.config, decided.decision, decided.decided(), now_unix_ms=now,
+                                          deadline_ms=_now_ms() + TXN_BUDGET_S * 1000,
+                                          also_here=store.locks.prepared_txn(decided.txn_id) is not None)
+                log.info("finishing transaction %s, decided %s at shard %d %d ms ago", decided.txn_id,
+                         "commit" if decided.decision.commit else "abort", shard, age_ms,
+                         extra={"event": "txn_finish", "txn_id": decided.txn_id, "shard": shard})
+                self._launch(decided.txn_id, driver, None)
+                started.append(decided.txn_id)
+        self.node.metrics.txn_decisions_pending.set(pending)
+        return started
+
+    def _may_start(self, txn_id: str) -> bool:
+        return txn_id not in self._running and txn_id not in self._background and \
+            len(self._background) < MAX_BACKGROUND
+
+    def note_forget(self, shard: int, txn_ids: list[str]) -> None:
+        """Decisions of coordinator `shard` every other participant resolved (a driver's `Forget`,
+        here or from a peer): forgotten by the next round's record, if this node leads it then."""
+        if shard not in self.node.replicas or not self.node.leads(shard):
+            return
+        pending = self._forgets.setdefault(shard, set())
+        for txn_id in txn_ids:
+            if len(pending) >= MAX_FORGET_PENDING:
+                break
+            pending.add(txn_id)
+
+    def _forget_resolved(self) -> None:
+        for shard in sorted(self._forgets):
+            pending = self._forgets[shard]
+            if not pending or not self.node.leads(shard):
+                continue
+            ids = sorted(pending)[:MAX_FORGET_IDS * MAX_FORGET_RECORDS]
+            pending.difference_update(ids)  # a failed record: its decisions are finished again later
+            for at in range(0, len(ids), MAX_FORGET_IDS):
+                chunk = ids[at:at + MAX_FORGET_IDS]
+                task = asyncio.create_task(self._forget_record(shard, chunk), name=f"txn-forget-{shard}")
+                self._hints.add(task)
+                task.add_done_callback(self._hints.discard)
+
+    async def _forget_record(self, shard: int, txn_ids: list[str]) -> None:
+        try:
+            replica = self.node.replica(shard)
+            await asyncio.wait_for(replica.write(txn.forget_write(txn_ids, replica.store), 16 * len(txn_ids)),
+                                   TXN_CALL_TIMEOUT_S)
+        except (errors.StoreError, TimeoutError) as exc:
+            log.info("shard %d: forgetting %d resolved decisions failed (%s); the finishers resolve them again",
+                     shard, len(txn_ids), exc)
+
+    def _tell_forget(self, shard: int, txn_id: str) -> None:
+        """A `Forget` hint, to this node or the coordinator's leader (lost if none is known or the
+        call fails: the coordinator's finishers resolve the decision again, later)."""
+        if self.node.leads(shard):
+            self.note_forget(shard, [txn_id])
+            return
+        leader = self.node.leader_address(shard)
+        if not leader or leader == self.node.address or len(self._hints) >= MAX_DRIVERS:
+            return
+
+        async def hint() -> None:
+            try:
+                await self.peers.peer(leader).ForgetTxns(peer_pb2.ForgetTxnsRequest(shard=shard, txn_ids=[txn_id]),
+                                                         timeout=TXN_CALL_TIMEOUT_S)
+            except grpc.RpcError as exc:
+                log.debug("ForgetTxns to %s failed: %s", leader, exc)
+
+        task = asyncio.create_task(hint(), name=f"txn-forget-hint-{txn_id}")
+        self._hints.add(task)
+        task.add_done_callback(self._hints.discard)
+
     async def force(self, txn_id: str) -> cluster_pb2.ResolveTransactionResponse:
-        """Resolve `txn_id` now at the shards this node leads that hold its prepare (an
-        operator's `kvstore txn resolve`): the coordinator's decision, or abort if there is none.
-        Waits for the outcome (bounded)."""
-        shards = [s for s, replica in sorted(self.node.replicas.items())
-                  if self.node.leads(s) and replica.store.locks.prepared_txn(txn_id) is not None]
+        """Resolve `txn_id` now at the shards this node leads that hold its prepare or its
+        decision (an operator's `kvstore txn resolve`): the coordinator's recorded decision, or an
+        abort recorded as the decision when there is none. Waits for the outcome (bounded)."""
+        prepared = [s for s, replica in sorted(self.node.replicas.items())
+                    if self.node.leads(s) and replica.store.locks.prepared_txn(txn_id) is not None]
+        decided = [s for s, replica in sorted(self.node.replicas.items())
+                   if self.node.leads(s) and replica.store.decided_txn(txn_id) is not None]
+        shards = sorted({*prepared, *decided})
         if not shards:
             return cluster_pb2.ResolveTransactionResponse(txn_id=txn_id, outcome="not prepared")
-        if txn_id not in self._running:
-            self.resolve_in_doubt(only=txn_id)
-        task = self._running.get(txn_id)
+        if txn_id not in self._running and txn_id not in self._background:
+            if prepared:
+                self.resolve_in_doubt(only=txn_id)
+            else:
+                self.finish_decisions(only=txn_id)
+        task = self._running.get(txn_id) or self._background.get(txn_id)
         finished: Finished | None = None
         if task is not None:
             try:
@@ -194,12 +334,15 @@ class Transactions:
 
     def prepare_write(self, request: peer_pb2.PrepareTxnRequest) -> Callable[[ShardStore], Write]:
         return lambda store: txn.prepare_write(request.txn_id, request.txn, request.shard, self.node.config.shards,
-                                               store)
+                                               store, started_unix_ms=request.started_unix_ms,
+                                               first_attempt_unix_ms=request.first_attempt_unix_ms)
 
-    @staticmethod
-    def decide_write(request: peer_pb2.DecideTxnRequest) -> Callable[[ShardStore], Write]:
-        return lambda store: txn.decision_write(request.decision, store,
-                                                first_attempt_unix_ms=request.first_attempt_unix_ms)
+    def decide_write(self, request: peer_pb2.DecideTxnWithPartRequest) -> Callable[[ShardStore], Write]:
+        decide = Decide(request.decision, request.first_attempt_unix_ms,
+                        request.txn if request.decision.commit else None,
+                        {v.shard: v.vote for v in request.votes})
+        return lambda store: txn.decision_write(decide, store, shard_count=self.node.config.shards,
+                                                started_unix_ms=request.started_unix_ms)
 
     @staticmethod
     def resolve_write(request: peer_pb2.ResolveTxnRequest) -> Callable[[ShardStore], Write]:
@@ -207,11 +350,17 @@ class Transactions:
 
     # ---- the shell ------------------------------------------------------------------------------------------
 
+    def _start_background(self, txn_id: str, work: Coroutine[Any, Any, Finished | None]) -> None:
+        task = asyncio.create_task(work, name=f"txn-background-{txn_id}")
+        self._background[txn_id] = task
+        task.add_done_callback(lambda _t: self._background.pop(txn_id, None))
+
     def _launch(self, txn_id: str, driver: TxnDriver,
                 answered: asyncio.Future[kv_pb2.TxnResponse | errors.StoreError] | None) -> None:
-        task = asyncio.create_task(self._drive(driver, answered), name=f"txn-{txn_id}")
-        self._running[txn_id] = task
-        task.add_done_callback(lambda _t: self._running.pop(txn_id, None))
+        table = self._running if driver.mode is Mode.CLIENT else self._background
+        task = asyncio.create_task(self._drive(driver, answered), name=f"txn-{driver.mode.value}-{txn_id}")
+        table[txn_id] = task
+        task.add_done_callback(lambda _t: table.pop(txn_id, None))
 
     async def _drive(self, driver: TxnDriver,
                      answered: asyncio.Future[kv_pb2.TxnResponse | errors.StoreError] | None) -> Finished | None:
@@ -227,6 +376,8 @@ class Transactions:
                             answered.set_result(action.answer)
                     elif isinstance(action, Finished):
                         finished = action
+                    elif isinstance(action, Forget):
+                        self._tell_forget(action.shard, action.txn_id)
                     else:
                         call = asyncio.create_task(self._call(action, events))
                         calls.add(call)
@@ -253,29 +404,96 @@ class Transactions:
                 call.cancel()
             if answered is not None and not answered.done():
                 answered.set_result(errors.UnknownOutcomeError(f"transaction {driver.txn_id} stopped"))
-        if driver.recovering is not None:
+        if driver.mode is not Mode.CLIENT:
             outcome = "unknown" if finished is None or finished.committed is None else (
                 "committed" if finished.committed else "aborted")
-            self.node.metrics.txn_recoveries.labels(outcome=outcome).inc()
+            metric = self.node.metrics.txn_recoveries if driver.mode is Mode.RECOVER else self.node.metrics.txn_finishes
+            metric.labels(outcome=outcome).inc()
             if finished is not None and finished.in_doubt:
                 log.warning("transaction %s stays in doubt: %s", driver.txn_id, finished.in_doubt,
                             extra={"event": "txn_in_doubt", "txn_id": driver.txn_id})
         return finished
 
-    async def _call(self, action: SendPrepare | SendDecide | SendResolve, events: asyncio.Queue[Any]) -> None:
+    # ---- reads that must be one cut (kvstore.core.cut): a read-only Txn's parts, their validation ---------
+
+    async def read_part(self, shard: int, request: kv_pb2.TxnRequest) -> PartRead:
+        """A read-only Txn's part at this node's leader of `shard`: after the read barrier and the
+        wait for exclusive locks on its keys (T4), its vote and the revision it was read at."""
+        replica = self.node.replica(shard)
+        shards = self.node.config.shards
+        epoch = await replica.barrier(txn.part_keys(txn.part_of(request, shard, shards)))
+        try:
+            vote = txn.evaluate_read_part(request, shard, shards, replica.store.get)
+        except ValueError as exc:  # a condition the validator could not see (e.g. an unknown compare op)
+            raise errors.InvalidRequestError(str(exc)) from exc
+        replica.unchanged_since(epoch)  # no await since the barrier: the vote and revision are one state
+        return PartRead(vote, replica.store.applied_offset)
+
+    async def validate(self, shard: int, since: int, keys: tuple[bytes, ...],
+                       span: tuple[bytes, bytes | None] | None = None) -> bool:
+        """Whether nothing at or after revision `since` wrote `keys` or any key in `span` at
+        `shard` (this node's leader of it, after the read barrier and the lock wait)."""
+        replica = self.node.replica(shard)
+        epoch = await replica.barrier(keys, span)
+        unchanged = replica.store.recent.unchanged_since(since, keys=keys, span=span)
+        replica.unchanged_since(epoch)
+        return unchanged
+
+    async def _call(self, action: Any, events: asyncio.Queue[Any]) -> None:
+        request: Any
+        if isinstance(action, SendRead):
+            request = peer_pb2.ReadTxnPartRequest(shard=action.shard, txn=action.request)
+            read = await self._ask(action.shard, "ReadTxnPart", request,
+                                   lambda: self.read_part(action.shard, action.request))
+            if isinstance(read, peer_pb2.ReadTxnPartResponse):
+                read = PartRead(read.vote, read.revision)
+            events.put_nowait(ReadAnswered(action.shard, read))
+            return
+        if isinstance(action, SendValidate):
+            request = peer_pb2.ValidateReadsRequest(shard=action.shard, since_revision=action.revision,
+                                                    keys=action.keys)
+            checked = await self._ask(action.shard, "ValidateReads", request,
+                                      lambda: self.validate(action.shard, action.revision, action.keys))
+            if isinstance(checked, peer_pb2.ValidateReadsResponse):
+                checked = checked.unchanged
+            events.put_nowait(ValidateAnswered(action.shard, checked))
+            return
         if isinstance(action, SendPrepare):
-            request: Any = peer_pb2.PrepareTxnRequest(txn_id=action.txn_id, shard=action.shard, txn=action.request)
+            request = peer_pb2.PrepareTxnRequest(txn_id=action.txn_id, shard=action.shard, txn=action.request,
+                                                 started_unix_ms=action.started_unix_ms,
+                                                 first_attempt_unix_ms=action.first_attempt_unix_ms)
             answer = await self._record(action.shard, "PrepareTxn", request, self.prepare_write(request), "vote")
             events.put_nowait(PrepareAnswered(action.shard, answer))
         elif isinstance(action, SendDecide):
-            request = peer_pb2.DecideTxnRequest(decision=action.decision,
-                                                first_attempt_unix_ms=action.first_attempt_unix_ms)
-            answer = await self._record(action.shard, "DecideTxn", request, self.decide_write(request), "decided")
+            decide = action.decide
+            request = peer_pb2.DecideTxnWithPartRequest(
+                decision=decide.decision, first_attempt_unix_ms=decide.first_attempt_unix_ms,
+                txn=decide.request, started_unix_ms=action.started_unix_ms,
+                votes=[peer_pb2.ShardVote(shard=shard, vote=vote) for shard, vote in sorted(decide.votes.items())])
+            answer = await self._record(action.shard, "DecideTxnWithPart", request, self.decide_write(request),
+                                        "decided")
             events.put_nowait(DecideAnswered(answer))
         else:
             request = peer_pb2.ResolveTxnRequest(shard=action.shard, resolve=action.resolve)
             answer = await self._record(action.shard, "ResolveTxn", request, self.resolve_write(request), "resolve")
             events.put_nowait(ResolveAnswered(action.shard, answer))
+
+    async def _ask(self, shard: int, method: str, request: Any, here: Callable[[], Awaitable[Any]]) -> Any:
+        """One read at `shard`: here if this node leads it, else at its leader's `method`; the
+        answer (a peer's response message) or the error, as the driver takes it."""
+        try:
+            if self.node.leads(shard):
+                return await asyncio.wait_for(here(), TXN_CALL_TIMEOUT_S)
+            leader = self.node.leader_address(shard)
+            if not leader or leader == self.node.address:
+                return errors.UnavailableError(f"shard {shard} has no leader known right now")
+            return await getattr(self.peers.peer(leader), method)(request, timeout=TXN_CALL_TIMEOUT_S)
+        except errors.StoreError as refused:
+            return refused
+        except TimeoutError:
+            return errors.UnavailableError(f"shard {shard}: {method} got no answer in {TXN_CALL_TIMEOUT_S} s")
+        except grpc.aio.AioRpcError as exc:
+            return errors.from_status(exc.code(), exc.details() or "", tuple(exc.trailing_metadata() or ()))
 
     async def _record(self, shard: int, method: str, request: Any, make: Callable[[ShardStore], Write],
                       field: str) -> Any:
@@ -310,8 +528,12 @@ def _unix_ms() -> int:
 
 
 def _outcome(answer: kv_pb2.TxnResponse | errors.StoreError) -> str:
+    """The metric's outcome: an expired request is unknown (an earlier attempt may have
+    committed), not aborted, though this attempt did nothing."""
     if isinstance(answer, kv_pb2.TxnResponse):
         return "committed"
+    if isinstance(answer, errors.RequestExpiredError):
+        return "unknown"
     return "aborted" if answer.definite else "unknown"
 
 

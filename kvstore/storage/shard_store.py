@@ -9,6 +9,13 @@ Layout (one LevelDB directory per shard, all keys prefixed):
     t<txn id>              -> revision (8 bytes) + leader_unix_ms (8 bytes) + TxnPrepare
                               (cross-shard transactions prepared here and not resolved: their
                               locks, docs/design.md §10; held in memory too, `locks`)
+    c<txn id>              -> revision (8 bytes) + leader_unix_ms (8 bytes) + decision length (8 bytes)
+                              + TxnDecision + recorded response (the decision table of a
+                              coordinator shard: decisions not forgotten yet, docs/design.md §10;
+                              read from LevelDB, never held whole in memory: a commit's answer
+                              may be large, and decisions wait here while a participant is away)
+    o<len:8><client request id><revision:8> -> txn id   (the decision table by the client request
+                              id its decisions carry: `decided_request`)
     m:format, m:topic, m:shard, m:checkpoint, m:requests (ids kept), m:evicted_through (ms)
     m:loading              present while a snapshot is being loaded (`load_snapshot`)
 
@@ -16,6 +23,13 @@ W5: the writes of a committed batch and the new checkpoint (the next WAL offset 
 one LevelDB write batch, so state and checkpoint never disagree. A directory that cannot be
 opened, was written by another format, topic or shard, or lacks a checkpoint is wiped and
 rebuilt from the WAL by the replica (`needs_rebuild` tells it so), never trusted.
+
+Format 4 added the decision table. A directory of format 3 is migrated in place (as format 2 is,
+through 3): it gets an empty decision table. Decisions it applied before the upgrade are not in
+it (that release kept none), so this replica's table lacks them where a replica rebuilt from the
+WAL has them; their transactions were resolved by that release's drivers and resolvers, and
+their request ids (the decision's and the client's) in the request-id table still answer for
+them within the horizon, as they did before. Keys never differ: only the decision table does.
 
 The request-id table forgets ids by time and by count (docs/design.md §4.1, `kvstore.core.request_window`), as a pure
 function of the applied entries, and keeps `evicted_through_ms`, the newest leader time it ever
@@ -35,8 +49,9 @@ from pathlib import Path
 import plyvel
 
 from kvstore.core.locks import LockIndex
+from kvstore.core.recent_writes import RecentWrites
 from kvstore.core.request_window import RequestWindow
-from kvstore.core.state import Applied, KeyState, PreparedTxn, RequestRecord, apply_entries
+from kvstore.core.state import Applied, DecidedTxn, KeyState, PreparedTxn, RequestRecord, apply_entries
 from kvstore.internal.v1 import wal_entry_pb2
 from kvstore.limits import MAX_REQUEST_IDS, REQUEST_ID_HORIZON_MS
 from wal.offsets import past_marker
@@ -44,20 +59,26 @@ from wal.offsets import past_marker
 log = logging.getLogger(__name__)
 
 # 2: request ids keep their leader time, m:evicted_through. 3: and the kind of request they
-# answered (a byte after the time). A directory of format 2 is migrated in place when opened (its
-# ids' kinds are unknown: 0); older ones are rebuilt.
-FORMAT_VERSION = b"3"
-_MIGRATES_FROM = b"2"
+# answered (a byte after the time). 4: the decision table (c<txn id>). A directory of format 2 or
+# 3 is migrated in place when opened (2 -> 3: its ids' kinds are unknown, 0; 3 -> 4: an empty
+# decision table); older ones are rebuilt.
+FORMAT_VERSION = b"4"
+_MIGRATES_FROM = (b"2", b"3")
 
 _DATA = b"d"
 _REQUEST = b"r"
 _REQUEST_ORDER = b"q"
 _PREPARED = b"t"
+# Not b"d"-anything: `scan` reads keys up to bytes([_DATA[0] + 1]), and every other table's
+# prefix must lie outside [b"d", b"e").
+_DECIDED = b"c"
+_DECIDED_BY_REQUEST = b"o"
 _META = b"m:"
 _U64 = struct.Struct(">Q")
 _REQUEST_HEAD = struct.Struct(">QQB")  # revision, leader_unix_ms, request kind
 _REQUEST_HEAD_V2 = struct.Struct(">QQ")  # format 2: revision, leader_unix_ms
 _PREPARED_HEAD = struct.Struct(">QQ")  # revision, leader_unix_ms
+_DECIDED_HEAD = struct.Struct(">QQQ")  # revision, leader_unix_ms, length of the TxnDecision that follows
 
 
 # A Bloom filter per table: applying a record looks its key up first, and during a bootstrap or
@@ -146,6 +167,9 @@ class ShardStore:
         self._db = self._open()
         self._held = self._held_keys()
         self.locks = self._stored_locks()
+        # Which keys the records applied since this store opened wrote (not stored: a reopened
+        # store knows nothing below its checkpoint); what validates an optimistic read.
+        self.recent = RecentWrites(floor=self.applied_offset)
 
     # ---- opening and rebuilding ----------------------------------------------------------------
 
@@ -178,7 +202,7 @@ class ShardStore:
                 return "data without format marker"
             self._initialise(db)
             return None
-        if fmt not in (FORMAT_VERSION, _MIGRATES_FROM):
+        if fmt != FORMAT_VERSION and fmt not in _MIGRATES_FROM:
             return f"format {fmt!r}, expected {FORMAT_VERSION!r}"
         if db.get(_META + b"topic") != self.topic.encode() or db.get(_META + b"shard") != str(self.shard).encode():
             return "written for another topic or shard"
@@ -188,24 +212,40 @@ class ShardStore:
             return "no checkpoint"
         if db.get(_META + b"requests") is None or db.get(_META + b"evicted_through") is None:
             return "no request-table metadata"
-        if fmt == _MIGRATES_FROM:
+        if fmt == b"2":
             self._migrate_from_2(db)
+            fmt = b"3"
+        if fmt == b"3":
+            self._migrate_from_3(db)
         return None
 
     def _migrate_from_2(self, db: plyvel.DB) -> None:
         """Format 2 -> 3 in one write batch: every kept request id gets kind 0 (unknown), which
         `kvstore.core.batch.admit` treats as before (the recorded answer decides). In place,
         because a rebuild needs the whole WAL (or a snapshot), which a truncated WAL without
-        --snapshot-dir cannot give. Bounded by MAX_REQUEST_IDS rows."""
+        --snapshot-dir cannot give. Bounded by MAX_REQUEST_IDS rows. (`_migrate_from_3` follows.)"""
         count = 0
         with db.write_batch(sync=True) as batch:
             for raw_key, raw_value in db.iterator(prefix=_REQUEST):  # bounded: the kept ids
                 revision, leader_ms = _REQUEST_HEAD_V2.unpack_from(raw_value)
                 batch.put(raw_key, _REQUEST_HEAD.pack(revision, leader_ms, 0) + raw_value[_REQUEST_HEAD_V2.size:])
                 count += 1
+            batch.put(_META + b"format", b"3")
+        log.info("shard %d: migrated %s from format 2 to 3 (%d request ids)", self.shard, self.path, count)
+
+    def _migrate_from_3(self, db: plyvel.DB) -> None:
+        """Format 3 -> 4: an empty decision table, in place for the reason `_migrate_from_2`
+        gives. Format 3 had no c<txn id> rows, so only the marker changes; any stray row under
+        the prefix (none was ever written) is dropped rather than trusted. The decisions applied
+        before the upgrade stay out of the table (the module's docstring says what answers for
+        them)."""
+        with db.write_batch(sync=True) as batch:
+            for prefix in (_DECIDED, _DECIDED_BY_REQUEST):
+                for raw_key in db.iterator(prefix=prefix, include_value=False):  # none expected
+                    batch.delete(raw_key)
             batch.put(_META + b"format", FORMAT_VERSION)
-        log.info("shard %d: migrated %s from format 2 to %s (%d request ids)", self.shard, self.path,
-                 FORMAT_VERSION.decode(), count)
+        log.info("shard %d: migrated %s from format 3 to %s (an empty decision table)", self.shard, self.path,
+                 FORMAT_VERSION.decode())
 
     def _initialise(self, db: plyvel.DB) -> None:
         with db.write_batch(sync=True) as batch:
@@ -233,6 +273,7 @@ class ShardStore:
         self._reopen_pending = None
         self._held = self._held_keys()
         self.locks = LockIndex()
+        self.recent.reset(self.applied_offset)
 
     def _stored_locks(self) -> LockIndex:
         """The prepared table, read whole: bounded by the transactions prepared and not resolved
@@ -358,6 +399,40 @@ class ShardStore:
         resolve as an orphan (nothing), half a transaction; keys alone would not show it until then."""
         return prepared_digest(self.locks.prepared())
 
+    def decided_txn(self, txn_id: str) -> DecidedTxn | None:
+        """The decision table's row of `txn_id` (this shard its coordinator), or None: never
+        decided here, or forgotten (a `TxnForget`)."""
+        raw = self._db.get(_DECIDED + txn_id.encode())
+        return None if raw is None else _decode_decided(txn_id, raw)
+
+    def decided_request(self, request_id: str) -> DecidedTxn | None:
+        """The decision in the table that recorded the client's `request_id` as its outcome:
+        the oldest one carrying it (a later attempt's decision carries the id too, but the first
+        decision of a request id is its outcome), or None. One seek in the index."""
+        for _, raw_txn in self._db.iterator(prefix=_request_index_prefix(request_id)):  # the first only
+            txn_id = raw_txn.decode()
+            found = self.decided_txn(txn_id)
+            if found is None:
+                raise StorageError(f"shard {self.shard}: request id {request_id!r} indexes decision {txn_id}, "
+                                   "which the table does not hold")
+            return found
+        return None
+
+    def decided(self) -> list[DecidedTxn]:
+        """The decision table, oldest decision (lowest revision) first. Read whole from LevelDB:
+        bounded by the decisions not forgotten yet, which the coordinator's finishers resolve and
+        forget (`kvstore.server.txns`)."""
+        out = [_decode_decided(raw_key[len(_DECIDED):].decode(), raw_value)
+               for raw_key, raw_value in self._db.iterator(prefix=_DECIDED)]
+        out.sort(key=lambda d: d.revision)
+        return out
+
+    def decided_digest(self) -> str:
+        """SHA-256 hex over the decision table, by txn id: each decision with its revision, leader
+        time and recorded answer. A replica that lost one could not answer a resolver with it once
+        the request-id table forgot its id (T3); keys alone would never show it."""
+        return decided_digest(self.decided())
+
     # ---- apply -------------------------------------------------------------------------------------
 
     @property
@@ -388,7 +463,8 @@ class ShardStore:
                                evicted_through_ms=self.evicted_through_ms, limit=self.max_request_ids,
                                horizon_ms=self.request_id_horizon_ms)
         applied = apply_entries(self.get, window.seen, records, on_request=window.add,
-                                on_leader_time=window.forget_older, prepared=self.locks.prepared_txn)
+                                on_leader_time=window.forget_older, prepared=self.locks.prepared_txn,
+                                decided=self.decided_txn)
         held = self._held
         if held is not None and held.full:
             held = self._held = None
@@ -418,6 +494,14 @@ class ShardStore:
                 else:
                     batch.put(_PREPARED + txn_id.encode(),
                               _PREPARED_HEAD.pack(txn.revision, txn.leader_unix_ms) + txn.prepare.SerializeToString())
+            for txn_id, decided in applied.decided.items():  # bounded by the records
+                before = self.decided_txn(txn_id)  # LevelDB before this batch: its index row goes
+                if before is not None and before.decision.request_id:
+                    batch.delete(_request_index_key(before))
+                if decided is None:
+                    batch.delete(_DECIDED + txn_id.encode())
+                else:
+                    _put_decided(batch, decided)
             batch.put(_META + b"requests", _U64.pack(window.count))
             batch.put(_META + b"evicted_through", _U64.pack(window.evicted_through_ms))
             batch.put(_META + b"checkpoint", _U64.pack(new_checkpoint))
@@ -426,6 +510,7 @@ class ShardStore:
             elif new_checkpoint > current:
                 batch.delete(_META + b"unverified")
         self.locks.change(applied.prepared)  # after the write: a failed write changed nothing
+        self.recent.note(applied.changed[0], applied.changed[2])
         return applied
 
     @contextlib.contextmanager
@@ -462,7 +547,7 @@ class ShardStore:
     def load_snapshot(self, key_batches: Iterable[Sequence[tuple[bytes, bytes]]],
                       request_batches: Iterable[Sequence[RequestRecord]], *, checkpoint: int,
                       evicted_through_ms: int, on_progress: Callable[[int, int], None] | None = None,
-                      prepared: Iterable[PreparedTxn] = ()) -> None:
+                      prepared: Iterable[PreparedTxn] = (), decided: Iterable[DecidedTxn] = ()) -> None:
         """Replace this replica by a snapshot's state at `checkpoint` (its cut). Keys come with
         their state already encoded (`KeyState.encode`, or `kvstore.storage.snapshot.encode_states` for a
         whole column at once: this is the hot loop of a bootstrap).
@@ -471,7 +556,8 @@ class ShardStore:
         sets the checkpoint and drops the mark: a load cut short by a crash leaves a directory
         that `_suspect` wipes at the next open, never a half state that looks whole.
         `on_progress(keys, requests)` is told the totals after each write batch. `prepared`: the
-        cross-shard transactions prepared at the cut (their locks; bounded by MAX_PREPARED_TXNS).
+        cross-shard transactions prepared at the cut (their locks; bounded by MAX_PREPARED_TXNS);
+        `decided`: the decision table at the cut (the decisions not forgotten by then).
         """
         assert checkpoint >= 0 and evicted_through_ms >= 0
         self._held = None  # keys arrive here without `apply`: the filter would not know them
@@ -509,12 +595,16 @@ class ShardStore:
                 locks.add(txn)
                 batch.put(_PREPARED + txn.txn_id.encode(),
                           _PREPARED_HEAD.pack(txn.revision, txn.leader_unix_ms) + txn.prepare.SerializeToString())
+            for row in decided:
+                assert row.revision < checkpoint, f"{row.txn_id} decided at {row.revision} >= cut {checkpoint}"
+                _put_decided(batch, row)
             batch.put(_META + b"requests", _U64.pack(requests))
             batch.put(_META + b"evicted_through", _U64.pack(evicted_through_ms))
             batch.put(_META + b"checkpoint", _U64.pack(checkpoint))
             batch.delete(_META + b"unverified")
             batch.delete(_META + b"loading")
         self.locks = locks
+        self.recent.reset(checkpoint)
 
     def rewind_unverified(self) -> bool:
         """Move the checkpoint back over the slot a leader assumed its commit marker took, so
@@ -541,4 +631,47 @@ def prepared_digest(prepared: Iterable[PreparedTxn]) -> str:
         tid = txn.txn_id.encode()
         h.update(_PREPARED_HEAD.pack(txn.revision, txn.leader_unix_ms) + _U64.pack(len(tid)) + tid
                  + _U64.pack(len(body)) + body)
+    return h.hexdigest()
+
+
+def _put_decided(batch: plyvel._plyvel.WriteBatch, row: DecidedTxn) -> None:
+    """A decision table row, and its index row when the decision carries a client request id."""
+    body = row.decision.SerializeToString()
+    batch.put(_DECIDED + row.txn_id.encode(), _DECIDED_HEAD.pack(row.revision, row.leader_unix_ms, len(body)) + body
+              + row.response)
+    if row.decision.request_id:
+        batch.put(_request_index_key(row), row.txn_id.encode())
+
+
+def _request_index_prefix(request_id: str) -> bytes:
+    """Length-prefixed: a request id may hold any byte, and one id must never prefix another's rows."""
+    rid = request_id.encode()
+    return _DECIDED_BY_REQUEST + _U64.pack(len(rid)) + rid
+
+
+def _request_index_key(row: DecidedTxn) -> bytes:
+    return _request_index_prefix(row.decision.request_id) + _U64.pack(row.revision)
+
+
+def _decode_decided(txn_id: str, raw: bytes) -> DecidedTxn:
+    revision, leader_ms, length = _DECIDED_HEAD.unpack_from(raw)
+    end = _DECIDED_HEAD.size + length
+    if end > len(raw):
+        raise StorageError(f"the decision of {txn_id} is truncated ({len(raw)} bytes, its decision ends at {end})")
+    decision = wal_entry_pb2.TxnDecision.FromString(raw[_DECIDED_HEAD.size:end])
+    if decision.txn_id != txn_id:
+        raise StorageError(f"the decision table's row of {txn_id} holds {decision.txn_id}'s decision")
+    return DecidedTxn(decision, revision, leader_ms, raw[end:])
+
+
+def decided_digest(decided: Iterable[DecidedTxn]) -> str:
+    """`ShardStore.decided_digest` of a decision table (a snapshot's manifest carries it)."""
+    h = hashlib.sha256()
+    rows = sorted(decided, key=lambda row: row.txn_id)
+    h.update(_U64.pack(len(rows)))
+    for row in rows:  # bounded by the table
+        body = row.decision.SerializeToString(deterministic=True)
+        tid = row.txn_id.encode()
+        h.update(_PREPARED_HEAD.pack(row.revision, row.leader_unix_ms) + _U64.pack(len(tid)) + tid
+                 + _U64.pack(len(body)) + body + _U64.pack(len(row.response)) + row.response)
     return h.hexdigest()

@@ -12,6 +12,7 @@ take: `s3://`, `gs://`, `hdfs://`; Spark's `s3a://` is read as `s3://`):
         keys/shard=<s>/*.parquet       key, value, version, mod_revision, create_revision
         requests/shard=<s>/*.parquet   request_id, revision, leader_unix_ms, response, request_kind
         prepared/shard=<s>/*.parquet   txn_id, revision, leader_unix_ms, prepare (format 3)
+        decided/shard=<s>/*.parquet    txn_id, revision, leader_unix_ms, decision, response (format 4)
         manifest.json                  written last: a snapshot without one is incomplete
 
 What a replica needs to continue exactly where the WAL left it (W5 at the cut): every live key
@@ -27,6 +28,12 @@ its horizon state), and the schema version `format`. Both digests are checked wh
 is depended on: when a node loads it (`load_into`), when the next snapshot is built on it, and
 before `kvstore wal truncate` deletes the WAL below it (`verify_shard`).
 
+Format 4 added the coordinator shards' decision tables at the cut (`decided/`, and per shard
+`decided` and `decided_digest`, `ShardStore.decided_digest`): the decisions not forgotten yet,
+each with its offset, leader time and recorded answer, which a replica loaded from it answers
+resolvers and finishes from (docs/design.md §10). A snapshot of an older format has none: it was
+taken before decisions were kept, and loads with an empty table (a node that upgraded in place
+has the same, `kvstore.storage.shard_store`); nothing checks the table of such a snapshot.
 Format 3 added the cross-shard transactions prepared at the cut (`prepared/`, and per shard
 `prepared` and `prepared_digest`, `ShardStore.prepared_digest`): a snapshot never holds half a
 transaction, since a replica loaded from it keeps their locks and applies their resolves
@@ -53,14 +60,14 @@ import pyarrow.compute as pc
 import pyarrow.dataset as pads
 import pyarrow.fs as pafs
 
-from kvstore.core.state import KeyState, PreparedTxn, RequestRecord
+from kvstore.core.state import DecidedTxn, KeyState, PreparedTxn, RequestRecord
 from kvstore.internal.v1 import wal_entry_pb2
-from kvstore.storage.shard_store import ShardStore
+from kvstore.storage.shard_store import ShardStore, decided_digest
 
 log = logging.getLogger(__name__)
 
-FORMAT = 3
-READABLE_FORMATS = (1, 2, 3)
+FORMAT = 4
+READABLE_FORMATS = (1, 2, 3, 4)
 MANIFEST = "manifest.json"
 _NAME = re.compile(r"^snap-(\d{13})$")
 
@@ -74,6 +81,10 @@ REQUESTS_SCHEMA = pa.schema([
 ])
 PREPARED_SCHEMA = pa.schema([  # format 3
     ("txn_id", pa.string()), ("revision", pa.int64()), ("leader_unix_ms", pa.int64()), ("prepare", pa.binary()),
+])
+DECIDED_SCHEMA = pa.schema([  # format 4
+    ("txn_id", pa.string()), ("revision", pa.int64()), ("leader_unix_ms", pa.int64()), ("decision", pa.binary()),
+    ("response", pa.binary()),
 ])
 
 
@@ -92,6 +103,8 @@ class ShardSnapshot:
     requests_digest: str = ""  # format 2; "" in a format-1 manifest (nothing covers its request table)
     prepared: int = 0  # format 3: cross-shard transactions prepared at the cut
     prepared_digest: str = ""  # format 3; "" before (no transaction could be prepared then)
+    decided: int = 0  # format 4: decisions in the shard's decision table at the cut
+    decided_digest: str = ""  # format 4; "" before (no table was kept: nothing checks it)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -284,6 +297,21 @@ def prepared(root: str, name: str, shard: int) -> list[PreparedTxn]:
     return out
 
 
+def decided(root: str, name: str, shard: int) -> list[DecidedTxn]:
+    """The shard's decision table at the cut (empty before format 4), oldest decision first."""
+    out: list[DecidedTxn] = []
+    for batch in _shard_batches(root, name, "decided", shard, DECIDED_SCHEMA, 65_536):
+        for txn_id, revision, leader_ms, body, response in zip(*(batch.column(i).to_pylist() for i in range(5)),
+                                                               strict=True):
+            decision = wal_entry_pb2.TxnDecision.FromString(body)
+            if decision.txn_id != txn_id:
+                raise SnapshotFormatError(f"snapshot {name} shard {shard}: a decided row of {txn_id} holds "
+                                          f"{decision.txn_id}'s decision")
+            out.append(DecidedTxn(decision, revision, leader_ms or 0, response or b""))
+    out.sort(key=lambda row: row.revision)
+    return out
+
+
 def requests(root: str, name: str, shard: int, batch_rows: int = 65_536) -> Iterator[list[RequestRecord]]:
     """The shard's request-id table in batches (a format-1 snapshot's have no kind: 0)."""
     for batch in _shard_batches(root, name, "requests", shard, REQUESTS_SCHEMA, batch_rows):
@@ -312,9 +340,12 @@ def load_into(store: ShardStore, root: str, manifest: Manifest, *, batch_rows: i
     store.load_snapshot(encoded_key_states(root, manifest.name, store.shard, batch_rows),
                         requests(root, manifest.name, store.shard, batch_rows),
                         checkpoint=meta.offset, evicted_through_ms=meta.evicted_through_ms, on_progress=on_progress,
-                        prepared=prepared(root, manifest.name, store.shard))
+                        prepared=prepared(root, manifest.name, store.shard),
+                        decided=decided(root, manifest.name, store.shard))
+    table = store.decided()
     why = mismatch(meta, *store.digest(), store.request_count, store.requests_digest(), store.evicted_through_ms,
-                   prepared=store.locks.prepared_count(), prepared_digest=store.prepared_digest())
+                   prepared=store.locks.prepared_count(), prepared_digest=store.prepared_digest(),
+                   decided=len(table), decided_digest=decided_digest(table))
     if why is not None:
         store.wipe(f"snapshot {manifest.name} did not load to its own digests")
         raise SnapshotFormatError(f"snapshot {manifest.name} shard {store.shard}: {why}")
@@ -325,7 +356,8 @@ def load_into(store: ShardStore, root: str, manifest: Manifest, *, batch_rows: i
 
 
 def mismatch(meta: ShardSnapshot, digest: str, keys: int, requests: int, requests_digest: str,
-             evicted_through_ms: int, *, prepared: int = 0, prepared_digest: str = "") -> str | None:
+             evicted_through_ms: int, *, prepared: int = 0, prepared_digest: str = "", decided: int = 0,
+             decided_digest: str = "") -> str | None:
     """How a state recomputed from a snapshot's files (or from its base plus the WAL) differs
     from what its manifest says, or None. Pure: the loader, the snapshot job and the audit say
     the same thing the same way."""
@@ -342,6 +374,9 @@ def mismatch(meta: ShardSnapshot, digest: str, keys: int, requests: int, request
     if meta.prepared_digest and (prepared, prepared_digest) != (meta.prepared, meta.prepared_digest):
         found.append(f"{prepared} prepared transactions with digest {prepared_digest[:12]}, its manifest says "
                      f"{meta.prepared} with {meta.prepared_digest[:12]}")
+    if meta.decided_digest and (decided, decided_digest) != (meta.decided, meta.decided_digest):
+        found.append(f"{decided} decisions with digest {decided_digest[:12]}, its manifest says "
+                     f"{meta.decided} with {meta.decided_digest[:12]}")
     return "; ".join(found) if found else None
 
 

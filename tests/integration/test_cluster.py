@@ -35,10 +35,11 @@ SHARDS = 4
 class Cluster:
     """Three store nodes (processes) of one cluster on a given broker."""
 
-    def __init__(self, kafka: str, base: Path, nodes: int = 3) -> None:
+    def __init__(self, kafka: str, base: Path, nodes: int = 3, extra_args: tuple[str, ...] = ()) -> None:
         self.name = unique("kc").replace("-", "")
         self.nodes = [StoreProcess(kafka, base / f"n{i}", self.name, shards=SHARDS, node_id=f"n{i}",
-                                   extra_args=("--session-timeout-ms", str(SESSION_TIMEOUT_MS)), metrics=True)
+                                   extra_args=("--session-timeout-ms", str(SESSION_TIMEOUT_MS), *extra_args),
+                                   metrics=True)
                       for i in range(1, nodes + 1)]
 
     def start(self) -> Cluster:

@@ -78,7 +78,9 @@ def python_rows(bootstrap: str, topic: str, shards: Iterable[int]) -> list[Row]:
                     kind = effect.WhichOneof("kind")
                     key = effect.put.key if kind == "put" else effect.delete.key
                     value = effect.put.value if kind == "put" else None
-                    txn_id = decoded.resolve.txn_id if decoded.HasField("resolve") else None
+                    # The decoder describes a record's first kind of these (one, unless hostile).
+                    first = next((k for k in ("prepare", "decision", "resolve", "forget") if decoded.HasField(k)), None)
+                    txn_id = getattr(decoded, str(first)).txn_id if first in ("decision", "resolve") else None
                     rows.append((shard, record.offset, i, record.offset, key, value, kind,
                                  decoded.request_id or None, record.writer.id, record.writer.term,
                                  record.timestamp_ms, decoded.leader_unix_ms, txn_id))

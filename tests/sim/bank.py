@@ -29,7 +29,8 @@ from tests.sim.world import World, spread_keys
 
 class BankKind(enum.Enum):
     TRANSFER = "transfer"
-    SUM = "sum"
+    SUM = "sum"  # a read-only Txn of every account: one cut (kvstore.core.cut)
+    SCAN = "scan"  # a linearizable Scan of the accounts' prefix: one cut too
     CHECK = "check"  # a linearizable Get of one account (T4: never a decided transfer's value from before it)
 
 
@@ -54,9 +55,12 @@ class BankOp:
     unknown_attempts: int = 0
 
 
+ACCOUNT_PREFIX = b"acct-"
+
+
 def accounts(count: int, shards: int) -> list[bytes]:
     """`count` account keys, more if needed so that every shard holds one."""
-    return spread_keys("acct-", count, shards)
+    return spread_keys(ACCOUNT_PREFIX.decode(), count, shards)
 
 
 def balance(value: bytes) -> int:
@@ -87,7 +91,8 @@ class BankClient(Sequential):
         self._serial += 1
         if self.stopping or sched.chance(0.3):
             self._final_sum = self.stopping
-            self.op = BankOp(self.index, BankKind.SUM, "", tuple(self.keys), 0, sched.steps)
+            kind = BankKind.SCAN if sched.chance(0.4) else BankKind.SUM
+            self.op = BankOp(self.index, kind, "", tuple(self.keys), 0, sched.steps)
         elif self._read_back is not None or sched.chance(0.2):
             key = self._read_back if self._read_back is not None else sched.rng.choice(self.keys)
             self._read_back = None
@@ -102,9 +107,11 @@ class BankClient(Sequential):
         self._request_cache = self._request(self.op)
         self._send()
 
-    def _request(self, op: BankOp) -> kv_pb2.TxnRequest | kv_pb2.GetRequest:
+    def _request(self, op: BankOp) -> kv_pb2.TxnRequest | kv_pb2.GetRequest | kv_pb2.ScanRequest:
         if op.kind is BankKind.CHECK:
             return kv_pb2.GetRequest(key=op.accounts[0])
+        if op.kind is BankKind.SCAN:
+            return kv_pb2.ScanRequest(prefix=ACCOUNT_PREFIX)
         if op.kind is BankKind.SUM:
             return kv_pb2.TxnRequest(success=[kv_pb2.TxnOp(get=kv_pb2.GetRequest(key=k)) for k in op.accounts])
         a, b = op.accounts
@@ -146,7 +153,7 @@ class BankClient(Sequential):
         self._attempt = 0
         op = self.op
         assert op is not None
-        if isinstance(answer, kv_pb2.TxnResponse | kv_pb2.GetResponse):
+        if isinstance(answer, kv_pb2.TxnResponse | kv_pb2.GetResponse | kv_pb2.ScanResponse):
             self._complete(Outcome.OK, answer)
             return
         assert isinstance(answer, errors.StoreError), answer
@@ -156,6 +163,11 @@ class BankClient(Sequential):
             return
         if isinstance(answer, errors.RequestExpiredError):
             self._complete(Outcome.UNKNOWN if op.unknown_attempts else Outcome.FAILED, None)
+            return
+        if isinstance(answer, errors.TxnAbortedError):
+            # The request's recorded outcome (T5): failed, whatever its earlier attempts were, so
+            # this counts as definite even after an unknown one (the checker's W7 holds it to that).
+            self._complete(Outcome.FAILED, None)
             return
         if not answer.definite:
             op.unknown_attempts += 1
@@ -172,6 +184,14 @@ class BankClient(Sequential):
             op.complete = self.world.sched.steps
         if isinstance(answer, kv_pb2.GetResponse):
             op.read_versions = {op.accounts[0]: answer.kv.version if answer.found else 0}
+        elif isinstance(answer, kv_pb2.ScanResponse):
+            found = {kv.key: kv for kv in answer.kvs}
+            op.balances = {}
+            for key in op.accounts:  # an account never written is absent: balance 0, version 0
+                kv = found.get(key)
+                op.balances[key] = balance(kv.value) if kv is not None else 0
+                op.read_versions[key] = kv.version if kv is not None else 0
+                self.known[key] = (op.balances[key], op.read_versions[key])
         elif answer is not None:
             assert isinstance(answer, kv_pb2.TxnResponse), answer
             self._learn(op, answer)

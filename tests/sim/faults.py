@@ -27,7 +27,16 @@ Why these faults: each is one the protocol claims to survive (docs/design.md §4
 * **broker crash**: the brokers are down for a while, every request to them and answer from them
   lost (what they had written stays written), the group's sessions running out meanwhile;
 * **truncation**: a snapshot of a shard built from the WAL, then the WAL truncated below it:
-  replicas behind it, and any that lost its disk, bootstrap from the snapshot.
+  replicas behind it, and any that lost its disk, bootstrap from the snapshot;
+* **outage**: every node holding one shard (placement put it on some nodes only) is paused for
+  longer than the request-id horizon, while the others go on: a cross-shard transaction's
+  participant comes back after its coordinator forgot the decision's request ids (T3 must not
+  depend on them);
+* **fast clock at start-up**: a node restarts with its wall clock ahead by more than the skew
+  bound (the clock guard has no earlier reading to hold it to): its prepares look old to others
+  and its request-id horizon judges every retry expired. Ahead only: a clock behind by more than
+  the bound can let a retry whose id was forgotten through (docs/design.md §4.1, a documented
+  limit of every write), which is not what this fault is about.
 
 `heal` ends all of it: the network is calm again, paused nodes resume, crashed ones restart.
 """
@@ -62,7 +71,9 @@ class FaultPlan:
     clock_jump: int = 2
     broker_crash: int = 1
     truncate: int = 2
+    outage: int = 1
     disk_loss: float = 0.15  # share of crashes that also lose the disk
+    fast_clock_start: float = 0.2  # share of restarts with the wall clock ahead past the skew bound
 
 
 class FaultInjector:
@@ -103,9 +114,9 @@ class FaultInjector:
             return
         p = self.plan
         kinds = ("crash", "pause", "freeze", "storm", "late_end_txn", "foreign_write", "refusals", "cut_off",
-                 "clock_jump", "broker_crash", "truncate")
+                 "clock_jump", "broker_crash", "truncate", "outage")
         weights = (p.crash, p.pause, p.freeze, p.storm, p.late_end_txn, p.foreign_write, p.refusals, p.cut_off,
-                   p.clock_jump, p.broker_crash, p.truncate)
+                   p.clock_jump, p.broker_crash, p.truncate, p.outage)
         kind = self.world.sched.rng.choices(kinds, weights)[0]
         getattr(self, f"_{kind}")()
         self._schedule()
@@ -127,8 +138,31 @@ class FaultInjector:
     def _restart(self, node: Node) -> None:
         if node.alive:
             return
-        self.world.trace.log(f"FAULT restart {node.name}")
+        sched = self.world.sched
+        if self.active and sched.chance(self.plan.fast_clock_start):
+            bound = self.world.timing.clock_skew_ms
+            node.clock_skew_ms = sched.between(2 * bound, 6 * bound)
+            self.world.audit.counters["fault_fast_clock_start"] += 1
+            self.world.trace.log(f"FAULT restart {node.name} with its clock {node.clock_skew_ms} ms ahead")
+        else:
+            self.world.trace.log(f"FAULT restart {node.name}")
         node.restart()
+
+    def _outage(self) -> None:
+        """Every node holding one shard paused past the request-id horizon (no-op where every
+        node holds every shard: that would stop the whole cluster, and nothing would move)."""
+        sched, world = self.world.sched, self.world
+        shard = sched.between(0, world.shards - 1)
+        holders = [n for n in self.nodes if shard in n.stores and n.alive and not n.paused]
+        if not holders or len(holders) == len([n for n in self.nodes if n.alive]):
+            return
+        horizon = world.timing.request_horizon_ms
+        duration = sched.between(horizon + horizon // 10, horizon + horizon // 2)
+        world.audit.counters["fault_outage"] += 1
+        world.trace.log(f"FAULT outage of shard {shard}: {[n.name for n in holders]} paused for {duration}ms")
+        for node in holders:
+            sched.pause(node)
+            sched.at(duration, self._resumer(node))
 
     def _pause(self) -> None:
         sched = self.world.sched

@@ -198,7 +198,8 @@ class Simulation:
                 world.violation(f"no convergence {self.config.heal_steps} steps after healing: {self.unsettled()}")
             violations = list(world.audit.violations)
             violations += check_run(world.broker, self.nodes, self.history(), world.audit, world.new_disk,
-                                    converged=converged, bank=self.bank_history(), accounts=self.accounts)
+                                    converged=converged, bank=self.bank_history(), accounts=self.accounts,
+                                    keeps_decisions=self.keeps_decisions)
         except Exception as exc:  # a core's assertion or a simulation bug: report it with the seed
             tb = "".join(traceback.format_exception(exc)[-6:])
             violations = [*world.audit.violations,
@@ -206,6 +207,12 @@ class Simulation:
         return SimResult(self.config, violations, sched.steps, sched.now - START_UNIX_MS,
                          time.perf_counter() - started, converged, self.stats(), list(world.trace.lines),
                          self.digest())
+
+    @property
+    def keeps_decisions(self) -> bool:
+        """Whether the protocol run forgets decisions once resolved everywhere (not under the
+        mutation that keeps them in the request-id table only)."""
+        return TxnMutation.DECISION_IN_REQUEST_TABLE not in self.config.txn_mutations
 
     def history(self) -> list[Operation]:
         return [op for client in self.clients for op in client.history]
@@ -220,10 +227,12 @@ class Simulation:
         """Why the cluster has not converged yet ('' once it has)."""
         if not all(client.done for client in (*self.clients, *self.bank)):
             return "clients still running"
-        for node in self.nodes:  # T3: every prepared transaction resolved, by its driver or a resolver
+        for node in self.nodes:  # T3: every prepared transaction resolved, every decision forgotten
             for shard, store in sorted(node.stores.items()):
                 if store.locks.has_locks():
                     return f"{node.name} shard {shard} holds prepared transactions"
+                if store.decisions and self.keeps_decisions:
+                    return f"{node.name} shard {shard} holds decisions not resolved everywhere"
         broker = self.world.broker
         for shard, partition in enumerate(broker.partitions):
             if partition.last_stable_offset != partition.high_watermark:

@@ -30,12 +30,13 @@ from kvstore.core.sharding import shard_of
 from kvstore.v1 import kv_pb2
 from tests.sim.group import GroupAnswer
 from tests.sim.replica import Replica
+from tests.sim.scan import ScanShell
 from tests.sim.scheduler import Actor
 from tests.sim.txn import TxnShell
 from tests.sim.world import World
 
-Request = kv_pb2.PutRequest | kv_pb2.DeleteRequest | kv_pb2.TxnRequest | kv_pb2.GetRequest
-ClientAnswer = Answer | kv_pb2.GetResponse
+Request = kv_pb2.PutRequest | kv_pb2.DeleteRequest | kv_pb2.TxnRequest | kv_pb2.GetRequest | kv_pb2.ScanRequest
+ClientAnswer = Answer | kv_pb2.GetResponse | kv_pb2.ScanResponse
 
 
 class Node(Actor):
@@ -55,6 +56,7 @@ class Node(Actor):
         self.assigned: frozenset[int] = frozenset()
         self.owners: tuple[str | None, ...] = (None,) * world.shards
         self.txns = TxnShell(self)
+        self.scans = ScanShell(self)
 
     @property
     def placing(self) -> bool:
@@ -72,6 +74,8 @@ class Node(Actor):
         self.assigned = frozenset()
         self.owners = (None,) * self.world.shards
         self.txns = TxnShell(self)  # the drivers died with the process
+        for store in self.stores.values():
+            store.restarted()
         for shard in sorted(self.stores):  # with placement: learners, until they caught up
             self._open(shard)
         self._heartbeat()
@@ -192,6 +196,9 @@ class Node(Actor):
         """A client request arrived here (gRPC in the real node), to be answered by `deadline_ms`."""
         if not self.world.late_requests and self.world.sched.now > deadline_ms:
             return  # the client cancelled it already: gRPC drops the call (DEADLINE_EXCEEDED)
+        if isinstance(request, kv_pb2.ScanRequest):
+            self.scans.scan(request, reply)  # this node gathers it, wherever its shards are led
+            return
         if isinstance(request, kv_pb2.TxnRequest):
             if len(txn.participants(request, self.world.shards)) > 1:
                 self.txns.begin(request, reply)  # this node drives it, wherever its shards are led
@@ -208,6 +215,20 @@ class Node(Actor):
             replica.read(request.key, reply)
             return
         replica.write(write_of(request, shard), None if self.world.late_requests else deadline_ms, reply)
+
+    def handle_read(self, shard: int, keys: tuple[bytes, ...], span: tuple[bytes, bytes | None] | None,
+                    read: Callable[[MemoryShard], object], reply: Callable[[object], None]) -> None:
+        """A peer's read of `shard` here (a read-only Txn's part, a validation, a scan's part):
+        through this node's leader's read barrier and lock wait, then `read` of the store."""
+        replica = self.replicas.get(shard)
+        if replica is None:
+            reply(errors.NotHeldError(shard, self.leader_hint(shard)))
+            return
+
+        def ready(refused: errors.StoreError | None) -> None:
+            reply(refused if refused is not None else read(replica.store))
+
+        replica.barrier(ready, keys, span)
 
     def handle_record(self, shard: int, make: Callable[[MemoryShard], Write], reply: Callable[[Answer], None]) -> None:
         """A peer's call for a cross-shard transaction's record at `shard` (prepare, decision,

@@ -53,6 +53,7 @@ class _Request:
     reply: Callable[[Answer], None] | None  # a write's
     read_key: bytes | None = None  # a linearizable Get's key: answered from the store once READY
     read_reply: Callable[[ReadAnswer], None] | None = None
+    barrier_reply: Callable[[errors.StoreError | None], None] | None = None  # a bare read barrier's
 
 
 def machine_config(world: World, shard: int) -> ReplicaConfig:
@@ -126,6 +127,14 @@ class Replica:
         """A linearizable Get: through the leader's read barrier."""
         ticket = self._ticket(_Request(None, key, reply))
         self._step(machine_events.ReadArrived(ticket, self.leader_hint(self.shard) or "", (key,)))
+
+    def barrier(self, reply: Callable[[errors.StoreError | None], None], keys: tuple[bytes, ...] = (),
+                span: tuple[bytes, bytes | None] | None = None) -> None:
+        """A read barrier: None once this replica has applied everything committed when it was
+        asked, as the leader, and no prepared transaction holds an exclusive lock on `keys` or
+        in `span` (T4); the refusal otherwise. The caller reads the store at once."""
+        ticket = self._ticket(_Request(None, barrier_reply=reply))
+        self._step(machine_events.ReadArrived(ticket, self.leader_hint(self.shard) or "", keys, span))
 
     # ---- the driver ---------------------------------------------------------------------------------
 
@@ -254,6 +263,9 @@ class Replica:
         request = self._requests.pop(ticket, None)
         if request is None:
             return  # its client gave up
+        if request.barrier_reply is not None:
+            request.barrier_reply(None if answer is READY else answer)  # type: ignore[arg-type]
+            return
         if request.read_reply is not None:
             assert request.read_key is not None
             if answer is READY:

@@ -32,6 +32,7 @@ from tests.sim.harness import (
     mutation_overrides,
     run,
 )
+from tests.sim.world import Timing
 
 STEPS = env_int("KVSTORE_SIM_STEPS", 50_000)
 SEEDS = [env_int("KVSTORE_SIM_SEED", 0)] if os.environ.get("KVSTORE_SIM_SEED") else list(
@@ -57,6 +58,8 @@ TEETH_SEEDS = 16
 
 # The late-EndTxn hazard needs late EndTxns: this plan makes them the common fault.
 LATE_END_TXNS = FaultPlan(late_end_txn=8, storm=4, freeze=0, crash=1)
+# A decision forgotten by the request-id table needs a participant away past its horizon: outages common.
+OUTAGES = FaultPlan(outage=6)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,6 +111,16 @@ TEETH = [
     Teeth(TxnMutation.SECOND_DECISION.value, ("T1:", "accepted"),
           "the coordinator appends a decision even when one is recorded: a resolver's abort lands after the "
           "driver's commit (or the other way round) and is answered as if it were the decision"),
+    Teeth(TxnMutation.DECISION_IN_REQUEST_TABLE.value, ("holds prepared transactions", "T3:", "atomicity", "T1:"),
+          "the coordinator knows its decisions only from the request-id table, as before issue 31: a participant "
+          "paused past the horizon (the outage fault) comes back to a coordinator that refuses its resolver as "
+          "expired, and its prepare stays locked for good", OUTAGES),
+    Teeth(TxnMutation.SCAN_WITHOUT_CUT.value, ("bank:", "not strictly serializable"),
+          "a read of several shards (a linearizable Scan, a read-only Txn) is answered without validating that its "
+          "parts are one cut: a transfer resolved at one shard between two of the parts' reads shows in half"),
+    Teeth(TxnMutation.RETRY_WITHOUT_LOOKUP.value, ("W7",),
+          "a failed attempt answers 'aborted' at once, without the coordinator recording the request's outcome: "
+          "an earlier attempt of the same request, still running, commits after the client was told it failed"),
 ]
 
 
@@ -132,6 +145,25 @@ def test_the_mutation_is_caught(teeth: Teeth, record_run: list[SimResult]) -> No
             return
     raise AssertionError(f"{teeth.mutation} ({teeth.why}): none of {teeth.caught_by} in {TEETH_SEEDS} seeds of "
                          f"{TEETH_STEPS} steps")
+
+
+# ---- scenarios the default fault plan reaches too rarely ---------------------------------------------
+
+
+def test_participants_away_past_the_request_id_horizon(record_run: list[SimResult]) -> None:
+    """T3 without the request-id horizon: outages are the common fault (every replica of a shard
+    paused longer than the request-id table remembers, its coordinator going on), with bank
+    transfers over three shards and request-id tables small enough to forget by count too;
+    every transaction ends, nothing stays prepared or decided."""
+    outages = 0
+    for seed in range(3):
+        result = run(config_for(seed, 30_000, shards=3, bank_clients=2, faults=OUTAGES,
+                                timing=Timing(request_ids=400)))
+        record_run.append(result)
+        assert result.ok, result.report("test_participants_away_past_the_request_id_horizon")
+        assert result.converged
+        outages += result.stats.get("fault_outage", 0)
+    assert outages >= 3, f"only {outages} outages in 3 seeds"
 
 
 # ---- determinism -------------------------------------------------------------------------------------
@@ -160,7 +192,8 @@ def test_the_faults_reach_the_protocol(record_run: list[SimResult]) -> None:
                 "group_expirations", "fault_crash", "fault_pause", "fault_cut_off", "fault_clock_jump",
                 "fault_broker_crash", "fault_truncate", "snapshot_loads", "net_cut_off_dropped",
                 "net_brokers_down_dropped", "leaderships", "op_ok",
-                "replicas_forgetting_ids", "placement_open", "placement_join", "placement_leave", "placement_drop")
+                "replicas_forgetting_ids", "placement_open", "placement_join", "placement_leave", "placement_drop",
+                "fault_outage", "fault_fast_clock_start", "txn_finishes", "txn_forgets", "scan_read_again")
     totals: dict[str, int] = {}
     for seed in range(12):  # bounded: some hazards are rare per seed, each shows within a few
         result = run(config_for(seed, 40_000))

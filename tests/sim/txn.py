@@ -1,11 +1,14 @@
 """A simulated node's cross-shard transactions: drivers for its clients' Txns spanning shards,
-resolvers for the prepares in doubt at the shards it leads. A shell of
-`kvstore.core.txn_driver.TxnDriver`, as the real node's is: it performs each action as a peer
-call to the node the group says leads the shard, and reports the answer, or an unknown outcome
-when none came within the call timeout, as the driver's event. Nothing here decides anything.
+resolvers for the prepares in doubt at the shards it leads, finishers for the decisions its
+coordinator shards still hold, and the forgetting of decisions every participant resolved. A
+shell of `kvstore.core.txn_driver.TxnDriver`, as the real node's is (`kvstore.server.txns`): it
+performs each action as a peer call to the node the group says leads the shard, and reports the
+answer, or an unknown outcome when none came within the call timeout, as the driver's event.
+Nothing here decides anything.
 
 A node's drivers die with it (they hold nothing durable): its prepares are then left to the
-participants' resolvers, which is what T3 is about.
+participants' resolvers and its decisions to the coordinator's finishers, which is what T3 is
+about.
 """
 
 from __future__ import annotations
@@ -22,35 +25,48 @@ from kvstore.core.txn_driver import (
     DecideAnswered,
     DriverConfig,
     Finished,
+    Forget,
+    Mode,
+    PartRead,
     PrepareAnswered,
+    ReadAnswered,
     Reply,
     ResolveAnswered,
     SendDecide,
     SendPrepare,
+    SendRead,
     SendResolve,
+    SendValidate,
     Started,
     Tick,
     TxnDriver,
     TxnMutation,
+    ValidateAnswered,
 )
+from kvstore.internal.v1 import wal_entry_pb2
 from kvstore.v1 import kv_pb2
 
 if TYPE_CHECKING:
     from tests.sim.node import Node
 
 ClientReply = Callable[[Any], None]
+MAX_FORGET_IDS = 64  # decisions one forget record names
+MAX_BACKGROUND = 32  # resolvers and finishers a node runs at once (its clients' drivers are not counted)
 
 
 class TxnShell:
     def __init__(self, node: Node) -> None:
         self.node = node
         self.world = node.world
-        t = self.world.timing
         self.config = DriverConfig(shard_count=self.world.shards, max_attempts=6, backoff_first_ms=20,
-                                   backoff_max_ms=400, resolve_wait_ms=t.txn_resolve_wait_ms,
-                                   mutations=self.world.txn_mutations)
+                                   backoff_max_ms=400, mutations=self.world.txn_mutations)
         self.drivers: dict[str, tuple[TxnDriver, ClientReply | None]] = {}
         self._wake: dict[str, int] = {}
+        self.forgets: dict[int, set[str]] = {}  # coordinator shard -> decisions resolved everywhere
+        self._forgetting: set[int] = set()  # shards with a forget record in flight
+        # Prepares whose read barrier is out before their recovery, and when it was asked: a barrier
+        # of a replica closed meanwhile never answers, so a check older than a call's timeout is over.
+        self._checking: dict[str, int] = {}
 
     def start(self) -> None:
         """The resolvers' round, every `txn_resolve_every_ms` while the node lives."""
@@ -67,35 +83,99 @@ class TxnShell:
         self.drivers[txn_id] = (driver, reply)
         self._step(txn_id, Started())
 
-    # ---- resolvers -----------------------------------------------------------------------------------
+    # ---- resolvers, finishers, forgetting ----------------------------------------------------------------
 
     def kick(self, txn_ids: tuple[str, ...]) -> None:
         """A read waits on these transactions' locks (`ResolveNow`): resolve them now."""
         self._resolve_round(only=frozenset(txn_ids))
+
+    def note_forget(self, shard: int, txn_id: str) -> None:
+        """A driver learned that every other participant resolved `txn_id` (coordinator `shard`)."""
+        self.forgets.setdefault(shard, set()).add(txn_id)
+
+    def _background(self) -> int:
+        return sum(1 for driver, reply in self.drivers.values() if reply is None)
 
     def _resolve_round(self, only: frozenset[str] = frozenset()) -> None:
         world = self.world
         now_unix = self._unix_ms()
         for shard, replica in sorted(self.node.replicas.items()):
             if replica.role is not Role.LEADING:
+                self.forgets.pop(shard, None)
                 continue
             for prepared in replica.store.locks.prepared():
-                if prepared.txn_id in self.drivers:
+                asked = self._checking.get(prepared.txn_id)
+                if asked is not None and world.sched.now - asked > world.timing.txn_call_timeout_ms:
+                    del self._checking[prepared.txn_id]
+                if prepared.txn_id in self.drivers or prepared.txn_id in self._checking:
+                    continue
+                if self._background() + len(self._checking) >= MAX_BACKGROUND:
                     continue
                 if only and prepared.txn_id not in only:
                     continue
                 if not only and now_unix - prepared.leader_unix_ms < world.timing.txn_in_doubt_ms:
                     continue
-                world.trace.log(f"{self.node.name} s{shard} resolves {prepared.txn_id}, in doubt since "
-                                f"{prepared.leader_unix_ms}")
-                world.audit.counters["txn_recoveries"] += 1
-                driver = TxnDriver.recover(self.config, prepared.prepare, prepared_unix_ms=prepared.leader_unix_ms,
-                                           deadline_ms=world.sched.now + world.timing.txn_deadline_ms,
-                                           reason=f"in doubt at shard {shard}")
-                self.drivers[prepared.txn_id] = (driver, None)
-                self._step(prepared.txn_id, Started())
+                self._check_then_recover(shard, prepared.txn_id)
+            if only or TxnMutation.DECISION_IN_REQUEST_TABLE in self.config.mutations:
+                continue  # (the mutation: decisions live in the request-id table, nothing finishes them)
+            for decided in replica.store.decided():
+                if decided.txn_id in self.drivers or self._background() >= MAX_BACKGROUND:
+                    continue
+                if now_unix - decided.leader_unix_ms < world.timing.txn_finish_after_ms:
+                    continue
+                world.audit.counters["txn_finishes"] += 1
+                driver = TxnDriver.finish(self.config, decided.decision, decided.decided(), now_unix_ms=now_unix,
+                                          deadline_ms=world.sched.now + world.timing.txn_deadline_ms,
+                                          also_here=replica.store.locks.prepared_txn(decided.txn_id) is not None)
+                self.drivers[decided.txn_id] = (driver, None)
+                self._step(decided.txn_id, Started())
+            self._forget(shard, replica.store)
         if not only:
             world.sched.at(world.timing.txn_resolve_every_ms, self._resolve_round, self.node)
+
+    def _check_then_recover(self, shard: int, txn_id: str) -> None:
+        """A recovery starts only once a read barrier showed this replica leads the shard and has
+        the prepare still in doubt (not from a stale view: a paused leader waking up would abort
+        a transaction that was resolved and forgotten meanwhile); its start is that moment."""
+        world = self.world
+        replica = self.node.replicas[shard]
+        self._checking[txn_id] = asked = world.sched.now
+
+        def checked(refused: errors.StoreError | None) -> None:
+            if self._checking.get(txn_id) == asked:
+                del self._checking[txn_id]
+            prepared = replica.store.locks.prepared_txn(txn_id)
+            if refused is not None or prepared is None or replica.role is not Role.LEADING \
+                    or self.node.replicas.get(shard) is not replica or txn_id in self.drivers:
+                return
+            world.trace.log(f"{self.node.name} s{shard} resolves {txn_id}, in doubt since {prepared.leader_unix_ms}")
+            world.audit.counters["txn_recoveries"] += 1
+            driver = TxnDriver.recover(self.config, prepared.prepare, at_shard=shard, now_unix_ms=self._unix_ms(),
+                                       deadline_ms=world.sched.now + world.timing.txn_deadline_ms,
+                                       reason=f"in doubt at shard {shard}")
+            self.drivers[txn_id] = (driver, None)
+            self._step(txn_id, Started())
+
+        replica.barrier(checked)
+
+    def _forget(self, shard: int, store: MemoryShard) -> None:
+        """One forget record for decisions resolved everywhere, one at a time per shard."""
+        pending = self.forgets.get(shard)
+        if not pending or shard in self._forgetting:
+            return
+        ids = sorted(pending)[:MAX_FORGET_IDS]
+        self._forgetting.add(shard)
+        replica = self.node.replicas[shard]
+
+        def answered(answer: Answer) -> None:
+            self._forgetting.discard(shard)
+            if isinstance(answer, wal_entry_pb2.TxnForget):
+                self.world.audit.counters["txn_forgets"] += 1
+                left = self.forgets.get(shard)
+                if left is not None:
+                    left.difference_update(ids)
+
+        replica.write(txn.forget_write(ids, store), None, answered)
 
     # ---- the shell --------------------------------------------------------------------------------------
 
@@ -121,40 +201,87 @@ class TxnShell:
     def _perform(self, txn_id: str, driver: TxnDriver, reply: ClientReply | None, action: Any) -> None:
         world = self.world
         if isinstance(action, SendPrepare):
-            request, shard = action.request, action.shard
+            prepare_action = action
 
             def prepare(store: MemoryShard) -> Write:
-                return txn.prepare_write(txn_id, request, shard, world.shards, store)
+                a = prepare_action
+                return txn.prepare_write(a.txn_id, a.request, a.shard, world.shards, store,
+                                         started_unix_ms=a.started_unix_ms,
+                                         first_attempt_unix_ms=a.first_attempt_unix_ms)
 
+            shard = action.shard
             self._call(txn_id, driver, shard, prepare, lambda answer: PrepareAnswered(shard, answer))
         elif isinstance(action, SendDecide):
-            decision, first_ms = action.decision, action.first_attempt_unix_ms
+            decide, started = action.decide, action.started_unix_ms
             second = TxnMutation.SECOND_DECISION in world.txn_mutations
+            table_only = TxnMutation.DECISION_IN_REQUEST_TABLE in world.txn_mutations
 
-            def decide(store: MemoryShard) -> Write:
-                return txn.decision_write(decision, store, first_attempt_unix_ms=first_ms, second_decision=second)
+            def decide_write(store: MemoryShard) -> Write:
+                return txn.decision_write(decide, store, shard_count=world.shards, started_unix_ms=started,
+                                          second_decision=second, request_table_only=table_only)
 
-            self._call(txn_id, driver, action.shard, decide, DecideAnswered)
+            self._call(txn_id, driver, action.shard, decide_write, DecideAnswered)
         elif isinstance(action, SendResolve):
-            resolve, shard = action.resolve, action.shard
-            self._call(txn_id, driver, shard, lambda _store: txn.resolve_write(resolve),
-                       lambda answer: ResolveAnswered(shard, answer))
+            resolve, target = action.resolve, action.shard
+            self._call(txn_id, driver, target, lambda _store: txn.resolve_write(resolve),
+                       lambda answer: ResolveAnswered(target, answer))
+        elif isinstance(action, SendRead):
+            read_action = action
+
+            def read_part(store: MemoryShard) -> object:
+                try:
+                    vote = txn.evaluate_read_part(read_action.request, read_action.shard, world.shards, store.get)
+                except (errors.StoreError, ValueError) as exc:
+                    return exc if isinstance(exc, errors.StoreError) else errors.InvalidRequestError(str(exc))
+                return PartRead(vote, store.applied_offset)
+
+            keys = txn.part_keys(txn.part_of(action.request, action.shard, world.shards))
+            self._read(txn_id, driver, action.shard, keys, read_part,
+                       lambda answer, s=action.shard: ReadAnswered(s, answer))
+        elif isinstance(action, SendValidate):
+            since, checked = action.revision, action.keys
+            self._read(txn_id, driver, action.shard, checked,
+                       lambda store: store.recent.unchanged_since(since, keys=checked),
+                       lambda answer, s=action.shard: ValidateAnswered(s, answer))
         elif isinstance(action, Reply):
             assert reply is not None, "a resolver's driver has no client"
             reply(action.answer)
+        elif isinstance(action, Forget):
+            self._tell_forget(action.shard, action.txn_id)
         else:
             assert isinstance(action, Finished)
             self.drivers.pop(txn_id, None)
             outcome = "unknown" if action.committed is None else "committed" if action.committed else "aborted"
-            kind = "recovered" if driver.recovering is not None else "driven"
+            kind = {Mode.CLIENT: "driven", Mode.RECOVER: "recovered", Mode.FINISH: "finished"}[driver.mode]
             world.audit.counters[f"txn_{kind}_{outcome}"] += 1
             if action.in_doubt:
                 world.trace.log(f"{self.node.name} txn {txn_id} left in doubt: {action.in_doubt}")
+
+    def _tell_forget(self, shard: int, txn_id: str) -> None:
+        """The `Forget` hint, to the node the group says leads the coordinator shard (lost if
+        there is none: the finishers resolve the decision again)."""
+        world = self.world
+        owner = self.node.owners[shard]
+        target = world.peers.get(owner) if owner is not None else None
+        if target is None:
+            return
+        world.net.send(lambda: target.txns.note_forget(shard, txn_id), target, once=True)
 
     def _call(self, txn_id: str, driver: TxnDriver, shard: int, make: Callable[[MemoryShard], Write],
               event_of: Callable[[Any], Any]) -> None:
         """One peer call to the node the group says leads `shard` (any node if none is known),
         bounded by the call timeout: no answer in time is an unknown outcome."""
+        self._peer_call(txn_id, driver, shard, event_of,
+                        lambda target, answer: target.handle_record(shard, make, answer))
+
+    def _read(self, txn_id: str, driver: TxnDriver, shard: int, keys: tuple[bytes, ...],
+              read: Callable[[MemoryShard], object], event_of: Callable[[Any], Any]) -> None:
+        """One peer read of `shard` at the node the group says leads it (`Node.handle_read`)."""
+        self._peer_call(txn_id, driver, shard, event_of,
+                        lambda target, answer: target.handle_read(shard, keys, None, read, answer))
+
+    def _peer_call(self, txn_id: str, driver: TxnDriver, shard: int, event_of: Callable[[Any], Any],
+                   at: Callable[[Node, Callable[[Any], None]], None]) -> None:
         world, node = self.world, self.node
         owner = node.owners[shard] if node.owners[shard] is not None else None
         peers = world.peers
@@ -170,7 +297,7 @@ class TxnShell:
                 self._step(txn_id, event_of(answer), driver)
 
         def at_target() -> None:
-            target.handle_record(shard, make, lambda answer: back(lambda: deliver(answer)))
+            at(target, lambda answer: back(lambda: deliver(answer)))
 
         def expire() -> None:
             if not answered:

@@ -60,14 +60,15 @@ class Timing:
     placement_grace_ms: int = 2_000
     placement_settle_ms: int = 300
     # Cross-shard transactions (kvstore.core.txn_driver): a peer call's timeout, a driver's budget
-    # for its prepares, how long its answer waits for the resolves, and when a prepare is in doubt
-    # (its resolvers look every `txn_resolve_every_ms`): the node's ratios, shrunk.
+    # for its prepares, when a prepare is in doubt and when a decision the coordinator still holds
+    # is resolved again (its resolvers and finishers look every `txn_resolve_every_ms`, and it
+    # forgets decisions resolved everywhere as often): the node's ratios, shrunk. A driver answers
+    # at its decision, its resolves still in flight, so the client's next read races them (T4's
+    # wait is then what keeps it linearizable).
     txn_call_timeout_ms: int = 800
     txn_deadline_ms: int = 4_000
-    # 0: a driver answers at its decision, its resolves still in flight, so that the client's next
-    # read races them (T4's wait is then what keeps it linearizable). A node waits (2 s).
-    txn_resolve_wait_ms: int = 0
     txn_in_doubt_ms: int = 1_500
+    txn_finish_after_ms: int = 2_000
     txn_resolve_every_ms: int = 300
 
 

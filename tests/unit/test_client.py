@@ -20,6 +20,7 @@ import grpc
 import pytest
 from google.protobuf.message import Message
 
+from kvstore import errors as store_errors
 from kvstore.client import (
     Cancelled,
     Client,
@@ -38,6 +39,7 @@ from kvstore.client import (
     PutResult,
     RequestExpired,
     RetryAction,
+    TxnAborted,
     TxnResult,
     Unauthenticated,
     Unavailable,
@@ -53,7 +55,9 @@ from kvstore.client import (
     write_attempt_is_definite,
 )
 from kvstore.client import watch as watch_module
+from kvstore.client.errors import details_of, metadata_dict
 from kvstore.client.requests import shard_revisions
+from kvstore.client.retry import keep_unknown
 from kvstore.core.sharding import shard_of
 from kvstore.errors import (
     LEADER_HINT_KEY,
@@ -1015,6 +1019,37 @@ def test_untagged_write_error_is_retried_and_applied_once(cluster: FakeCluster, 
     assert len(puts) == 2 and {p.request.request_id for p in puts} == {result.request_id}
     assert len({p.request.first_attempt_unix_ms for p in puts}) == 1
     assert result.replayed and result.version == 1
+
+
+def _aborted() -> Failure:
+    """What a node answers when a cross-shard Txn aborted and its request id's outcome is recorded."""
+    code, details, trailers = store_errors.to_status(store_errors.TxnAbortedError("aborted: locked", txn_id="t1"),
+                                                     request_id="whatever")
+    return Failure(code, details, tuple(trailers))  # type: ignore[arg-type]
+
+
+def test_a_txn_aborted_is_definite_even_after_an_unknown_attempt_and_never_retried_as_is() -> None:
+    failure = _aborted()
+    error = error_from_status(failure.code, failure.details, metadata_dict(failure.metadata), request_id="r",
+                              write=True, rich=details_of(failure.metadata))
+    assert type(error) is TxnAborted and error.txn_id == "t1" and retry_action(error) is RetryAction.FAIL
+    unknown = UnknownOutcome("timed out", request_id="r")
+    assert keep_unknown(error, unknown, write=True) is error  # the request's recorded outcome: failed
+
+
+def test_a_txn_aborted_is_sent_again_under_a_fresh_id_only_when_the_client_chose_it(cluster: FakeCluster,
+                                                                                     client: Client) -> None:
+    k0 = key_on(0, 2)
+    leader = cluster.leaders[0]
+    cluster.fail(leader, "Txn", _aborted())
+    result = client.txn(success=[Op.put(k0, "v")])
+    sent = cluster.calls_to("Txn", leader)
+    assert len(sent) == 2 and sent[0].request.request_id != sent[1].request.request_id
+    assert result.request_id == sent[1].request.request_id and result.succeeded
+    cluster.fail(leader, "Txn", _aborted())
+    with pytest.raises(TxnAborted) as raised:
+        client.txn(success=[Op.put(k0, "w")], request_id="mine")
+    assert raised.value.request_id == "mine" and len(cluster.calls_to("Txn", leader)) == 3
 
 
 def test_untagged_read_error_is_not_retried(cluster: FakeCluster, client: Client) -> None:

@@ -3,7 +3,8 @@
 The fold (`kvstore.pipeline.fold`) is what the Spark job runs per shard; these tests hand it
 Arrow tables directly and hold it to the replicas' own apply: folding a log in one go, or a
 prefix and then the rest on top of the prefix's snapshot, gives the state (digest, keys, request
-ids, evicted-through time) a replica reaches applying the same records.
+ids, evicted-through time, prepared and decided cross-shard transactions) a replica reaches
+applying the same records.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from kvstore.core.state import KeyState, RequestRecord
+from kvstore.core.state import KeyState, RequestRecord, decision_id, prepare_id, resolve_id
 from kvstore.internal.v1 import wal_entry_pb2 as pb
 from kvstore.pipeline.fold import FOLD_INPUT, FOLD_OUTPUT, FoldError, fold
 from kvstore.storage import snapshot
@@ -66,8 +67,11 @@ def rows(shard: int, cut: int, wal: list[tuple[int, bytes]], base: pa.Table | No
         add(shard=shard, kind="wal", offset=offset, payload=payload)
     if base is not None:
         for r in base.to_pylist():
-            if r["kind"] in ("key", "request"):
+            if r["kind"] in ("key", "request", "decided"):
                 add(**{k: v for k, v in r.items() if k in cols})
+            elif r["kind"] == "prepared":  # out: the prepare in `response`; in: in `payload`
+                add(**{k: v for k, v in r.items() if k in cols and k not in ("response", "payload")},
+                    payload=r["response"])
     return pa.table(cols, schema=FOLD_INPUT)
 
 
@@ -141,21 +145,33 @@ def test_fold_refuses_inconsistent_input() -> None:
 # ---- the format and loading ----------------------------------------------------------------------------
 
 
+# The fold's output columns of each snapshot table's columns (as snapshot_job selects them).
+_RENAMED = {"prepared": {"txn_id": "request_id", "prepare": "response"},
+            "decided": {"txn_id": "request_id", "decision": "payload"}}
+
+
 def write_snapshot(root: Path, name: str, out: pa.Table, cut: int, shards: int = 1, topic: str = TOPIC,
-                   manifest_digest: str | None = None, format_1: bool = False) -> snapshot.Manifest:
-    """Lay out the fold's output as the Spark job does (Hive-style shard directories)."""
+                   manifest_digest: str | None = None, format_1: bool = False,
+                   txn_tables: bool = False) -> snapshot.Manifest:
+    """Lay out the fold's output as the Spark job does (Hive-style shard directories); with
+    `txn_tables`, the prepared and decided tables and their digests too."""
     data = out.to_pylist()
     requests_schema = pa.schema([f for f in snapshot.REQUESTS_SCHEMA if f.name != "request_kind"]) if format_1 \
         else snapshot.REQUESTS_SCHEMA
-    for table, schema in (("keys", snapshot.KEYS_SCHEMA), ("requests", requests_schema)):
-        kind = "key" if table == "keys" else "request"
+    tables = [("keys", "key", snapshot.KEYS_SCHEMA), ("requests", "request", requests_schema)]
+    if txn_tables:
+        tables += [("prepared", "prepared", snapshot.PREPARED_SCHEMA), ("decided", "decided", snapshot.DECIDED_SCHEMA)]
+    for table, kind, schema in tables:
         part = [r for r in data if r["kind"] == kind]
+        renamed = _RENAMED.get(table, {})
         if part:
             directory = root / name / table / "shard=0"
             directory.mkdir(parents=True)
-            pq.write_table(pa.Table.from_pylist([{c: r[c] for c in schema.names} for r in part], schema=schema),
+            pq.write_table(pa.Table.from_pylist([{c: r[renamed.get(c, c)] for c in schema.names} for r in part],
+                                                schema=schema),
                            directory / "part-0.parquet")
     m = meta(out)
+    txn_meta = {k: m[k] for k in ("prepared", "prepared_digest", "decided", "decided_digest")} if txn_tables else {}
     manifest = snapshot.Manifest(
         name=name, topic=topic, shard_count=shards, created_unix_ms=1, base=None, max_request_ids=MAX_IDS,
         request_id_horizon_ms=HORIZON_MS,
@@ -163,7 +179,8 @@ def write_snapshot(root: Path, name: str, out: pa.Table, cut: int, shards: int =
                                             digest=(manifest_digest or m["digest"]) if s == 0 else "",
                                             requests=m["requests"] if s == 0 else 0,
                                             evicted_through_ms=m["evicted_through_ms"],
-                                            requests_digest="" if format_1 or s else m["requests_digest"])
+                                            requests_digest="" if format_1 or s else m["requests_digest"],
+                                            **(txn_meta if s == 0 else {}))
                      for s in range(shards)),
         format=1 if format_1 else snapshot.FORMAT)
     snapshot.write_manifest(str(root), manifest)
@@ -338,3 +355,122 @@ def test_mismatch_names_every_difference(found: tuple[str, int, int, str, int], 
     assert (why is None) if expected is None else (why is not None and expected in why), why
     legacy = dataclasses.replace(meta_, requests_digest="")  # format 1: only the count covers the table
     assert snapshot.mismatch(legacy, "d", 3, 2, "anything", 9) is None
+
+
+# ---- cross-shard transactions' tables --------------------------------------------------------------------
+
+
+def txn_log(seed: int, n: int = 80) -> list[tuple[int, bytes]]:
+    """Shard 0's WAL as a coordinator (decisions, some with its own part, and forgets) and as a
+    participant (prepares and resolves), among plain writes; some decisions stay undecided or
+    unforgotten at any cut."""
+    rng = random.Random(seed)
+    out, offset = [], 0
+    for i in range(n):
+        offset += rng.choice((1, 1, 2))
+        txn_id = f"t{rng.randrange(12)}"
+        ms = 10_000 + offset * 97
+        choice = rng.random()
+        if choice < 0.3:
+            out.append((offset, entry(rng, offset)))
+        elif choice < 0.55:
+            commit = rng.random() < 0.7
+            body = pb.TxnDecision(txn_id=txn_id, commit=commit, succeeded=commit, participants=[0, 1, 2],
+                                  request_id=f"c{i}" if rng.random() < 0.5 else "", answer=b"a" if commit else b"",
+                                  kept=True)
+            effects = [pb.Effect(put=pb.PutEffect(key=b"k-coord", value=b"%d" % offset))] if commit else []
+            out.append((offset, pb.WalEntry(request_id=decision_id(txn_id), decision=body, effects=effects,
+                                            response=pb.TxnDecided(commit=commit).SerializeToString(),
+                                            leader_unix_ms=ms).SerializeToString()))
+        elif choice < 0.7:
+            forgotten = [f"t{rng.randrange(12)}" for _ in range(rng.randint(1, 3))]
+            out.append((offset, pb.WalEntry(forget=pb.TxnForget(txn_ids=forgotten), leader_unix_ms=ms)
+                        .SerializeToString()))
+        elif choice < 0.85:
+            prepare = pb.TxnPrepare(txn_id=f"p{txn_id}", coordinator=1, participants=[1, 0], exclusive_keys=[b"k1"])
+            out.append((offset, pb.WalEntry(request_id=prepare_id(f"p{txn_id}"), prepare=prepare, leader_unix_ms=ms)
+                        .SerializeToString()))
+        else:
+            resolve = pb.TxnResolve(txn_id=f"p{txn_id}", commit=True, succeeded=True)
+            out.append((offset, pb.WalEntry(request_id=resolve_id(f"p{txn_id}"), resolve=resolve, leader_unix_ms=ms,
+                                            effects=[pb.Effect(put=pb.PutEffect(key=b"k1", value=b"r"))])
+                        .SerializeToString()))
+    return out
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_snapshot_round_trips_the_decision_table(tmp_path: Path, seed: int) -> None:
+    """The fold keeps the coordinator's decision table (and the prepared table) exactly as a
+    replica does, in one step or on top of a snapshot of a prefix; a snapshot with its decided/
+    table loads into a replica with the same table, and one that lost it is refused."""
+    wal = txn_log(seed)
+    cut = wal[-1][0] + 1
+    split = wal[len(wal) // 2][0]
+    reference = replica(tmp_path, wal, cut)
+    assert reference.decided() and reference.locks.has_locks(), "the log should leave both tables non-empty"
+    whole = run(rows(0, cut, wal))
+    prefix = run(rows(0, split, [r for r in wal if r[0] < split]))
+    on_top = run(rows(0, cut, [r for r in wal if r[0] >= split], base=prefix, base_offset=split,
+                      evicted_ms=meta(prefix)["evicted_through_ms"]))
+    for out in (whole, on_top):
+        m = meta(out)
+        assert (m["decided"], m["decided_digest"]) == (len(reference.decided()), reference.decided_digest())
+        assert (m["prepared"], m["prepared_digest"]) == (reference.locks.prepared_count(), reference.prepared_digest())
+        assert m["digest"] == reference.digest()[0] and m["requests_digest"] == reference.requests_digest()
+
+    root = tmp_path / "snaps"
+    manifest = write_snapshot(root, snapshot.new_name(1), on_top, cut, txn_tables=True)
+    assert snapshot.read_manifest(str(root), manifest.name) == manifest
+    assert manifest.format == snapshot.FORMAT == 4 and manifest.shard(0).decided == len(reference.decided())
+    assert snapshot.decided(str(root), manifest.name, 0) == reference.decided()
+    store = fresh(tmp_path)
+    snapshot.load_into(store, str(root), manifest)
+    assert store.decided() == reference.decided() and store.decided_digest() == reference.decided_digest()
+    clients = {d.decision.request_id for d in reference.decided()} | {"absent"}
+    assert all(store.decided_request(c) == reference.decided_request(c) for c in clients)
+    assert store.prepared_digest() == reference.prepared_digest()
+    # The loaded replica goes on exactly as the reference: a forget of every decision there is.
+    gone = pb.WalEntry(forget=pb.TxnForget(txn_ids=[d.txn_id for d in reference.decided()]), leader_unix_ms=1)
+    for shard in (store, reference):
+        shard.apply([(cut, gone.SerializeToString())], cut + 1)
+        assert shard.decided() == []
+    store.close()
+    snapshot.verify_shard(str(root), manifest, 0, scratch_dir=str(tmp_path))
+
+    for path in (root / manifest.name / "decided").rglob("*.parquet"):
+        path.unlink()
+    with pytest.raises(snapshot.SnapshotFormatError, match="decisions with digest"):
+        snapshot.verify_shard(str(root), manifest, 0, scratch_dir=str(tmp_path))
+    reference.close()
+
+
+def test_a_format_3_snapshot_loads_with_an_empty_decision_table(tmp_path: Path) -> None:
+    """Format 3 kept no decision table: its manifest has no `decided` fields, it has no decided/
+    directory, and a replica loaded from it has an empty table (as one migrated in place)."""
+    wal = wal_log(13)
+    cut = wal[-1][0] + 1
+    root = tmp_path / "snaps"
+    written = write_snapshot(root, snapshot.new_name(1), run(rows(0, cut, wal)), cut)
+    path = root / written.name / snapshot.MANIFEST
+    body = json.loads(path.read_text())
+    body["format"] = 3
+    for shard in body["shards"]:
+        del shard["decided"], shard["decided_digest"]
+    path.write_text(json.dumps(body))
+    manifest = snapshot.read_manifest(str(root), written.name)
+    assert (manifest.format, manifest.shard(0).decided, manifest.shard(0).decided_digest) == (3, 0, "")
+    assert snapshot.decided(str(root), manifest.name, 0) == []
+    store = fresh(tmp_path)
+    snapshot.load_into(store, str(root), manifest)
+    assert store.decided() == [] and store.applied_offset == cut
+    store.close()
+
+
+def test_mismatch_checks_the_decision_table_only_where_the_manifest_has_its_digest() -> None:
+    meta_ = snapshot.ShardSnapshot(shard=0, offset=5, keys=3, digest="d", requests=2, evicted_through_ms=9,
+                                   requests_digest="q", decided=1, decided_digest="t")
+    assert snapshot.mismatch(meta_, "d", 3, 2, "q", 9, decided=1, decided_digest="t") is None
+    why = snapshot.mismatch(meta_, "d", 3, 2, "q", 9, decided=0, decided_digest="e")
+    assert why is not None and "0 decisions with digest e, its manifest says 1 with t" in why
+    older = dataclasses.replace(meta_, decided=0, decided_digest="")  # format 3 and before
+    assert snapshot.mismatch(older, "d", 3, 2, "q", 9, decided=4, decided_digest="x") is None

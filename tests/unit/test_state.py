@@ -394,7 +394,8 @@ def test_canonical_entries_take_the_fast_path() -> None:
 
 def _reference_apply_entries(lookup: Lookup, request_seen: RequestSeen, records: list[tuple[int, bytes]],
                              on_request: Callable[[RequestRecord], None] | None = None,
-                             on_leader_time: Callable[[int], None] | None = None, prepared: object = None) -> Applied:
+                             on_leader_time: Callable[[int], None] | None = None, prepared: object = None,
+                             decided: object = None) -> Applied:
     """apply_entries as it was before the replay fast path (protobuf objects, `apply_effects`),
     kept as the reference the fast one must equal (over records without transactions: those are
     tests/unit/test_txn.py's)."""

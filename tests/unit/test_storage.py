@@ -14,9 +14,18 @@ import pytest
 
 from kvstore import limits
 from kvstore.core.request_horizon import expired
-from kvstore.core.state import KeyState, PreparedTxn, RequestRecord, apply_entries, prepare_id, resolve_id
+from kvstore.core.state import (
+    DecidedTxn,
+    KeyState,
+    PreparedTxn,
+    RequestRecord,
+    apply_entries,
+    decision_id,
+    prepare_id,
+    resolve_id,
+)
 from kvstore.internal.v1 import wal_entry_pb2 as pb
-from kvstore.storage.shard_store import FORMAT_VERSION, HeldKeys, ShardStore, StorageError
+from kvstore.storage.shard_store import FORMAT_VERSION, HeldKeys, ShardStore, StorageError, decided_digest
 
 TOPIC = "wal-test"
 GARBAGE = b"\xde\xad\xbe\xef" * 64
@@ -127,6 +136,84 @@ def test_reopen_keeps_the_prepared_transactions(open_store: Callable[..., ShardS
     wiped.apply([(0, pb.WalEntry(request_id=prepare_id("t"), prepare=prepare).SerializeToString())], 1)
     wiped.wipe("test")
     assert not wiped.locks.has_locks() and tmp.exists()
+
+
+def decision(txn_id: str, *, commit: bool = True, participants: tuple[int, ...] = (0, 1), ms: int = 0,
+             effects: tuple[pb.Effect, ...] = (), request_id: str = "") -> bytes:
+    """A decision record, as the coordinator's leader appends it (a commit carries its own part)."""
+    body = pb.TxnDecision(txn_id=txn_id, commit=commit, succeeded=commit, participants=participants,
+                          request_id=request_id, answer=b"answer" if commit else b"",
+                          reason="" if commit else "conflict", kept=True)
+    response = pb.TxnDecided(commit=commit, succeeded=commit, answer=body.answer).SerializeToString()
+    return pb.WalEntry(request_id=decision_id(txn_id), decision=body, effects=effects, response=response,
+                       leader_unix_ms=ms).SerializeToString()
+
+
+def forget(*txn_ids: str, ms: int = 0) -> bytes:
+    return pb.WalEntry(forget=pb.TxnForget(txn_ids=txn_ids), leader_unix_ms=ms).SerializeToString()
+
+
+def test_reopen_keeps_the_decision_table(open_store: Callable[..., ShardStore]) -> None:
+    """The coordinator's decision table is state like keys (docs/design.md §10): written with the
+    checkpoint, read back when the directory is opened again, oldest first, gone once forgotten."""
+    effect = pb.Effect(put=pb.PutEffect(key=b"mine", value=b"1"))
+    store = open_store()
+    applied = store.apply([(0, decision("t1", ms=7, effects=(effect,), request_id="client")),
+                           (2, decision("t0", commit=False, participants=(0, 1, 2), ms=8)),
+                           (3, decision("t0", ms=9))], 4)  # a second decision of t0: a duplicate id (T1)
+    assert list(applied.decided) == ["t1", "t0"] and applied.duplicates == 1
+    assert store.get(b"mine") == KeyState(b"1", 1, 0, 0)  # the coordinator's part, with the decision
+    assert (client := store.request("client")) is not None and client.kind == pb.REQUEST_KIND_TXN
+    table = store.decided()
+    assert [(d.txn_id, d.revision, d.leader_unix_ms, d.decision.commit) for d in table] == [
+        ("t1", 0, 7, True), ("t0", 2, 8, False)]
+    assert [d.pending for d in table] == [(1,), (1, 2)]
+    digest = store.decided_digest()
+    assert digest == decided_digest(reversed(table)) != decided_digest(table[:1])
+    store.close()
+
+    again = open_store()
+    assert again.decided() == table and again.decided_digest() == digest
+    assert (t1 := again.decided_txn("t1")) == table[0] and t1 is not None and t1.decided().answer == b"answer"
+    assert again.decided_txn("nope") is None
+    again.apply([(4, forget("t1", "never-decided-here")), (5, decision("t2"))], 6)
+    assert [d.txn_id for d in again.decided()] == ["t0", "t2"]
+    again.apply([(6, forget("t2")), (7, decision("t2"))], 8)  # forgotten, and its id still answers for it
+    assert [d.txn_id for d in again.decided()] == ["t0"]
+    assert [key for key, _ in again.scan(b"", None, 10)] == [b"mine"]  # decision rows never show as keys
+    again.close()
+    assert [d.txn_id for d in open_store().decided()] == ["t0"]
+    wiped = open_store(tmp := again.path.parent / "other")
+    wiped.apply([(0, decision("t"))], 1)
+    wiped.wipe("test")
+    assert wiped.decided() == [] and wiped.decided_txn("t") is None and tmp.exists()
+
+
+def test_a_decision_is_found_by_its_client_request_id(open_store: Callable[..., ShardStore]) -> None:
+    """The first decision carrying a client's request id is the request's outcome, found after the
+    request-id table forgot the id (`kvstore.core.txn.request_outcome`), until it is forgotten."""
+    store = open_store()
+    store.apply([(0, decision("first", request_id="client")), (1, decision("other", request_id="clientx")),
+                 (2, decision("retry", commit=False, request_id="client")), (3, decision("none"))], 4)
+    assert [getattr(store.decided_request(r), "txn_id", None) for r in ("client", "clientx")] == ["first", "other"]
+    assert store.decided_request("clien") is None and store.decided_request("") is None
+    store.close()
+    store = open_store()
+    store.apply([(4, forget("first", "none"))], 5)
+    assert store.decided_request("client") == store.decided_txn("retry") and store.decided_txn("retry") is not None
+    store.apply([(5, forget("retry")), (6, decision("late", request_id="client")), (7, forget("late"))], 8)
+    assert store.decided_request("client") is None and store.decided_request("clientx") is not None
+    store.apply([(8, forget("other"))], 9)
+    assert store.decided_request("clientx") is None and store.decided() == []
+
+
+def test_a_snapshot_load_keeps_the_decision_table(store: ShardStore) -> None:
+    row = DecidedTxn(pb.TxnDecision(txn_id="t", commit=True, participants=[0, 2], request_id="c"), 3, 11, b"r")
+    store.apply([(0, decision("gone"))], 1)
+    store.load_snapshot([], [], checkpoint=5, evicted_through_ms=0, decided=[row])
+    assert store.decided() == [row] and store.decided_txn("gone") is None and store.decided_request("c") == row
+    with pytest.raises(AssertionError):  # a decision at or above the cut is not the cut's state
+        store.load_snapshot([], [], checkpoint=3, evicted_through_ms=0, decided=[row])
 
 
 # ---- reads ---------------------------------------------------------------------------------------
@@ -445,16 +532,16 @@ def test_suspect_metadata_is_rebuilt(two_sessions: Path, open_store: Callable[..
 
 def test_directory_of_format_1_is_rebuilt(two_sessions: Path, open_store: Callable[..., ShardStore]) -> None:
     """Format 1 kept request ids without their time: it cannot say what to forget when."""
-    assert FORMAT_VERSION == b"3"
+    assert FORMAT_VERSION == b"4"
     _tamper(two_sessions, lambda db: db.put(b"m:format", b"1"))
     store = open_store()
-    assert store.rebuilt_reason == "format b'1', expected b'3'"
+    assert store.rebuilt_reason == "format b'1', expected b'4'"
     assert (store.applied_offset, store.evicted_through_ms) == (0, 0)
 
 
 def test_directory_of_format_2_is_migrated_in_place(tmp_path: Path, open_store: Callable[..., ShardStore]) -> None:
     """Format 2 kept no request kinds: its ids get kind 0 (unknown) in place, nothing else moves,
-    so a replica of a truncated WAL needs no rebuild to upgrade."""
+    so a replica of a truncated WAL needs no rebuild to upgrade (through format 3 to 4)."""
     first = open_store()
     first.apply([(3, put(b"k", rid="rid-a", response=b"a", ms=1_000)), (4, put(b"j", rid="rid-b", ms=2_000))], 6)
     before = (first.digest(), first.applied_offset, first.evicted_through_ms, list(first.requests()))
@@ -470,12 +557,50 @@ def test_directory_of_format_2_is_migrated_in_place(tmp_path: Path, open_store: 
     assert store.rebuilt_reason is None
     assert (store.digest(), store.applied_offset, store.evicted_through_ms, list(store.requests())) == before
     assert [r.kind for r in store.requests()] == [0, 0]
+    assert store.decided() == []
     store.close()
     db = plyvel.DB(str(tmp_path / "shard"))
     try:
-        assert db.get(b"m:format") == b"3"
+        assert db.get(b"m:format") == b"4"
     finally:
         db.close()
+
+
+def test_directory_of_format_3_is_migrated_in_place(tmp_path: Path, open_store: Callable[..., ShardStore]) -> None:
+    """Format 3 kept no decision table: it gets an empty one in place, and keys, request ids
+    (with their kinds), locks and checkpoint stay. A decision applied before the upgrade is not
+    in the table (that release kept none); its ids in the request-id table still answer for it."""
+    prepare = pb.TxnPrepare(txn_id="p", exclusive_keys=[b"x"])
+    prepared = pb.WalEntry(request_id=prepare_id("p"), prepare=prepare, leader_unix_ms=1_500).SerializeToString()
+    first = open_store()
+    first.apply([(3, put(b"k", rid="rid-a", response=b"a", ms=1_000)), (4, prepared),
+                 (5, decision("old", ms=2_000, request_id="client"))], 7)
+    before = (first.digest(), first.applied_offset, first.evicted_through_ms, list(first.requests()),
+              first.prepared_digest())
+    first.close()
+
+    def to_format_3(db: plyvel.DB) -> None:  # what format 3 wrote: no decision table
+        for raw_key in list(db.iterator(prefix=b"c", include_value=False)):
+            db.delete(raw_key)
+        db.put(b"m:format", b"3")
+
+    _tamper(tmp_path / "shard", to_format_3)
+    store = open_store()
+    assert store.rebuilt_reason is None
+    assert (store.digest(), store.applied_offset, store.evicted_through_ms, list(store.requests()),
+            store.prepared_digest()) == before
+    assert store.locks.prepared_txn("p") == PreparedTxn(prepare, 4, 1_500)
+    assert store.decided() == [] and store.decided_txn("old") is None
+    assert store.request(decision_id("old")) is not None and store.request("client") is not None
+    store.apply([(7, decision("new", ms=3_000)), (8, decision("old", ms=3_000))], 9)  # "old": a duplicate id
+    assert [d.txn_id for d in store.decided()] == ["new"]
+    store.close()
+    db = plyvel.DB(str(tmp_path / "shard"))
+    try:
+        assert db.get(b"m:format") == b"4"
+    finally:
+        db.close()
+    assert [d.txn_id for d in open_store().decided()] == ["new"]
 
 
 def _garbage(*patterns: str) -> Callable[[Path], None]:

@@ -75,9 +75,11 @@ public final class WalDecoders {
   /**
    * kvstore.internal.v1.WalEntry -> struct(request_id, effects array(struct(kind, key, value)), response,
    * leader_unix_ms, txn); NULL if it does not parse or an effect has no kind. {@code txn} is NULL but
-   * for a cross-shard transaction's record: struct(kind 'prepare'|'decision'|'resolve', txn_id, commit,
-   * succeeded, coordinator, participants, records: how many of the three the entry holds, which
-   * kvstore.core.state.txn_record_rule refuses when not 1).
+   * for a cross-shard transaction's record: struct(kind 'prepare'|'decision'|'resolve'|'forget', txn_id
+   * (NULL for a forget, which has none), commit, succeeded, coordinator, participants, records: how many
+   * of the four the entry holds, which kvstore.core.state.txn_record_rule refuses when not 1, txn_ids:
+   * the decisions a forget removes, empty for the other kinds). The struct describes the first of them,
+   * in this order.
    */
   public static final class DecodeEntry implements UDF1<byte[], Row> {
     private static final long serialVersionUID = 1L;
@@ -92,7 +94,7 @@ public final class WalDecoders {
     private static final FieldDescriptor PUT_VALUE = PUT.getMessageType().findFieldByName("value");
     private static final FieldDescriptor DELETE = EFFECT.findFieldByName("delete");
     private static final FieldDescriptor DELETE_KEY = DELETE.getMessageType().findFieldByName("key");
-    private static final String[] TXN_KINDS = {"prepare", "decision", "resolve"};
+    private static final String[] TXN_KINDS = {"prepare", "decision", "resolve", "forget"};
 
     @Override
     public Row call(byte[] payload) {
@@ -148,15 +150,27 @@ public final class WalDecoders {
               participants.add((Integer) m.getRepeatedField(parts, i));
             }
           }
-          found = RowFactory.create(kind, (String) m.getField(d.findFieldByName("txn_id")),
-              flag(m, d, "commit"), flag(m, d, "succeeded"), number(m, d, "coordinator"), participants, 0);
+          List<String> txnIds = new ArrayList<>();
+          FieldDescriptor ids = d.findFieldByName("txn_ids");
+          if (ids != null) {
+            for (int i = 0; i < m.getRepeatedFieldCount(ids); i++) {
+              txnIds.add((String) m.getRepeatedField(ids, i));
+            }
+          }
+          found = RowFactory.create(kind, text(m, d, "txn_id"), flag(m, d, "commit"), flag(m, d, "succeeded"),
+              number(m, d, "coordinator"), participants, 0, txnIds);
         }
       }
       if (found == null) {
         return null;
       }
       return RowFactory.create(found.get(0), found.get(1), found.get(2), found.get(3), found.get(4), found.get(5),
-          records);
+          records, found.get(7));
+    }
+
+    private static String text(DynamicMessage m, Descriptor d, String name) {
+      FieldDescriptor field = d.findFieldByName(name);
+      return field == null ? null : (String) m.getField(field);
     }
 
     private static Boolean flag(DynamicMessage m, Descriptor d, String name) {
