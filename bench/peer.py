@@ -80,7 +80,7 @@ import wal_append  # bench/wal_append.py: the guard against a raw transactional 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS_DIR, ETCD_PROTO = REPO / "bench" / "results", Path(__file__).resolve().parent / "etcd_rpc.proto"
 SYSTEMS = ("store", "etcd", "empty")
-OPS = ("put", "get", "batch", "wbatch", "mixed", "txn1", "txnx")
+OPS = ("put", "get", "batch", "wbatch", "mixed", "txn1", "txnx", "txnr")
 BATCH_OPS = ("batch", "wbatch")  # measured in keys/s
 SHARDS, VALUE_BYTES, BATCH, SEED_KEYS, KEYS_PER_CLIENT = 4, 100, 100, 256, 16
 TRANSFER_PAIRS = 8  # per client, cycled: txn1 / txnx
@@ -278,6 +278,18 @@ class Codec:
         return Request("/kvstore.v1.KVService/Txn", kv_pb2.TxnRequest(compares=compares, success=ops)
                        .SerializeToString(), 2 * self.checked)
 
+    def read_pair(self, a: bytes, b: bytes) -> Request:
+        """A read-only Txn of two keys (two gets). For the store, with a and b in two shards, a
+        cross-shard read that writes nothing (read and validated as one cut, docs/design.md
+        section 10.5); for etcd, one Txn of two Ranges (serializable=false: linearizable)."""
+        if self.etcd is not None:
+            ops = [self.etcd.RequestOp(request_range=self.etcd.RangeRequest(key=k)) for k in (a, b)]
+            return Request("/etcdserverpb.KV/Txn", self.etcd.TxnRequest(success=ops).SerializeToString(),
+                           2 * VALUE_BYTES * self.checked)
+        ops = [kv_pb2.TxnOp(get=kv_pb2.GetRequest(key=k)) for k in (a, b)]
+        return Request("/kvstore.v1.KVService/Txn", kv_pb2.TxnRequest(success=ops).SerializeToString(),
+                       2 * VALUE_BYTES * self.checked)
+
     def write_batch(self, keys: Sequence[bytes], value: bytes) -> Request:
         """The store's WriteBatch of one shard's part; etcd's batch is its Txn (it has no other)."""
         if self.etcd is not None:
@@ -291,6 +303,14 @@ class Codec:
 
 def seed_key(j: int) -> bytes:
     return b"seed/%d" % j
+
+
+def seed_pairs(client: int) -> list[tuple[bytes, bytes]]:
+    """TRANSFER_PAIRS pairs of seeded keys, the first in the client's shard, the second in the next."""
+    shard = client % SHARDS
+    mine = [seed_key(j) for j in range(SEED_KEYS) if shard_of(seed_key(j), SHARDS) == shard]
+    next_ = [seed_key(j) for j in range(SEED_KEYS) if shard_of(seed_key(j), SHARDS) == (shard + 1) % SHARDS]
+    return [(mine[(client + j) % len(mine)], next_[(client * 7 + j) % len(next_)]) for j in range(TRANSFER_PAIRS)]
 
 
 def batch_keys(tag: str, client: int) -> list[bytes]:
@@ -334,6 +354,8 @@ def requests_for(codec: Codec, op: str, client: int, tag: str, value: bytes) -> 
         return [codec.write_batch(batch_keys(tag, client), value)]
     if op in ("txn1", "txnx"):
         return transfers(codec, client, tag, value, cross=op == "txnx")
+    if op == "txnr":  # seeded keys of two shards, read together
+        return [codec.read_pair(*pair) for pair in seed_pairs(client)]
     # mixed: 9 Gets then 1 Put, 160 requests
     return [puts[(j // 10) % len(puts)] if j % 10 == 9 else gets[j % len(gets)] for j in range(160)]
 
@@ -660,6 +682,9 @@ def headline(report: Row) -> Row:
             # and against etcd's Txn of the same shape.
             **{f"txnx{n}_vs_txn1_store": op_ratio(rows, "store", "txnx", "txn1", n) for n in (1, 16, 64)},
             **{f"txnx{n}_store_vs_etcd": ratio(rows, "txnx", n, "store", "etcd") for n in (1, 16, 64)},
+            # A read-only Txn over two shards (one cut, no record) against the single-shard transfer.
+            **{f"txnr{n}_vs_txn1_store": op_ratio(rows, "store", "txnr", "txn1", n) for n in (1, 16, 64)},
+            **{f"txnr{n}_store_vs_etcd": ratio(rows, "txnr", n, "store", "etcd") for n in (1, 16, 64)},
             "mixed64_store_vs_empty": ratio(rows, "mixed", clients, "store", "empty"),
             "at64_per_s": at64,
             "errors": {s: sum(sum(r["errors"].values()) for r in rows if r["system"] == s) for s in SYSTEMS},
@@ -762,7 +787,8 @@ def keep_logs(tmp: Path, out: Path) -> None:
 
 COLORS = {"store": "tab:blue", "etcd": "tab:green", "empty": "grey"}
 TITLES = {"put": "Put", "get": "linearizable Get", "batch": f"Txn of {BATCH} puts (keys/s)",
-          "wbatch": f"batch RPC, {BATCH} puts (keys/s; etcd: Txn)", "mixed": "90 % Get / 10 % Put"}
+          "wbatch": f"batch RPC, {BATCH} puts (keys/s; etcd: Txn)", "mixed": "90 % Get / 10 % Put",
+          "txn1": "transfer, one shard", "txnx": "transfer, two shards", "txnr": "read-only Txn, two shards"}
 
 
 def plot(report: Row) -> None:
