@@ -316,11 +316,12 @@ def test_recovery_of_an_older_release_resolves_the_coordinator_too() -> None:
     assert names(out) == ["SendResolve(1)", "SendResolve(2)"]
 
 
-def test_recovery_refused_by_the_horizon_leaves_the_prepare_in_doubt() -> None:
-    """Only a coordinator that knows decisions from its request-id table alone (the simulation's
-    mutation decision-in-request-table, or an older release) refuses a resolver so; the current
-    one answers from its decision table, whatever the prepare's age
-    (test_txn.py::test_a_decision_outlives_the_request_id_table)."""
+def test_a_recovery_refused_as_asked_too_long_ago_ends_and_is_checked_again() -> None:
+    """A coordinator holding no decision refuses an abort asked too long ago (the recovery
+    stalled between its check and its question): this recovery ends, the next round checks the
+    prepare again. It never refuses one whose decision it holds, whatever the prepare's age
+    (test_txn.py::test_a_decision_outlives_the_request_id_table); one that knows decisions from
+    its request-id table alone (the simulation's mutation decision-in-request-table) would."""
     prepare = pb.TxnPrepare(txn_id="t9", coordinator=1, participants=[1, 2])
     d = TxnDriver.recover(CONFIG, prepare, at_shard=2, now_unix_ms=NOW, deadline_ms=500, reason="in doubt")
     d.step(Started(), now_ms=0)
