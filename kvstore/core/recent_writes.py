@@ -16,7 +16,6 @@ the records it applies, and a new leader starts from what its replica applied as
 
 from __future__ import annotations
 
-import bisect
 import collections
 from collections.abc import Iterable, Sequence
 
@@ -24,33 +23,38 @@ DEFAULT_CAPACITY = 65_536  # keys remembered per shard (a key written again take
 
 
 class RecentWrites:
-    """Last write revision per recently written key, with the floor below which it knows nothing."""
+    """Last write revision per recently written key, with the floor below which it knows nothing.
+
+    One ordered map, in order of each key's last write: noting a write and forgetting the
+    oldest are O(1) (a replay notes every record it applies), and since that order is the order
+    of revisions, a span question walks back from the newest write only as far as the revision
+    it asks about: O(keys written since), never the whole index."""
 
     def __init__(self, floor: int = 0, capacity: int = DEFAULT_CAPACITY) -> None:
         assert capacity > 0 and floor >= 0, (capacity, floor)
         self.capacity = capacity
         self.floor = floor  # every write below it may be unknown here
         self._last: collections.OrderedDict[bytes, int] = collections.OrderedDict()  # oldest write first
-        self._sorted: list[bytes] = []  # the same keys in key order (span questions)
+        self._newest = -1  # the largest revision noted: what keeps `_last` in revision order
 
     def reset(self, floor: int) -> None:
         """Forget everything: the replica's state jumped (opened, wiped, a snapshot loaded)."""
         self.floor = floor
         self._last.clear()
-        self._sorted.clear()
+        self._newest = -1
 
     def note(self, keys: Sequence[bytes], revisions: Sequence[int]) -> None:
-        """Records applied: `keys[i]` written at `revisions[i]` (in order)."""
-        last, ordered = self._last, self._sorted
+        """Records applied: `keys[i]` written at `revisions[i]`. A revision below one noted before
+        is noted as that one: never a lower answer, and since reads happen between applies, one
+        apply's writes are all before or all after any read's revision (no answer changes)."""
+        last, newest = self._last, self._newest
         for key, revision in zip(keys, revisions, strict=True):  # bounded by the apply's effects
-            if key in last:
-                last.move_to_end(key)
-            else:
-                bisect.insort(ordered, key)
-            last[key] = revision
+            newest = max(newest, revision)
+            last[key] = newest
+            last.move_to_end(key)
+        self._newest = newest
         while len(last) > self.capacity:  # bounded: one key evicted per key over capacity
-            key, revision = last.popitem(last=False)
-            del ordered[bisect.bisect_left(ordered, key)]
+            _key, revision = last.popitem(last=False)
             self.floor = max(self.floor, revision + 1)
 
     def unchanged_since(self, revision: int, *, keys: Iterable[bytes] = (),
@@ -66,11 +70,10 @@ class RecentWrites:
                 return False
         if span is not None:
             start, end = span
-            ordered = self._sorted
-            at = bisect.bisect_left(ordered, start)
-            stop = len(ordered) if end is None else bisect.bisect_left(ordered, end)
-            for key in ordered[at:stop]:  # bounded by the capacity
-                if last[key] >= revision:
+            for key, written in reversed(last.items()):  # newest first; bounded by the capacity
+                if written < revision:
+                    break  # every older entry was written before too
+                if start <= key and (end is None or key < end):
                     return False
         return True
 

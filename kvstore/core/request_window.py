@@ -125,6 +125,11 @@ class MemoryShard:
     def get(self, key: bytes) -> KeyState | None:
         return self.keys.get(key)
 
+    @property
+    def read_revision(self) -> int:
+        """`ShardStore.read_revision`: the checkpoint, or the assumed marker slot while there is one."""
+        return self.applied_offset if self.unverified is None else self.unverified
+
     def request(self, request_id: str) -> RequestRecord | None:
         return self.requests.get(request_id)
 
@@ -186,7 +191,7 @@ class MemoryShard:
 
     def restarted(self) -> None:
         """The process restarted: what is not durable (`recent`) is gone."""
-        self.recent = RecentWrites(floor=self.applied_offset)
+        self.recent = RecentWrites(floor=self.read_revision)
 
     def rewind_unverified(self) -> bool:
         """`ShardStore.rewind_unverified`: move the checkpoint back over the assumed marker slot."""

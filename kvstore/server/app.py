@@ -102,7 +102,7 @@ class KVService(kv_pb2_grpc.KVServiceServicer):
         return replica, epoch
 
     def _header(self, replica: ShardReplica) -> kv_pb2.ReadHeader:
-        return kv_pb2.ReadHeader(shard=replica.shard, applied_revision=replica.store.applied_offset,
+        return kv_pb2.ReadHeader(shard=replica.shard, applied_revision=replica.store.read_revision,
                                  served_by=self.node.config.node_id)
 
     async def Get(self, request: kv_pb2.GetRequest, context: Any) -> kv_pb2.GetResponse:

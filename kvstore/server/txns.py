@@ -427,7 +427,7 @@ class Transactions:
         except ValueError as exc:  # a condition the validator could not see (e.g. an unknown compare op)
             raise errors.InvalidRequestError(str(exc)) from exc
         replica.unchanged_since(epoch)  # no await since the barrier: the vote and revision are one state
-        return PartRead(vote, replica.store.applied_offset)
+        return PartRead(vote, replica.store.read_revision)
 
     async def validate(self, shard: int, since: int, keys: tuple[bytes, ...],
                        span: tuple[bytes, bytes | None] | None = None) -> bool:

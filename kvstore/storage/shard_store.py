@@ -169,7 +169,7 @@ class ShardStore:
         self.locks = self._stored_locks()
         # Which keys the records applied since this store opened wrote (not stored: a reopened
         # store knows nothing below its checkpoint); what validates an optimistic read.
-        self.recent = RecentWrites(floor=self.applied_offset)
+        self.recent = RecentWrites(floor=self.read_revision)
 
     # ---- opening and rebuilding ----------------------------------------------------------------
 
@@ -273,7 +273,7 @@ class ShardStore:
         self._reopen_pending = None
         self._held = self._held_keys()
         self.locks = LockIndex()
-        self.recent.reset(self.applied_offset)
+        self.recent.reset(self.read_revision)
 
     def _stored_locks(self) -> LockIndex:
         """The prepared table, read whole: bounded by the transactions prepared and not resolved
@@ -303,6 +303,15 @@ class ShardStore:
         if raw is None:
             raise StorageError(f"shard {self.shard}: checkpoint vanished")
         return int(_U64.unpack(raw)[0])
+
+    @property
+    def read_revision(self) -> int:
+        """The revision a read of this state is at: every WAL record below it is applied. The
+        checkpoint, except while a leader's marker slot is assumed (`unverified`): a record that a
+        writer outside the guard slipped into that slot would be applied later, at the slot, so
+        a read claiming the slot would be validated against it too late (T4, `kvstore.core.cut`)."""
+        unverified = self.unverified
+        return self.applied_offset if unverified is None else unverified
 
     @property
     def evicted_through_ms(self) -> int:
@@ -536,6 +545,7 @@ class ShardStore:
         self._db.close()
         self._db = plyvel.DB(str(self.path), **_DB_OPTIONS)
         self._reopen_pending = None
+        self.recent.reset(self.read_revision)  # whatever the failed write left, nothing below is known
 
     def _stored_requests(self) -> Iterator[tuple[int, str, int]]:
         """(revision, request id, leader ms) of the kept ids, oldest first, read lazily: an apply

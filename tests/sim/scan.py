@@ -74,7 +74,7 @@ class ScanShell:
             start, end = span
             part = [key_value(k, key_state) for k, key_state in sorted(store.keys.items())
                     if start <= k and (end is None or k < end)]
-            return part, store.applied_offset
+            return part, store.read_revision
 
         def read(round_: int, shard: int, answer: object) -> None:
             if state["over"] or round_ != state["round"] or shard in rows:

@@ -233,7 +233,7 @@ class TxnShell:
                     vote = txn.evaluate_read_part(read_action.request, read_action.shard, world.shards, store.get)
                 except (errors.StoreError, ValueError) as exc:
                     return exc if isinstance(exc, errors.StoreError) else errors.InvalidRequestError(str(exc))
-                return PartRead(vote, store.applied_offset)
+                return PartRead(vote, store.read_revision)
 
             keys = txn.part_keys(txn.part_of(action.request, action.shard, world.shards))
             self._read(txn_id, driver, action.shard, keys, read_part,

@@ -14,7 +14,9 @@ import pytest
 from kvstore import errors
 from kvstore.core import txn
 from kvstore.core.cut import Answer, Cut, CutConfig, GiveUp, ReadParts, ValidateParts
+from kvstore.core.evaluate import evaluate_put
 from kvstore.core.recent_writes import RecentWrites
+from kvstore.core.request_window import MemoryShard
 from kvstore.core.txn_driver import (
     DriverConfig,
     Finished,
@@ -91,6 +93,35 @@ def test_recent_writes_answers_for_keys_and_spans() -> None:
     assert len(recent) == 0 and not recent.unchanged_since(19) and recent.unchanged_since(20, span=(b"", None))
 
 
+def test_recent_writes_never_answers_lower_than_a_revision_noted_before() -> None:
+    """One apply's effects may come in another order than their revisions (a decision's
+    effects by record id); noted at the highest revision seen so far, a walk back from the newest
+    write can stop at the first one older than the question."""
+    recent = RecentWrites(floor=0)
+    recent.note([b"a", b"b", b"c"], [5, 3, 4])
+    assert not recent.unchanged_since(5, span=(b"b", b"c")) and not recent.unchanged_since(5, keys=[b"c"])
+    recent.note([b"d"], [6])
+    assert recent.unchanged_since(6, span=(b"a", b"d")) and not recent.unchanged_since(6, span=(b"d", None))
+
+
+def test_a_read_while_a_leaders_marker_slot_is_assumed_is_at_the_slot() -> None:
+    """The slot after a leader's own batch is assumed to hold its commit marker. A record that
+    a writer outside the guard put there is applied at the slot after the rewind: a read taken
+    before claims only what lies below the slot, so the validation still sees that record."""
+    store = MemoryShard()
+    entry = evaluate_put(kv.PutRequest(key=b"y", value=b"1"), store.get, 0, 0).entry
+    store.apply([(0, entry.SerializeToString())], 2, unverified=1)
+    read_at_revision = store.read_revision
+    assert read_at_revision == 1 and store.applied_offset == 2
+    assert store.rewind_unverified() and store.read_revision == 1
+    foreign = evaluate_put(kv.PutRequest(key=b"y", value=b"2"), store.get, 0, 1).entry
+    store.apply([(1, foreign.SerializeToString())], 3)
+    assert not store.recent.unchanged_since(read_at_revision, keys=[b"y"])
+    assert not store.recent.unchanged_since(read_at_revision, span=(b"", None))
+    store.restarted()
+    assert store.recent.floor == store.read_revision == 3
+
+
 @pytest.mark.parametrize("seed", range(20))
 def test_recent_writes_equals_a_full_history(seed: int) -> None:
     """Against the whole history of writes: the index never says unchanged when something
@@ -122,7 +153,7 @@ SUM = kv.TxnRequest(request_id="sum-1", success=[get_op(A), get_op(B), get_op(C)
 
 def read_at(shards: list[Any], shard: int, request: kv.TxnRequest = SUM) -> PartRead:
     store = shards[shard].store
-    return PartRead(txn.evaluate_read_part(request, shard, SHARDS, store.get), store.applied_offset)
+    return PartRead(txn.evaluate_read_part(request, shard, SHARDS, store.get), store.read_revision)
 
 
 def test_a_read_only_txn_needs_no_record_when_its_reads_are_a_cut() -> None:
