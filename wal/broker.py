@@ -34,6 +34,7 @@ import socket
 import struct
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
@@ -86,6 +87,14 @@ BROKER_SETTINGS: Mapping[str, str] = {
     "num.partitions": "1",
 }
 
+# The JVM flags of a broker that runs a while (`make up`, benchmarks, the soak): G1 and both JIT
+# tiers, Kafka's own defaults.
+SERVER_JVM_FLAGS: tuple[str, ...] = ("-XX:+UseG1GC",)
+# A broker that lives for a test or a test session: on two shared cores, a fresh JVM spends most
+# of its first ~30 s of CPU compiling with C2 and collecting with G1's threads, which a short-lived
+# broker never earns back (docs/development.md, "Where the suite's time goes", has the
+# measurements). C1 only and the serial collector.
+QUICK_JVM_FLAGS: tuple[str, ...] = ("-XX:+UseSerialGC", "-XX:TieredStopAtLevel=1")
 
 # Secure mode (module docstring).
 ADMIN_USER = "admin"
@@ -221,6 +230,45 @@ def fetch(quiet: bool = True) -> Path:
     return libs
 
 
+def class_archive() -> Path:
+    """Kafka's classes as a started broker loaded them, dumped by the JVM (AppCDS): a JVM mapping
+    it skips loading and verifying ~5 000 classes, about half of a broker's start-up CPU."""
+    return cache_dir() / "broker-classes.jsa"
+
+
+def make_class_archive(timeout_s: float = 120.0) -> Path | None:
+    """Dump `class_archive()` from one throwaway broker start (JDK 13+'s ArchiveClassesAtExit),
+    once per Kafka version. Best effort: a JVM that cannot dump one leaves none, and brokers then
+    start without it; the archive is written under a temporary name and renamed,
+    so a half-written one is never mapped."""
+    archive = class_archive()
+    if archive.exists():
+        return archive
+    partial = archive.with_name(f"{archive.name}.{os.getpid()}.tmp")
+    with tempfile.TemporaryDirectory(prefix="kafka-cds-") as work:
+        broker = LocalKafka(Path(work), jvm_flags=(*QUICK_JVM_FLAGS, f"-XX:ArchiveClassesAtExit={partial}"),
+                            use_class_archive=False)
+        try:
+            broker.start(timeout_s)
+            broker.create_topic("warm-up", 1, timeout_s)
+        except BrokerError:
+            partial.unlink(missing_ok=True)
+            return None
+        finally:
+            broker.stop()  # SIGTERM: the JVM dumps the archive as it exits
+    if not partial.exists():
+        return None
+    os.replace(partial, archive)
+    return archive
+
+
+def _archive_flags() -> list[str]:
+    """Map `class_archive()` when `make kafka` made one. A JVM that finds it does not match (another
+    JDK, other jars) says so in broker.log and starts without it (-Xshare:auto, the default)."""
+    archive = class_archive()
+    return [f"-XX:SharedArchiveFile={archive}"] if archive.exists() else []
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
@@ -261,7 +309,8 @@ class LocalKafka:
     def __init__(self, data_dir: Path, nodes: int = 1, *, heap_mb: int = 512,
                  ports: list[tuple[int, int]] | None = None, secure: bool = False,
                  users: Sequence[str] = (), hosts: Sequence[str] | None = None,
-                 launcher: Callable[[int], list[str]] | None = None) -> None:
+                 launcher: Callable[[int], list[str]] | None = None,
+                 jvm_flags: Sequence[str] = SERVER_JVM_FLAGS, use_class_archive: bool = True) -> None:
         """`secure`: SASL/SCRAM and ACLs (module docstring), with SCRAM users `users` besides
         the admin; a data directory keeps the mode it was formatted with.
 
@@ -274,6 +323,8 @@ class LocalKafka:
         assert hosts is None or len(hosts) == nodes, f"one host per node: {hosts}"
         self.hosts = list(hosts) if hosts is not None else ["127.0.0.1"] * nodes
         self.launcher = launcher
+        self.jvm_flags = tuple(jvm_flags)  # SERVER_JVM_FLAGS, or QUICK_JVM_FLAGS for a short-lived broker
+        self.use_class_archive = use_class_archive  # False only while making the archive
         assert secure or not users, "SCRAM users need secure=True"
         for user in users:
             assert _USER_NAME.match(user), f"user names are [A-Za-z0-9._-], at most 64: {user!r}"
@@ -361,7 +412,7 @@ class LocalKafka:
         self._startup_over.discard(node)
         prefix = self.launcher(node) if self.launcher is not None else []
         cmd = [*prefix, self._java(), f"-Xmx{self.heap_mb}m", f"-Xms{min(self.heap_mb, 256)}m",
-               "-XX:+UseG1GC", "-Djava.awt.headless=true",
+               "-Djava.awt.headless=true", *self.jvm_flags, *(_archive_flags() if self.use_class_archive else []),
                f"-Dlog4j2.configurationFile={self._node_dir(node) / 'log4j2.properties'}",
                "-cp", str(libs_dir() / "*"), "kafka.Kafka", str(self._node_dir(node) / "server.properties")]
         self._procs[node] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
@@ -612,7 +663,8 @@ class LocalKafka:
 
     def _format(self, node: int, cluster_id: str) -> None:
         directory = self._node_dir(node)
-        cmd = [self._java(), "-Xmx256m", "-cp", str(libs_dir() / "*"),
+        cmd = [self._java(), "-Xmx256m", *QUICK_JVM_FLAGS, *(_archive_flags() if self.use_class_archive else []),
+               "-cp", str(libs_dir() / "*"),
                f"-Dlog4j2.configurationFile={directory / 'log4j2.properties'}",
                "kafka.tools.StorageTool", "format", f"--cluster-id={cluster_id}",
                "-c", str(directory / "server.properties"),
@@ -646,6 +698,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "fetch":
         print(fetch(quiet=False))
+        archive = make_class_archive()
+        print(archive if archive is not None else "no class archive (this JVM dumped none): brokers start without one")
         return 0
     kafka = LocalKafka(args.data_dir, args.nodes, secure=args.secure, users=args.user)
     stop = False

@@ -44,7 +44,7 @@ from tests.integration.store_process import REPO, StoreProcess
 from tests.waiting import NotYet, wait_until
 from wal import Reader, ReaderRegistry, RegistryError, Replayer, UnavailableError, delete_below
 from wal.acl import create_acls, wal_grants
-from wal.broker import LocalKafka
+from wal.broker import QUICK_JVM_FLAGS, LocalKafka
 from wal.clients import ClientSecurity, PartitionEnds, client_config, shard_transactional_id
 from wal.record import WriterIdentity, encode
 
@@ -76,7 +76,8 @@ class Secure:
 
 @pytest.fixture(scope="module")
 def secure(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Secure]:
-    kafka = LocalKafka(tmp_path_factory.mktemp("secure-kafka"), secure=True, users=(STORE, PIPELINE, ROGUE))
+    kafka = LocalKafka(tmp_path_factory.mktemp("secure-kafka"), secure=True, users=(STORE, PIPELINE, ROGUE),
+                       jvm_flags=QUICK_JVM_FLAGS)
     kafka.start()
     try:
         cluster = unique("sec").replace("-", "")

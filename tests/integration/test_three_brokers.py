@@ -13,7 +13,7 @@ from tests.conftest import unique
 from tests.integration.helpers import payloads, replay_all, writer
 from tests.waiting import wait_until
 from wal import WalError
-from wal.broker import LocalKafka
+from wal.broker import QUICK_JVM_FLAGS, LocalKafka
 from wal.topic import control_topic, ensure_side_topic, ensure_wal_topic
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
@@ -23,7 +23,7 @@ pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalKafka]:
     """One three-broker cluster for the module (it takes a while to start); each test brings
     back the broker it killed."""
-    kafka = LocalKafka(tmp_path_factory.mktemp("kafka3"), nodes=3, heap_mb=384)
+    kafka = LocalKafka(tmp_path_factory.mktemp("kafka3"), nodes=3, heap_mb=384, jvm_flags=QUICK_JVM_FLAGS)
     kafka.start(timeout_s=120)
     try:
         yield kafka

@@ -18,7 +18,7 @@ from kvstore.client import Client, ShardMap
 from tests.integration.store_process import StoreProcess
 from tests.robustness.net import SUBNET, Member, Network, SmallDisk
 from tests.waiting import wait_until
-from wal.broker import LocalKafka
+from wal.broker import QUICK_JVM_FLAGS, LocalKafka
 
 BROKERS = 3
 NODES = 5
@@ -38,7 +38,9 @@ class SoakCluster:
         members = ([Member(b, f"{SUBNET}.{10 + i}") for i, b in enumerate(self.brokers, start=1)]
                    + [Member(n, f"{SUBNET}.{20 + i}") for i, n in enumerate(self.node_names, start=1)])
         self.net = Network(members)
-        self.kafka = LocalKafka(out / "kafka", nodes=BROKERS, heap_mb=BROKER_HEAP_MB,
+        # QUICK_JVM_FLAGS: every restart a fault causes pays a fresh JVM's compilation again,
+        # on the two cores the five nodes and the workloads need.
+        self.kafka = LocalKafka(out / "kafka", nodes=BROKERS, heap_mb=BROKER_HEAP_MB, jvm_flags=QUICK_JVM_FLAGS,
                                 ports=[(BROKER_PORT, CONTROLLER_PORT)] * BROKERS,
                                 hosts=[self.net.members[b].ip for b in self.brokers],
                                 launcher=lambda n: self.net.launcher(self.brokers[n]))
