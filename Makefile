@@ -2,6 +2,7 @@
 #   make up    - start a local Kafka (KRaft) and three store nodes on loopback; print endpoints and examples
 #   make test  - virtualenv, project + dev tools, Kafka and Spark jars, lint, the whole test suite with a
 #                coverage floor for wal/ and kvstore/core/
+#   make test-core - the pure tests and the simulation only (no broker, no process): after every change
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
@@ -50,7 +51,7 @@ BUF_PEER := proto/kvstore/internal/v1/peer.proto
 BUF_BREAKING = $(BUF) breaking --against '$(BUF_AGAINST)' --against-config buf.yaml --exclude-imports
 buf_class = --config '{"version":"v2","modules":[{"path":"proto"}],"breaking":{"use":["$(1)"]}}'
 
-.PHONY: up up-secure test unit fuzz soak lint proto kafka spark venv bench-quick profile clean
+.PHONY: up up-secure test test-core unit fuzz soak lint proto kafka spark venv bench-quick profile clean
 
 # `make up NODES=5 SHARDS=10 RF=2`: five nodes, ten shards, each on two of them (docs/design.md §9).
 # SHARDS is fixed when the WAL topic is created: a different count needs a fresh .data.
@@ -77,14 +78,19 @@ COV_FLOOR_WAL  ?= 85
 COV_FLOOR_CORE ?= 99
 NOCOV_TESTS    ?= tests/sim
 COV_REPORT      = $(PY) -m coverage report
-# The suite must stay well under 30 minutes on two cores: each run lists its slowest tests.
+# The suite must stay under 20 minutes on two cores, setup included: each run lists its slowest tests.
 DURATIONS      ?= 25
+# pytest-xdist workers (docs/development.md, "Where the suite's time goes"): most tests wait on
+# brokers, sessions and timeouts rather than compute, so three share two cores; tests/conftest.py
+# keeps each file's fixtures on one worker and the heaviest files on one worker between them.
+WORKERS        ?= 3
+XDIST           = $(if $(filter-out 0 1,$(WORKERS)),-n $(WORKERS) --dist loadgroup)
 
 test: venv proto kafka spark lint $(GRPCURL)
 ifeq ($(strip $(PYTEST_ARGS)),)
-	$(PY) -m pytest -q --durations=$(DURATIONS) --cov --cov-report= $(addprefix --ignore=,$(NOCOV_TESTS))
+	$(PY) -m pytest -q $(XDIST) --durations=$(DURATIONS) --cov --cov-report= $(addprefix --ignore=,$(NOCOV_TESTS))
 ifneq ($(strip $(NOCOV_TESTS)),)
-	$(PY) -m pytest -q --durations=$(DURATIONS) $(NOCOV_TESTS)
+	$(PY) -m pytest -q $(XDIST) --durations=$(DURATIONS) $(NOCOV_TESTS)
 endif
 	status=0; \
 	$(COV_REPORT) --include='wal/*' --fail-under=$(COV_FLOOR_WAL) || status=1; \
@@ -121,6 +127,11 @@ soak: venv proto kafka spark
 
 unit: venv proto
 	$(PY) -m pytest -q tests/unit
+
+# What to run after every change: the pure tests and the simulation, no broker, no process of the
+# store (a few minutes on two cores; `make test` is everything, as CI runs it).
+test-core: venv proto
+	$(PY) -m pytest -q $(if $(filter-out 0 1,$(WORKERS)),-n 2) --durations=10 tests/unit tests/sim
 
 lint: venv proto $(BUF)
 	$(VENV)/bin/ruff check .

@@ -1,20 +1,25 @@
-"""Shared fixtures: a real local Kafka broker (never librdkafka's mock cluster)."""
+"""Shared fixtures: a real local Kafka broker (never librdkafka's mock cluster); how `make test`
+spreads the suite over pytest-xdist workers, and the session's summary from all of them."""
 
 from __future__ import annotations
 
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from wal.broker import LocalKafka
+from tests import session_report
+from tests.fuzz import tally as fuzz_tally
+from tests.sim.conftest import summary_line as sim_summary_line
+from wal.broker import QUICK_JVM_FLAGS, LocalKafka
 
 
 @pytest.fixture(scope="session")
 def kafka(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalKafka]:
     """One KRaft node shared by the session; tests use their own topics."""
-    broker = LocalKafka(tmp_path_factory.mktemp("kafka"), nodes=1)
+    broker = LocalKafka(tmp_path_factory.mktemp("kafka"), nodes=1, jvm_flags=QUICK_JVM_FLAGS)
     broker.start()
     try:
         yield broker
@@ -25,7 +30,7 @@ def kafka(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalKafka]:
 @pytest.fixture
 def own_kafka(tmp_path: Path) -> Iterator[LocalKafka]:
     """A broker of the test's own, for tests that restart or kill it."""
-    broker = LocalKafka(tmp_path / "kafka", nodes=1)
+    broker = LocalKafka(tmp_path / "kafka", nodes=1, jvm_flags=QUICK_JVM_FLAGS)
     broker.start()
     try:
         yield broker
@@ -42,3 +47,65 @@ def topic(kafka: LocalKafka) -> str:
     name = unique("wal")
     kafka.create_topic(name, partitions=1)
     return name
+
+
+REPORT_KEY = "session_report"  # workeroutput's key for tests/session_report.py
+
+
+# ---- pytest-xdist: `make test` runs the suite in worker processes (docs/development.md) -------------
+
+# Files whose tests share one worker, in file order, besides keeping each file's module fixtures
+# (a broker, a node, a Spark session) built once: these start three brokers or five nodes, run a
+# campaign or Spark jobs, and two of them at once on two cores starve each other's processes for
+# seconds (sessions expire, leaders move) that their assertions do not budget for.
+HEAVY = "heavy"
+HEAVY_FILES = (
+    "tests/robustness/test_campaign.py",
+    "tests/integration/test_three_brokers.py",
+    "tests/integration/test_placement.py",
+    "tests/integration/test_cluster.py",
+    "tests/integration/test_kafka_security.py",
+    "tests/integration/test_make_up.py",
+    "tests/integration/test_make_up_secure.py",
+    "tests/integration/test_packaging.py",
+)
+PROCESS_DIRS = ("tests/integration/", "tests/pipeline/", "tests/fuzz/", "tests/robustness/")
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the marks (--dist loadgroup)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under `--dist loadgroup`, a test with no group goes to any worker: right for pure tests,
+    wrong for a file whose module fixture would then be built once per worker. Every file that
+    starts processes is one group (the Spark tests one more: one session), the heavy files one."""
+    for item in items:
+        path = item.nodeid.split("::", 1)[0]
+        if path in HEAVY_FILES:
+            item.add_marker(pytest.mark.xdist_group(HEAVY))
+        elif path.startswith("tests/pipeline/"):
+            item.add_marker(pytest.mark.xdist_group("spark"))
+        elif path.startswith(PROCESS_DIRS):
+            item.add_marker(pytest.mark.xdist_group(path))
+
+
+@pytest.hookimpl(trylast=True)  # after the conftests that add to the session's report
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:  # a pytest-xdist worker: ship the tallies to the controller
+        workeroutput[REPORT_KEY] = session_report.shipped()
+        return
+    fuzz_tally.enough_cases(session)
+
+
+@pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook: the controller, as a worker finishes
+def pytest_testnodedown(node: Any, error: Any) -> None:
+    payload = getattr(node, "workeroutput", {}).get(REPORT_KEY)
+    if payload:
+        session_report.received(payload)
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, exitstatus: int) -> None:
+    failed = {report.nodeid.split("::", 1)[0] for report in terminalreporter.stats.get("failed", [])}
+    fuzz_tally.report(terminalreporter, failed=any(path.startswith("tests/fuzz/") for path in failed))
+    line = sim_summary_line()
+    if line is not None:
+        terminalreporter.write_line(line)

@@ -1,15 +1,15 @@
 """Says the fuzz seed and how to replay it when the fuzz tests are collected and in every fuzz
-failure, prints the fuzz tally (tests/fuzz/tally.py) after the session, writes it as JSON when
-FUZZ_REPORT names a file, and fails the session when FUZZ_MIN_CASES is set and fewer cases ran
-(`make fuzz` sets both: a campaign that quietly ran fewer cases than it promises is a failure)."""
+failure, and hands the process's fuzz tally to the session's summary: tests/conftest.py, the one
+conftest the pytest-xdist controller loads, prints it with the tallies of every worker
+(tests/fuzz/tally.py `report`, `enough_cases`)."""
 
 from __future__ import annotations
 
-import os
 from collections.abc import Generator
 
 import pytest
 
+from tests import session_report
 from tests.fuzz import seeding, tally
 
 
@@ -32,28 +32,9 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     return report
 
 
-def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, exitstatus: int) -> None:
-    summary = tally.summary()
-    if not summary["cases"]:
-        return
-    failed = any(_fuzz(report.nodeid) for report in terminalreporter.stats.get("failed", []))
-    terminalreporter.write_sep("-", "fuzz")
-    terminalreporter.write_line(
-        f"{summary['cases']} cases over {summary['methods']} RPCs; answers {summary['by_code']}; "
-        f"requests by size {summary['by_size']}; "
-        f"node alive after each of {summary['alive_checks']}, state unchanged after each of "
-        f"{summary['state_checks']} refused or read-only cases"
-        + ("" if not failed else "; SOME CHECK FAILED (see above)"))
-    if not failed:
-        terminalreporter.write_line("0 crashes, 0 state changes")
-    terminalreporter.write_line(f"inputs sha256 {str(summary['inputs_sha256'])[:16]}; "
-                                + seeding.replay_line(seeding.SESSION_SEED, seeding.CASES))
-    tally.write()
-
-
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    wanted = int(os.environ.get("FUZZ_MIN_CASES", "0"))
-    ran = int(tally.summary()["cases"])  # type: ignore[call-overload]
-    if wanted and ran < wanted and session.exitstatus == 0:
-        print(f"\nfuzz: only {ran} cases ran, fewer than FUZZ_MIN_CASES={wanted}")
-        session.exitstatus = 1
+    """Hand this process's tally to the session's summary (tests/conftest.py prints it, checks
+    FUZZ_MIN_CASES and writes FUZZ_REPORT: under pytest-xdist that is the controller, which runs
+    no test)."""
+    if tally.cases:
+        session_report.add(tally.SESSION_REPORT_NAME, tally.summary())

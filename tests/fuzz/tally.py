@@ -11,8 +11,14 @@ import hashlib
 import json
 import os
 from pathlib import Path
+from typing import Any
 
+import pytest
+
+from tests import session_report
 from tests.fuzz import seeding
+
+SESSION_REPORT_NAME = "fuzz_tally"  # each process's summary() in tests/session_report.py
 
 cases: collections.Counter[tuple[str, str, str]] = collections.Counter()
 zones: collections.Counter[str] = collections.Counter()
@@ -65,7 +71,38 @@ def summary() -> dict[str, object]:
             "inputs_sha256": inputs_digest(), "inputs_by_test": inputs()}
 
 
-def write(path: str | None = None) -> None:
-    target = path or os.environ.get("FUZZ_REPORT")
+def session_total() -> dict[str, Any] | None:
+    """The session's tally, over every process that ran fuzz tests."""
+    return session_report.merged_fuzz(session_report.items(SESSION_REPORT_NAME))
+
+
+def report(terminalreporter: pytest.TerminalReporter, failed: bool) -> None:
+    """The session's tally after its tests (`failed`: some fuzz test failed); FUZZ_REPORT names
+    a file for it as JSON."""
+    total = session_total()
+    if total is None:
+        return
+    terminalreporter.write_sep("-", "fuzz")
+    terminalreporter.write_line(
+        f"{total['cases']} cases over {total['methods']} RPCs; answers {total['by_code']}; "
+        f"requests by size {total['by_size']}; "
+        f"node alive after each of {total['alive_checks']}, state unchanged after each of "
+        f"{total['state_checks']} refused or read-only cases"
+        + ("" if not failed else "; SOME CHECK FAILED (see above)"))
+    if not failed:
+        terminalreporter.write_line("0 crashes, 0 state changes")
+    terminalreporter.write_line(f"inputs sha256 {str(total['inputs_sha256'])[:16]}; "
+                                + seeding.replay_line(seeding.SESSION_SEED, seeding.CASES))
+    target = os.environ.get("FUZZ_REPORT")
     if target:
-        Path(target).write_text(json.dumps(summary(), indent=2) + "\n")
+        Path(target).write_text(json.dumps(total, indent=2) + "\n")
+
+
+def enough_cases(session: pytest.Session) -> None:
+    """A campaign that quietly ran fewer cases than it promises (FUZZ_MIN_CASES) fails."""
+    wanted = int(os.environ.get("FUZZ_MIN_CASES", "0"))
+    total = session_total()
+    ran = int(total["cases"]) if total is not None else 0
+    if wanted and ran < wanted and session.exitstatus == 0:
+        print(f"\nfuzz: only {ran} cases ran, fewer than FUZZ_MIN_CASES={wanted}")
+        session.exitstatus = 1
