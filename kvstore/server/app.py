@@ -52,10 +52,9 @@ from kvstore.server import auth, config, forward, shardmap
 from kvstore.server import txns as txns_module
 from kvstore.server.config import NodeConfig
 from kvstore.server.interceptor import ErrorInterceptor
-from kvstore.server.node import Node
+from kvstore.server.node import PEER_TIMEOUT_S, Node
 from kvstore.server.peers import Peers
 from kvstore.server.replica import ShardReplica
-from kvstore.server.txns import Transactions
 from kvstore.server.watch import Watcher, decode_changes
 from kvstore.v1 import cluster_pb2, cluster_pb2_grpc, kv_pb2, kv_pb2_grpc
 
@@ -63,7 +62,6 @@ log = logging.getLogger("kvstore.server")
 
 STALE_WAIT_DEFAULT_S = 5.0
 MAX_IO_THREADS = 512
-PEER_TIMEOUT_S = 0.5  # ShardMap fan-out: a node that does not answer within this is left out
 FORWARD_TIMEOUT_S = 10.0  # a forwarded scan part, when the caller set no shorter deadline
 SCAN_CUT = CutConfig()  # a linearizable multi-shard page: read at most this many times before UNAVAILABLE
 
@@ -547,7 +545,7 @@ class ClusterService(cluster_pb2_grpc.ClusterServiceServicer):
         local = await local_view(self.node)
         me = self.node.config.node_id
         addresses = sorted({a for node_id, a in self.node.view.members.items() if a and node_id != me})
-        answers = await asyncio.gather(*(self._peer_view(address) for address in addresses))
+        answers = await asyncio.gather(*(self.node.peer_report(address) for address in addresses))
         assigned = {shard: (leader, self.node.leader_address(shard)) for shard in range(self.node.config.shards)
                     if (leader := self.node.leader_id(shard))}
         return shardmap.merge(local, [a for a in answers if a is not None], assigned, self.node.placement)
@@ -660,11 +658,6 @@ class ClusterService(cluster_pb2_grpc.ClusterServiceServicer):
                     "unpinned" if request.unpin else f"pinned to {', '.join(pinned[request.shard])}")
         return cluster_pb2.MoveShardResponse(changes=_changes(moves))
 
-    async def peer_view(self, address: str) -> cluster_pb2.ShardMapResponse | None:
-        """The node at `address` describing itself (LocalShardView), or None if it did not answer
-        within PEER_TIMEOUT_S."""
-        return await self._peer_view(address)
-
     async def ListPreparedTransactions(self, request: cluster_pb2.ListPreparedTransactionsRequest,
                                        context: Any) -> cluster_pb2.ListPreparedTransactionsResponse:
         if request.older_than_ms < 0:
@@ -718,16 +711,6 @@ class ClusterService(cluster_pb2_grpc.ClusterServiceServicer):
                 return address, None
 
         return list(await asyncio.gather(*(one(a) for a in addresses)))
-
-    async def _peer_view(self, address: str) -> cluster_pb2.ShardMapResponse | None:
-        try:
-            reply = await self.peers.peer(address).LocalShardView(peer_pb2.LocalShardViewRequest(),
-                                                                  timeout=PEER_TIMEOUT_S)
-        except grpc.RpcError as exc:
-            log.debug("peer %s did not describe itself: %s", address, exc)
-            return None
-        assert isinstance(reply, peer_pb2.LocalShardViewResponse)
-        return reply.view
 
 
 def _changes(moves: list[tuple[int, tuple[str, ...], tuple[str, ...]]]) -> list[cluster_pb2.PlacementChange]:
@@ -885,7 +868,8 @@ async def serve(config: NodeConfig, ready: Callable[[str], None] | None = None) 
         security = auth.load(config)  # TLS, who may call what, how to call the peers (docs/security.md)
     except ValueError as exc:
         raise SystemExit(f"kvstore serve: {exc}") from exc
-    node = Node(config)
+    peers = Peers(security.peer_credentials)
+    node = Node(config, peers)
     # gRPC binds with SO_REUSEPORT by default: a second process on the same address would share
     # its connections with the first without a word (two nodes answering as one). Refuse instead.
     # Every RPC passes the one interceptor: it authorizes, decodes, maps errors to rich status, counts.
@@ -893,12 +877,9 @@ async def serve(config: NodeConfig, ready: Callable[[str], None] | None = None) 
                              options=[("grpc.max_receive_message_length", limits.GRPC_MAX_MESSAGE_BYTES),
                                       ("grpc.max_send_message_length", limits.GRPC_MAX_MESSAGE_BYTES),
                                       ("grpc.so_reuseport", 0)])
-    peers = Peers(security.peer_credentials)
-    node.txns = Transactions(node, peers)
     kv_service = KVService(node, peers)
     kv_pb2_grpc.add_KVServiceServicer_to_server(kv_service, server)  # type: ignore[no-untyped-call]
     cluster_service = ClusterService(node, peers)
-    node.peer_view = cluster_service.peer_view  # the node's view of the shards: every member's report of itself
     cluster_pb2_grpc.add_ClusterServiceServicer_to_server(cluster_service, server)  # type: ignore[no-untyped-call]
     # Internal, on the same port (peer.proto): left out of reflection, which lists the API.
     peer_pb2_grpc.add_PeerServiceServicer_to_server(PeerService(node, kv_service), server)  # type: ignore[no-untyped-call]
@@ -938,7 +919,6 @@ async def serve(config: NodeConfig, ready: Callable[[str], None] | None = None) 
     except wal.WalError:  # the WAL topic is wrong or the brokers unreachable: nothing to serve
         await server.stop(grace=None)
         raise
-    node.txns.start()
     health_task = asyncio.create_task(_health_loop(node, health_servicer, stop))
     log.info("serving", extra={"event": "serving", "address": address, "node": config.node_id,
                                "shards": config.shards, "topic": config.wal_topic, "security": security.mode})
@@ -949,7 +929,6 @@ async def serve(config: NodeConfig, ready: Callable[[str], None] | None = None) 
     # Stop taking new RPCs (in-flight ones, waiting on commits, get the grace period) and at the
     # same time hand the shards over: the other nodes take them while this one drains.
     stopping = asyncio.create_task(server.stop(grace=10))
-    await node.txns.stop()
     await node.stop()
     await stopping
     await health_task
