@@ -117,7 +117,7 @@ WORKDIR /data
 # Fail the build, not the first start, if a module or a generated stub is missing, or if the
 # pipeline's jars are incomplete or stale (`jars path` would have to rebuild them, and this stage
 # has no Maven: it fails).
-RUN python -c "import kvstore.server.app, kvstore.cli, kvstore.v1.kv_pb2_grpc, wal.v1.record_pb2, kvstore.pipeline.session" \
+RUN python -c "import kvstore.server.main, kvstore.cli, kvstore.v1.kv_pb2_grpc, wal.v1.record_pb2, kvstore.pipeline.session" \
     && kvstore serve --help > /dev/null \
     && kvstore snapshot --help > /dev/null \
     && java -version \

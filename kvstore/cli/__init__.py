@@ -11,7 +11,7 @@
          [--min-revision SHARD:REV]...
     watch [KEY | --prefix P] [--from REV]
     shards
-    serve ARGS...            (runs kvstore.server.app.main(ARGS))
+    serve ARGS...            (runs kvstore.server.main.main(ARGS))
 
 The common options are accepted before or after the command. `--endpoints` defaults to
 $KVSTORE_ENDPOINTS, else 127.0.0.1:50051. A secure cluster (docs/security.md): `--ca FILE`

@@ -47,7 +47,7 @@ def serve(argv: list[str]) -> int:
     """Run a server node. Imported only here: the server pulls in Kafka and LevelDB, which the
     client commands never need."""
     try:
-        server = importlib.import_module("kvstore.server.app")
+        server = importlib.import_module("kvstore.server.main")
     except ImportError as exc:
         print(f"kvstore: cannot start the server: {exc}. A node needs the server extra: "
               "pip install 'kvstore[server]'", file=sys.stderr)

@@ -225,7 +225,7 @@ def _wait_flags(p: argparse.ArgumentParser) -> None:
 def serve_argv(argv: Sequence[str]) -> list[str] | None:
     """The server's arguments when the command is `serve`, else None.
 
-    `serve` is split off before argparse: its arguments belong to `kvstore.server.app`, whose options
+    `serve` is split off before argparse: its arguments belong to `kvstore.server.main`, whose options
     this parser does not know (argparse's REMAINDER would still choke on a leading `--option`).
     """
     i = 0

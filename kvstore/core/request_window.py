@@ -34,9 +34,10 @@ import dataclasses
 from collections.abc import Callable, Iterator, Sequence
 
 from kvstore import limits
+from kvstore.core.delta import store_delta
 from kvstore.core.locks import LockIndex
 from kvstore.core.recent_writes import RecentWrites
-from kvstore.core.state import Applied, DecidedTxn, KeyState, RequestRecord, apply_entries
+from kvstore.core.state import Applied, DecidedTxn, KeyState, RequestRecord
 from wal.offsets import past_marker
 
 StoredRow = tuple[int, str, int]  # (revision, request id, leader unix ms) of an id kept before this apply
@@ -149,20 +150,15 @@ class MemoryShard:
 
     def apply(self, records: Sequence[tuple[int, bytes]], new_checkpoint: int, *,
               unverified: int | None = None) -> Applied:
-        """Accepted WAL records (offset, payload) and the new checkpoint, all at once (W5);
-        `unverified` as in `ShardStore.apply` (a leader's own commit: its marker slot assumed)."""
-        assert unverified is None or unverified == new_checkpoint - 1, "only the marker's slot is unverified"
-        assert new_checkpoint >= self.applied_offset, (new_checkpoint, self.applied_offset)
-        assert all(self.applied_offset <= offset < new_checkpoint for offset, _ in records)
+        """`ShardStore.apply` in memory: the same `kvstore.core.delta.store_delta`, written to
+        dicts, so that the simulation checks the apply a node runs."""
         window = RequestWindow(
             contains=self.requests.__contains__,
             stored_oldest_first=((r.revision, r.request_id, r.leader_unix_ms) for r in list(self.requests.values())),
             count=len(self.requests), evicted_through_ms=self.evicted_through_ms, limit=self.max_request_ids,
             horizon_ms=self.request_id_horizon_ms)
-        applied = apply_entries(self.get, window.seen, records, on_request=window.add,
-                                on_leader_time=window.forget_older, prepared=self.locks.prepared_txn,
-                                decided=self.decisions.get)
-        self.locks.change(applied.prepared)
+        delta = store_delta(self, window, records, new_checkpoint, unverified=unverified)
+        applied = delta.applied
         for txn_id, decided in applied.decided.items():
             if decided is None:
                 self.decisions.pop(txn_id, None)
@@ -173,20 +169,19 @@ class MemoryShard:
                 self.keys.pop(key, None)
             else:
                 self.keys[key] = state
-        self.recent.note(applied.changed[0], applied.changed[2])
-        for _revision, rid in window.evicted_stored:
+        for _revision, rid in delta.forgotten:
             del self.requests[rid]
-        # In (revision, id) order, as LevelDB keeps them: two ids recorded at one revision (a
-        # decision's and its client's) must be forgotten in the same order as the store does.
-        for rid, request in sorted(window.added.items(), key=lambda item: (item[1].revision, item[0])):
-            self.requests[rid] = request
-        assert len(self.requests) == window.count, (len(self.requests), window.count)
-        self.evicted_through_ms = window.evicted_through_ms
-        if unverified is not None:
-            self.unverified = unverified
-        elif new_checkpoint > self.applied_offset:
+        for request in delta.remembered:
+            self.requests[request.request_id] = request
+        assert len(self.requests) == delta.request_count, (len(self.requests), delta.request_count)
+        self.evicted_through_ms = delta.evicted_through_ms
+        if delta.mark_unverified is not None:
+            self.unverified = delta.mark_unverified
+        elif delta.clear_unverified:
             self.unverified = None
-        self.applied_offset = new_checkpoint
+        self.applied_offset = delta.checkpoint
+        self.locks.change(applied.prepared)
+        self.recent.note(applied.changed[0], applied.changed[2])
         return applied
 
     def restarted(self) -> None:

@@ -2,6 +2,6 @@
 
 import sys
 
-from kvstore.server.app import main
+from kvstore.server.main import main
 
 sys.exit(main())

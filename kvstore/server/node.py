@@ -20,9 +20,9 @@ import functools
 import logging
 import shutil
 import time
-from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+
+import grpc
 
 import wal
 import wal.control
@@ -31,18 +31,18 @@ from kvstore.core import placement
 from kvstore.core.placement import Act, Hold, ShardFacts, ShardHold
 from kvstore.core.role import Role
 from kvstore.core.sharding import shard_of
+from kvstore.internal.v1 import peer_pb2
 from kvstore.server import cluster_view
 from kvstore.server.clock import process_clock
 from kvstore.server.cluster_view import View
 from kvstore.server.config import NodeConfig, ReplicaConfig
 from kvstore.server.leadership import ShardLeadership
 from kvstore.server.metrics import Metrics
+from kvstore.server.peers import Peers
 from kvstore.server.replica import ShardReplica
+from kvstore.server.txns import Transactions
 from kvstore.v1 import cluster_pb2
 from wal.membership import GroupMember
-
-if TYPE_CHECKING:
-    from kvstore.server.txns import Transactions
 
 log = logging.getLogger(__name__)
 # The wall clock of every replica of this process: the system's, or the tests' offset seam
@@ -55,6 +55,7 @@ SHARD_DIR_PREFIX = "shard-"
 _REPLICA_STATES = {Hold.LEARNING: cluster_pb2.REPLICA_STATE_LEARNER, Hold.SERVING: cluster_pb2.REPLICA_STATE_REPLICA,
                    Hold.RETIRING: cluster_pb2.REPLICA_STATE_RETIRING}
 CONTROL_POLL_S = 0.5
+PEER_TIMEOUT_S = 0.5  # a peer's report of itself: a node that does not answer within this is left out
 
 
 def shard_dir(data_dir: Path, shard: int) -> Path:
@@ -77,8 +78,12 @@ def directory_bytes(path: Path) -> int:
 
 
 class Node:
-    def __init__(self, config: NodeConfig) -> None:
+    def __init__(self, config: NodeConfig, peers: Peers) -> None:
+        """`peers`: the channels to the other nodes, which placement asks for their reports and
+        cross-shard transactions send their records through; built by the caller, which closes
+        them after `stop`, since the services forward over the same channels."""
         self.config = config
+        self.peers = peers
         self.metrics = Metrics()
         self.replicas: dict[int, ShardReplica] = {}
         self.holds: dict[int, ShardHold] = {}
@@ -93,15 +98,13 @@ class Node:
         self._unable: dict[int, str] = {}  # shard -> why its replica cannot lead now
         self._membership: GroupMember | None = None
         self._tasks: list[asyncio.Task[None]] = []
-        # How to ask another node for its report of itself (set by kvstore.server.app: the peer
-        # service's LocalShardView over the node's channels); None: no peers asked.
-        self.peer_view: Callable[[str], Awaitable[cluster_pb2.ShardMapResponse | None]] | None = None
         self._stale = asyncio.Event()  # a rebalance happened: describe again at once
         self._started_s = time.monotonic()
         self._ready_once = False  # serving() said yes once: learners no longer take the node out
         self.address = config.address
-        # Cross-shard transactions: set by kvstore.server.app, which has the peers' channels.
-        self.txns: Transactions
+        # Cross-shard transactions: built here, so that every replica's `resolve_now` finds them
+        # from the first one opened; their background round runs between `start` and `stop`.
+        self.txns = Transactions(self, peers)
 
     # ---- life ----------------------------------------------------------------------------------
 
@@ -130,10 +133,13 @@ class Node:
                 self.holds[shard] = ShardHold(Hold.LEARNING, self._now_ms())
             self._tasks.append(asyncio.create_task(self._place_loop(), name="placement"))
         self._tasks.append(asyncio.create_task(self._refresh_ends(), name="partition-ends"))
+        self.txns.start()
 
     async def stop(self) -> None:
-        """Hand leadership over first (batches in flight finish, the groups reassign at once),
-        then leave the membership group and stop the replicas."""
+        """Let the cross-shard transactions under way finish (each is bounded), then hand
+        leadership over (batches in flight finish, the groups reassign at once), then leave the
+        membership group and stop the replicas."""
+        await self.txns.stop()
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -186,11 +192,21 @@ class Node:
 
     async def _peer_reports(self, members: dict[str, str]) -> list[cluster_pb2.ShardMapResponse]:
         """Every other member's report of itself (PeerService.LocalShardView), those that answer."""
-        if self.peer_view is None:
-            return []
         addresses = sorted({a for node_id, a in members.items() if a and node_id != self.config.node_id})
-        answers = await asyncio.gather(*(self.peer_view(address) for address in addresses))
+        answers = await asyncio.gather(*(self.peer_report(address) for address in addresses))
         return [answer for answer in answers if answer is not None]
+
+    async def peer_report(self, address: str) -> cluster_pb2.ShardMapResponse | None:
+        """The node at `address` describing itself (its `local_view`), or None if it did not
+        answer within PEER_TIMEOUT_S: one slow peer must not hold up placement or the shard map."""
+        try:
+            reply = await self.peers.peer(address).LocalShardView(peer_pb2.LocalShardViewRequest(),
+                                                                  timeout=PEER_TIMEOUT_S)
+        except grpc.RpcError as exc:
+            log.debug("peer %s did not describe itself: %s", address, exc)
+            return None
+        assert isinstance(reply, peer_pb2.LocalShardViewResponse)
+        return reply.view
 
     async def _place(self) -> None:
         """One round: place every shard over the live members and take each shard's next step."""
@@ -294,10 +310,8 @@ class Node:
             log.info("shard %d: dropped its replica (%s removed)", shard, path)
 
     def _resolve_now(self, txn_ids: tuple[str, ...]) -> None:
-        txns = getattr(self, "txns", None)  # set once the node serves (kvstore.server.app)
-        if txns is not None:
-            for txn_id in txn_ids:
-                txns.resolve_in_doubt(only=txn_id)
+        for txn_id in txn_ids:
+            self.txns.resolve_in_doubt(only=txn_id)
 
     def _open(self, shard: int, *, standby: bool) -> ShardReplica:
         assert shard not in self.replicas, shard

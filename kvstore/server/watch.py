@@ -1,17 +1,34 @@
-"""Watch streams on a node: the bounded queue each stream reads, and WAL history as changes.
+"""Watch streams on a node: the bounded queue each stream reads, WAL history as changes, and
+the streams the KV and peer services serve (`Watches`).
 
 A replica offers every change it applies (live) to its watchers; a Watch from an older revision
 first reads the WAL's history (`decode_changes`) up to where live changes take over
 (`Watcher.live_from`), so a stream sees each change once and in order (docs/api.md, Watch).
+A watch over shards this node does not all hold is one part per node, merged here.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+import grpc
+import grpc.aio
 
 import wal
-from kvstore import limits
+from kvstore import errors, limits
+from kvstore.core import reads, validation
+from kvstore.core.evaluate import key_value
 from kvstore.core.state import Change, ChangeType, KeyState, decode_entry, effect_key
+from kvstore.internal.v1 import peer_pb2
+from kvstore.server import routing
+from kvstore.v1 import kv_pb2
+
+if TYPE_CHECKING:
+    from kvstore.server.node import Node
+    from kvstore.server.peers import Peers
+    from kvstore.server.replica import ShardReplica
 
 
 class Watcher:
@@ -70,3 +87,175 @@ def decode_changes(records: list[wal.AcceptedRecord]) -> list[Change]:
             else:
                 out.append(Change(ChangeType.DELETE, key, None, rec.offset))
     return out
+
+
+class Watches:
+    """The Watch streams this node serves: a client's (KVService.Watch), over any shards, and the
+    parts other nodes ask of it (PeerService.WatchShards), over shards it holds."""
+
+    def __init__(self, node: Node, peers: Peers) -> None:
+        self.node = node
+        self.peers = peers
+
+    async def watch(self, request: kv_pb2.WatchRequest,
+                    context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[kv_pb2.WatchResponse]:
+        if not request.prefix:
+            validation.check_key(request.key)
+        shards = [self.node.shard_for(request.key)] if not request.prefix else list(range(self.node.config.shards))
+        starts = reads.watch_starts(request, shards, self.node.config.shards)
+        local = [s for s in shards if self.node.holds_shard(s)]
+        if len(local) == len(shards):
+            async for event in self.here(request, shards, starts, context):
+                yield event
+            return
+        async for event in self._spread(request, shards, starts, context):
+            yield event
+
+    async def here(self, request: kv_pb2.WatchRequest, shards: list[int], starts: dict[int, int],
+                   context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[kv_pb2.WatchResponse]:
+        """The watch over `shards`, every one of which this node holds (NotHeldError otherwise)."""
+        watching = sum(len(r.watchers) for r in self.node.replicas.values())
+        if watching >= limits.MAX_WATCHERS:
+            raise errors.OverloadedError(f"{watching} watches open; limit MAX_WATCHERS is {limits.MAX_WATCHERS}")
+        replicas = [self.node.replica(s) for s in shards]
+        for replica in replicas:  # before the watch is registered: a clean refusal, nothing started
+            if replica.shard in starts:
+                await _check_history(replica, starts[replica.shard])
+        watcher = Watcher(request.key, request.prefix)
+        for replica in replicas:
+            watcher.register(replica.shard, replica.store.applied_offset, starts.get(replica.shard))
+            replica.watchers.add(watcher)
+        try:
+            # Registered: every change applied from here on reaches the queue. Saying so lets a
+            # caller start writing without sleeping first, and tells it the watch is not lost.
+            yield kv_pb2.WatchResponse(type=kv_pb2.WatchResponse.TYPE_CREATED)
+            for replica in replicas:
+                if replica.shard in starts:
+                    async for event in _history(replica, watcher, starts[replica.shard]):
+                        yield event
+            while True:
+                item = await watcher.queue.get()
+                if item is None:
+                    if watcher.overflowed:
+                        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                            f"watcher fell {limits.WATCH_QUEUE_EVENTS} events behind "
+                                            "(WATCH_QUEUE_EVENTS); watch again from the last revision seen")
+                    if watcher.ended_why is not None:
+                        raise errors.UnavailableError(f"{watcher.ended_why}; watch again from the last revision seen")
+                    return
+                shard, change = item
+                yield _event(shard, change)
+        finally:
+            for replica in replicas:
+                replica.watchers.discard(watcher)
+
+    async def _spread(self, request: kv_pb2.WatchRequest, shards: list[int], starts: dict[int, int],
+                      context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[kv_pb2.WatchResponse]:
+        """A watch over shards this node does not all hold: one part per node (this one for the
+        shards it holds, PeerService.WatchShards on a leader or replica for the others), merged
+        into one stream; TYPE_CREATED once every part is registered. Order holds per shard, as it
+        does on one node. A part that ends ends the watch: UNAVAILABLE, watch again from the last
+        revision seen (nothing is lost, nothing repeats)."""
+        local, remote = routing.plan(self.node, shards, kv_pb2.CONSISTENCY_STALE)
+        parts: list[AsyncIterator[kv_pb2.WatchResponse]] = []
+        if local:
+            parts.append(self.here(request, local, {s: starts[s] for s in local if s in starts}, context))
+        for address, group in remote.items():
+            parts.append(self._remote(address, request, group, starts))
+        queue: asyncio.Queue[kv_pb2.WatchResponse | Exception | None] = asyncio.Queue(limits.WATCH_QUEUE_EVENTS)
+        created = 0
+
+        async def pump(part: AsyncIterator[kv_pb2.WatchResponse]) -> None:
+            try:
+                async for event in part:
+                    await queue.put(event)
+                await queue.put(None)
+            # The watch ends with any error of a part. Not a cancellation: that propagates, since
+            # nobody reads the queue any more and a put could wait forever.
+            except Exception as exc:
+                await queue.put(exc)
+
+        tasks = [asyncio.create_task(pump(part)) for part in parts]
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, errors.StoreError):
+                    raise item
+                if isinstance(item, grpc.aio.AioRpcError):
+                    raise errors.UnavailableError(f"a part of this watch served by another node ended "
+                                                  f"({item.code().name}: {item.details()}); watch again from the "
+                                                  "last revision seen") from item
+                if item is None or isinstance(item, Exception):
+                    raise errors.UnavailableError("a part of this watch served by another node ended; watch again "
+                                                  "from the last revision seen")
+                if item.type == kv_pb2.WatchResponse.TYPE_CREATED:
+                    created += 1
+                    if created == len(parts):
+                        yield item
+                    continue
+                yield item
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _remote(self, address: str, request: kv_pb2.WatchRequest, shards: list[int],
+                      starts: dict[int, int]) -> AsyncIterator[kv_pb2.WatchResponse]:
+        watch = kv_pb2.WatchRequest(key=request.key, prefix=request.prefix)
+        if len(shards) == 1 and not request.prefix and shards[0] in starts:
+            watch.start_revision = starts[shards[0]]
+        else:
+            watch.start_revisions.extend(kv_pb2.ShardRevision(shard=s, revision=starts[s]) for s in shards
+                                         if s in starts)
+        self.node.metrics.forwarded.labels(method="Watch.part").inc()
+        stream = self.peers.peer(address).WatchShards(peer_pb2.WatchShardsRequest(watch=watch, shards=shards))
+        async for reply in stream:
+            yield reply.event
+
+
+async def _check_history(replica: ShardReplica, start: int) -> None:
+    """Refuse a watch whose history starts below the shard's log start (truncated: etcd's
+    ErrCompacted), instead of finding out after TYPE_CREATED. UNAVAILABLE if the log start
+    cannot be read now."""
+    config = replica.config
+    try:
+        log_start = await asyncio.to_thread(replica.ends.log_start, config.topic, replica.shard)
+    except Exception as exc:  # librdkafka's error: the broker is away; the watch may be retried
+        raise errors.UnavailableError(f"shard {replica.shard}: cannot read the WAL's log start for the watch's "
+                                      f"history: {exc}") from exc
+    if start < log_start:
+        raise errors.CompactedError(replica.shard, start, log_start)
+
+
+async def _history(replica: ShardReplica, watcher: Watcher, start: int) -> AsyncIterator[kv_pb2.WatchResponse]:
+    """Changes in [start, live_from) of one shard, read back from the WAL. A truncation that
+    races the watch (the log start passed `start` after `_check_history`) ends the stream
+    with the same OUT_OF_RANGE."""
+    end = watcher.live_from[replica.shard]
+    if start >= end:
+        return
+    config = replica.config
+    replayer = await asyncio.to_thread(lambda: wal.Replayer(config.bootstrap_servers, config.topic, replica.shard,
+                                                            start, security=config.kafka_security))
+    try:
+        while replayer.position < end:
+            try:
+                records = await asyncio.to_thread(replayer.poll_once, 0.5)
+            except wal.OffsetOutOfRangeError as exc:
+                if exc.below_start:
+                    raise errors.CompactedError(replica.shard, replayer.position, exc.log_start) from exc
+                raise errors.UnavailableError(f"shard {replica.shard}: watch history: {exc}") from exc
+            for change in decode_changes([r for r in records if r.offset < end]):
+                if watcher.matches(change.key):
+                    yield _event(replica.shard, change)
+    finally:
+        await asyncio.to_thread(replayer.close)
+
+
+def _event(shard: int, change: Change) -> kv_pb2.WatchResponse:
+    if change.type is ChangeType.PUT:
+        assert change.state is not None
+        return kv_pb2.WatchResponse(type=kv_pb2.WatchResponse.TYPE_PUT, kv=key_value(change.key, change.state),
+                                    shard=shard)
+    return kv_pb2.WatchResponse(type=kv_pb2.WatchResponse.TYPE_DELETE,
+                                kv=kv_pb2.KeyValue(key=change.key, mod_revision=change.revision), shard=shard)

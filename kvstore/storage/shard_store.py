@@ -48,10 +48,11 @@ from pathlib import Path
 
 import plyvel
 
+from kvstore.core.delta import store_delta
 from kvstore.core.locks import LockIndex
 from kvstore.core.recent_writes import RecentWrites
 from kvstore.core.request_window import RequestWindow
-from kvstore.core.state import Applied, DecidedTxn, KeyState, PreparedTxn, RequestRecord, apply_entries
+from kvstore.core.state import Applied, DecidedTxn, KeyState, PreparedTxn, RequestRecord
 from kvstore.internal.v1 import wal_entry_pb2
 from kvstore.limits import MAX_REQUEST_IDS, REQUEST_ID_HORIZON_MS
 from wal.offsets import past_marker
@@ -453,27 +454,16 @@ class ShardStore:
 
     def apply(self, records: Sequence[tuple[int, bytes]], new_checkpoint: int, *, sync: bool = False,
               unverified: int | None = None) -> Applied:
-        """Apply accepted WAL records (offset, payload) and move the checkpoint, atomically (W5).
-
-        `unverified`: the leader's own commit, whose marker slot (new_checkpoint - 1) was assumed,
-        not read; it is remembered until a later apply moves the checkpoint on (a replay read the
-        slot, or the leader's next batch landed right after it, which proves the marker there)."""
-        assert unverified is None or unverified == new_checkpoint - 1, "only the marker's slot is unverified"
+        """Apply accepted WAL records (offset, payload) and move the checkpoint, atomically (W5):
+        the change is `kvstore.core.delta.store_delta`'s, shared with the simulation's
+        `MemoryShard`; here it is only written, in one LevelDB write batch."""
         self._reopen_if_room()  # before any read: a reopen that failed left the handle closed
-        current = self.applied_offset
-        assert new_checkpoint >= current, f"checkpoint would go back from {current} to {new_checkpoint}"
-        # The ends suffice: apply_entries refuses records out of order before anything is written
-        # (a check per record cost ~0.1 µs of a replay's few).
-        assert not records or (current <= records[0][0] and records[-1][0] < new_checkpoint), (
-            f"records outside [{current}, {new_checkpoint})"
-        )
         window = RequestWindow(contains=lambda rid: self._db.get(_REQUEST + rid.encode()) is not None,
                                stored_oldest_first=self._stored_requests(), count=self.request_count,
                                evicted_through_ms=self.evicted_through_ms, limit=self.max_request_ids,
                                horizon_ms=self.request_id_horizon_ms)
-        applied = apply_entries(self.get, window.seen, records, on_request=window.add,
-                                on_leader_time=window.forget_older, prepared=self.locks.prepared_txn,
-                                decided=self.decided_txn)
+        delta = store_delta(self, window, records, new_checkpoint, unverified=unverified)
+        applied = delta.applied
         held = self._held
         if held is not None and held.full:
             held = self._held = None
@@ -489,11 +479,11 @@ class ShardStore:
                 batch.put(_DATA + key, state.encode())
             if held is not None:
                 held.added += len(applied.writes)
-            for revision, evicted in window.evicted_stored:  # deletes before puts: an id may come back
+            for revision, evicted in delta.forgotten:  # deletes before puts: an id may come back
                 rid = evicted.encode()
                 batch.delete(_REQUEST_ORDER + _U64.pack(revision) + rid)
                 batch.delete(_REQUEST + rid)
-            for req in window.added.values():
+            for req in delta.remembered:
                 rid = req.request_id.encode()
                 batch.put(_REQUEST + rid, _REQUEST_HEAD.pack(req.revision, req.leader_unix_ms, req.kind) + req.response)
                 batch.put(_REQUEST_ORDER + _U64.pack(req.revision) + rid, _U64.pack(req.leader_unix_ms))
@@ -511,12 +501,12 @@ class ShardStore:
                     batch.delete(_DECIDED + txn_id.encode())
                 else:
                     _put_decided(batch, decided)
-            batch.put(_META + b"requests", _U64.pack(window.count))
-            batch.put(_META + b"evicted_through", _U64.pack(window.evicted_through_ms))
-            batch.put(_META + b"checkpoint", _U64.pack(new_checkpoint))
-            if unverified is not None:
-                batch.put(_META + b"unverified", _U64.pack(unverified))
-            elif new_checkpoint > current:
+            batch.put(_META + b"requests", _U64.pack(delta.request_count))
+            batch.put(_META + b"evicted_through", _U64.pack(delta.evicted_through_ms))
+            batch.put(_META + b"checkpoint", _U64.pack(delta.checkpoint))
+            if delta.mark_unverified is not None:
+                batch.put(_META + b"unverified", _U64.pack(delta.mark_unverified))
+            elif delta.clear_unverified:
                 batch.delete(_META + b"unverified")
         self.locks.change(applied.prepared)  # after the write: a failed write changed nothing
         self.recent.note(applied.changed[0], applied.changed[2])

@@ -1,5 +1,5 @@
 """A simulated node's linearizable Scan over every shard: the node's own cut (`kvstore.core.cut`)
-around peer reads, as `kvstore.server.app.KVService.scan` runs it.
+around peer reads, as `kvstore.server.scan.Scans.page` runs it.
 
 Each round reads every shard's part at the node the group says leads it (its read barrier and
 the wait for exclusive locks in the span, then the rows and the revision they were read at),

@@ -647,14 +647,14 @@ def test_serve_calls_the_server_lazily(monkeypatch: pytest.MonkeyPatch) -> None:
         seen.append(argv)
         return 3
 
-    monkeypatch.setitem(sys.modules, "kvstore.server.app", types.SimpleNamespace(main=fake_main))
+    monkeypatch.setitem(sys.modules, "kvstore.server.main", types.SimpleNamespace(main=fake_main))
     assert main(["--endpoints", "x:1", "serve", "--listen", "127.0.0.1:0", "--help"]) == 3
     assert seen == [["--listen", "127.0.0.1:0", "--help"]]
 
     def exits(argv: list[str]) -> int:
         raise SystemExit(2)
 
-    monkeypatch.setitem(sys.modules, "kvstore.server.app", types.SimpleNamespace(main=exits))
+    monkeypatch.setitem(sys.modules, "kvstore.server.main", types.SimpleNamespace(main=exits))
     assert main(["serve", "--bogus"]) == 2
 
 

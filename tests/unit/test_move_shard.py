@@ -10,7 +10,7 @@ import types
 import pytest
 
 from kvstore import errors
-from kvstore.server.app import ClusterService
+from kvstore.server.cluster_service import ClusterService
 from kvstore.v1 import cluster_pb2
 
 

@@ -1,4 +1,4 @@
-"""The server's own multi-shard Scan cut (`KVService.scan`: `_scan_page`, `_validate_part`,
+"""The server's own multi-shard Scan cut (`Scans.page`: `_read_once`, `_validate_part`,
 `Transactions.validate`, `RecentWrites`) over real LevelDB stores.
 
 The node around it is a stand-in that leads both shards and whose read barriers let a test
@@ -20,8 +20,8 @@ import pytest
 from kvstore import errors
 from kvstore.core.cut import CutConfig
 from kvstore.core.evaluate import evaluate_put
-from kvstore.server import app
-from kvstore.server.app import KVService
+from kvstore.server import scan as scan_module
+from kvstore.server.scan import Scans
 from kvstore.server.txns import Transactions
 from kvstore.storage.shard_store import ShardStore
 from kvstore.v1 import kv_pb2
@@ -30,7 +30,7 @@ Stores = list[ShardStore]
 
 
 class _Replica:
-    """What `KVService` asks of a replica: a barrier (here: run the test's hook) and the store."""
+    """What `Scans` asks of a replica: a barrier (here: run the test's hook) and the store."""
 
     def __init__(self, shard: int, store: ShardStore, node: Any) -> None:
         self.shard, self.store, self.node, self.state_epoch = shard, store, node, 0
@@ -87,8 +87,8 @@ def node(tmp_path: Path) -> Iterator[Any]:
 
 def scan(node: Any, request: kv_pb2.ScanRequest, hooks: dict[int, Callable[[Stores], None]]) -> kv_pb2.ScanResponse:
     node.hooks = dict(hooks)
-    service = KVService(node, peers=None)  # type: ignore[arg-type]
-    return asyncio.run(service.scan(request, [0, 1], _Context(), forward=True))  # type: ignore[arg-type]
+    scans = Scans(node, peers=None)  # type: ignore[arg-type]
+    return asyncio.run(scans.page(request, [0, 1], _Context(), forward=True))  # type: ignore[arg-type]
 
 
 def rows(page: kv_pb2.ScanResponse) -> dict[bytes, bytes]:
@@ -136,7 +136,7 @@ def test_a_transfer_resolved_at_one_shard_when_read_is_read_again_once_resolved_
 
 def test_the_mutation_answers_the_torn_page(node: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """`scan-without-cut`: the same sequence, unvalidated, is a page in which 5 went missing."""
-    monkeypatch.setattr(app, "SCAN_CUT", CutConfig(skip_validation=True))
+    monkeypatch.setattr(scan_module, "SCAN_CUT", CutConfig(skip_validation=True))
     accounts(node.stores)
     assert rows(scan(node, EVERYTHING, TORN)) == {b"acct-a": b"0", b"acct-b": b"5"}
 
@@ -163,7 +163,7 @@ def test_a_second_page_ignores_an_insert_before_its_token(node: Any) -> None:
 
 def test_a_page_that_changes_every_round_is_refused_as_retriable(node: Any) -> None:
     accounts(node.stores)
-    rounds = app.SCAN_CUT.max_rounds
+    rounds = scan_module.SCAN_CUT.max_rounds
     with pytest.raises(errors.UnavailableError, match=f"for {rounds} rounds"):
         scan(node, EVERYTHING, {3 + 4 * n: transfer for n in range(rounds)})
 

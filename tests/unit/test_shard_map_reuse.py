@@ -9,13 +9,13 @@ import types
 
 import pytest
 
-from kvstore.server import app
+from kvstore.server import cluster_service
 from kvstore.v1 import cluster_pb2
 
 
-def _service(monkeypatch: pytest.MonkeyPatch, fail: list[bool]) -> tuple[app.ClusterService, list[int]]:
+def _service(monkeypatch: pytest.MonkeyPatch, fail: list[bool]) -> tuple[cluster_service.ClusterService, list[int]]:
     node = types.SimpleNamespace(config=types.SimpleNamespace(lead=True))
-    service = app.ClusterService(node, peers=None)  # type: ignore[arg-type]
+    service = cluster_service.ClusterService(node, peers=None)  # type: ignore[arg-type]
     merges: list[int] = []
 
     async def merge() -> cluster_pb2.ShardMapResponse:
@@ -32,14 +32,14 @@ def _service(monkeypatch: pytest.MonkeyPatch, fail: list[bool]) -> tuple[app.Clu
 def test_concurrent_maps_share_one_merge_and_reuse_it(monkeypatch: pytest.MonkeyPatch) -> None:
     service, merges = _service(monkeypatch, [])
     now = [100.0]
-    monkeypatch.setattr(app, "_monotonic", lambda: now[0])
+    monkeypatch.setattr(cluster_service, "_monotonic", lambda: now[0])
 
     async def scenario() -> None:
         request = cluster_pb2.ShardMapRequest()
         maps = await asyncio.gather(*(service.ShardMap(request, None) for _ in range(20)))
         assert merges == [0] and {m.shard_count for m in maps} == {1}
         assert (await service.ShardMap(request, None)).shard_count == 1  # reused
-        now[0] += app.SHARD_MAP_REUSE_S
+        now[0] += cluster_service.SHARD_MAP_REUSE_S
         assert (await service.ShardMap(request, None)).shard_count == 2  # too old: merged again
         service.forget_merged_map()  # a move or a drain here
         assert (await service.ShardMap(request, None)).shard_count == 3

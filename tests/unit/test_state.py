@@ -491,7 +491,7 @@ def test_request_window_evicts_at_the_same_record_as_the_reference(seed: int,
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """The bounded request table (`MemoryShard`, the model of ShardStore) forgets the same ids at
     the same records with the fast apply as with the reference, however the records are cut."""
-    from kvstore.core import request_window
+    from kvstore.core import delta, request_window
 
     rng = random.Random(seed)
     records = _replay_records(rng)
@@ -509,5 +509,5 @@ def test_request_window_evicts_at_the_same_record_as_the_reference(seed: int,
         return tuple(outcomes), dict(shard.keys)
 
     fast = run()
-    monkeypatch.setattr(request_window, "apply_entries", _reference_apply_entries)
+    monkeypatch.setattr(delta, "apply_entries", _reference_apply_entries)
     assert fast == run()
