@@ -72,19 +72,44 @@ HEAVY_FILES = (
 PROCESS_DIRS = ("tests/integration/", "tests/pipeline/", "tests/fuzz/", "tests/robustness/")
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the marks (--dist loadgroup)
+def work_unit(nodeid: str) -> str:
+    """The unit a pytest-xdist worker is handed whole: the heavy group, the Spark group, one file
+    with processes (its module fixtures built once), or a single pure test."""
+    path = nodeid.split("::", 1)[0]
+    if path in HEAVY_FILES:
+        return HEAVY
+    if path.startswith("tests/pipeline/"):
+        return "spark"
+    if path.startswith(PROCESS_DIRS):
+        return path
+    return nodeid
+
+
+def _first_handed_out(nodeid: str) -> int:
+    """Units go out in collection order: the longest first, the pure tests last to fill in."""
+    unit = work_unit(nodeid)
+    return 0 if unit == HEAVY else 1 if unit == "spark" else 2 if unit != nodeid else 3
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Under `--dist loadgroup`, a test with no group goes to any worker: right for pure tests,
-    wrong for a file whose module fixture would then be built once per worker. Every file that
-    starts processes is one group (the Spark tests one more: one session), the heavy files one."""
-    for item in items:
-        path = item.nodeid.split("::", 1)[0]
-        if path in HEAVY_FILES:
-            item.add_marker(pytest.mark.xdist_group(HEAVY))
-        elif path.startswith("tests/pipeline/"):
-            item.add_marker(pytest.mark.xdist_group("spark"))
-        elif path.startswith(PROCESS_DIRS):
-            item.add_marker(pytest.mark.xdist_group(path))
+    if config.getvalue("loadgroup"):  # a worker under `--dist loadgroup`: what it collects is the order
+        items.sort(key=lambda item: _first_handed_out(item.nodeid))  # stable: file order within each
+
+
+@pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook, in the controller
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """`--dist loadgroup` with `work_unit` as the groups. Not xdist_group marks: pytest-xdist 3.8
+    puts the group in `item._nodeid`, which pytest 9 no longer reads, so marks group nothing."""
+    if config.getvalue("dist") != "loadgroup":
+        return None  # xdist's own scheduler
+    from xdist.scheduler import LoadScopeScheduling
+
+    class WorkUnits(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return work_unit(nodeid)
+
+    config.option.loadscopereorder = False  # keep `_first_handed_out`'s order, not the units' sizes
+    return WorkUnits(config, log)
 
 
 @pytest.hookimpl(trylast=True)  # after the conftests that add to the session's report
