@@ -39,13 +39,13 @@ import wal.transactions
 from kvstore import errors, limits
 from kvstore.core import placement, reads, validation
 from kvstore.core import txn as txn_core
-from kvstore.core.batch import write_of
 from kvstore.core.cut import Answer as CutAnswer
 from kvstore.core.cut import Cut, CutConfig
 from kvstore.core.cut import GiveUp as CutGiveUp
 from kvstore.core.cut import ReadParts as CutReadParts
 from kvstore.core.cut import ValidateParts as CutValidateParts
 from kvstore.core.evaluate import key_value
+from kvstore.core.replica import ClientRequest
 from kvstore.core.state import ChangeType
 from kvstore.internal.v1 import peer_pb2, peer_pb2_grpc, wal_entry_pb2
 from kvstore.server import auth, config, forward, shardmap
@@ -138,7 +138,7 @@ class KVService(kv_pb2_grpc.KVServiceServicer):
     async def _write(self, method: str, request: Any, shard: int, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
         try:
             # `write` is the one leadership check of a write (RoleMachine.write_refusal).
-            return await self.node.replica(shard).write(write_of(request, shard), request.ByteSize())
+            return await self.node.replica(shard).write(ClientRequest(request, shard), request.ByteSize())
         except errors.NotLeaderError as refusal:  # definite: nothing was queued here
             return await self._forward(refusal, method, request, context, write=True)
 
@@ -177,7 +177,7 @@ class KVService(kv_pb2_grpc.KVServiceServicer):
         shard = part.shard
         try:
             try:
-                response = await self.node.replica(shard).write(write_of(part, shard), part.ByteSize())
+                response = await self.node.replica(shard).write(ClientRequest(part, shard), part.ByteSize())
             except errors.NotLeaderError as refusal:
                 response = await self._forward_part(refusal, part, context)
         except errors.StoreError as exc:

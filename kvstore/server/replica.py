@@ -30,12 +30,12 @@ import wal.guard
 import wal.writer
 from kvstore import errors
 from kvstore.core import replica as core
-from kvstore.core.batch import BatchLimits, Write
+from kvstore.core.batch import BatchLimits
 from kvstore.core.evaluate import Response
 from kvstore.core.locks import LockView
 from kvstore.core.replica.performers import perform_all
 from kvstore.core.role import Role, append_outcome
-from kvstore.core.state import Change, KeyState, RequestRecord
+from kvstore.core.state import Change, DecidedTxn, KeyState, RequestRecord
 from kvstore.server import failpoints, restore
 from kvstore.server.clock import SYSTEM_CLOCK, Clock
 from kvstore.server.config import ReplicaConfig
@@ -80,6 +80,12 @@ class _View:
     @property
     def locks(self) -> LockView:
         return self._replica.store.locks
+
+    def decided_txn(self, txn_id: str) -> DecidedTxn | None:
+        return self._replica.store.decided_txn(txn_id)
+
+    def decided_request(self, request_id: str) -> DecidedTxn | None:
+        return self._replica.store.decided_request(request_id)
 
 
 def machine_config(config: ReplicaConfig, standby: bool) -> core.ReplicaConfig:
@@ -218,11 +224,11 @@ class ShardReplica:
         if refusal is not None:
             raise refusal
 
-    async def write(self, write: Write, size: int) -> Response:
-        """Queue a write (`kvstore.core.batch.write_of`) for the next batch and wait for its
-        answer (after commit). `size`: the request's bytes, a pre-bound on the batch."""
+    async def write(self, request: core.WriteRequest, size: int) -> Response:
+        """Queue a write (its request as data, `kvstore.core.replica.writes`) for the next batch
+        and wait for its answer (after commit). `size`: the request's bytes, a pre-bound on the batch."""
         ticket, future = self._ticket()
-        self._step(core.WriteArrived(ticket, write, size, self.leader_hint()))
+        self._step(core.WriteArrived(ticket, request, size, self.leader_hint()))
         answer: Response = await future
         return answer
 

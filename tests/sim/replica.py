@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 from kvstore import errors
 from kvstore.core import replica as machine_events
-from kvstore.core.batch import Answer, BatchLimits, Write
+from kvstore.core.batch import Answer, BatchLimits
 from kvstore.core.evaluate import key_value
 from kvstore.core.recovery import SnapshotOffer, snapshots_to_try
 from kvstore.core.replica import (
@@ -31,8 +31,10 @@ from kvstore.core.replica import (
     Mutation,
     ReplicaConfig,
     ReplicaMachine,
+    trace,
 )
 from kvstore.core.replica.performers import perform_all
+from kvstore.core.replica.writes import WriteRequest
 from kvstore.core.request_window import MemoryShard
 from kvstore.core.role import Role, append_outcome
 from kvstore.v1 import kv_pb2
@@ -46,6 +48,16 @@ from wal.record import Verdict, WriterIdentity, judge
 
 ReadAnswer = kv_pb2.GetResponse | errors.StoreError
 Reply = Callable[[Answer], None]
+
+
+@dataclasses.dataclass
+class ReplicaTrace:
+    """Every event stepped into one replica machine, with what it returned (`world.replica_traces`)."""
+
+    name: str
+    config: ReplicaConfig
+    empty_at_start: bool  # its store held nothing: a replay starts from an empty one too
+    steps: list[trace.Step]
 
 
 @dataclasses.dataclass
@@ -86,6 +98,10 @@ class Replica:
         self.caught_up_once = False  # it reached the partition's end at least once (placement's P2)
         # Asked to resolve prepared transactions a read waits on; the node sets it (its resolvers).
         self.resolve_now: Callable[[tuple[str, ...]], None] = lambda txn_ids: None
+        self.recording: ReplicaTrace | None = None
+        if world.replica_traces is not None:
+            self.recording = ReplicaTrace(f"{actor.name} s{shard}", self.machine.config, store.applied_offset == 0, [])
+            world.replica_traces.append(self.recording)
 
     def close(self) -> None:
         """Dropped by placement: it takes no more events (its pending calls' answers are ignored)."""
@@ -112,7 +128,7 @@ class Replica:
     def set_lead(self, lead: bool) -> None:
         self._step(machine_events.LeadChanged(lead))
 
-    def write(self, write: Write, deadline_ms: int | None, reply: Reply) -> None:
+    def write(self, write: WriteRequest, deadline_ms: int | None, reply: Reply) -> None:
         """`deadline_ms`: when its client stops waiting (None: it runs whatever, as gRPC's do)."""
         ticket = self._ticket(_Request(reply))
         self._step(machine_events.WriteArrived(ticket, write, 0, self.leader_hint(self.shard) or ""))
@@ -155,6 +171,9 @@ class Replica:
                                  f"on {type(event).__name__}: {exc}")
             self._dead = True
             return
+        if self.recording is not None:
+            self.recording.steps.append(trace.Step(now, now + self.actor.clock_skew_ms, event,
+                                                   trace.actions_text(actions)))
         if self.machine.role.role is Role.LEADING and before is not Role.LEADING:
             self.world.audit.counters["leaderships"] += 1
             self.world.trace.log(f"{self.actor.name} s{self.shard} leading at {self.machine.role.upcoming} "

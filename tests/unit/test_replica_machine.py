@@ -17,7 +17,7 @@ import pytest
 
 from kvstore import errors
 from kvstore.core import replica as core
-from kvstore.core.batch import BatchLimits, Write, write_of
+from kvstore.core.batch import BatchLimits
 from kvstore.core.evaluate import evaluate_put
 from kvstore.core.replica import (
     READY,
@@ -54,6 +54,7 @@ from kvstore.core.replica import (
 from kvstore.core.replica.machine import _HANDLERS
 from kvstore.core.replica.performers import perform_all
 from kvstore.core.replica.reader import _VALID as reader_moves
+from kvstore.core.replica.trace import StorePerformers
 from kvstore.core.request_window import MemoryShard
 from kvstore.core.role import BROKEN, NEEDS_SNAPSHOT, REBUILDING, AppendOutcome, Role
 from kvstore.v1 import kv_pb2
@@ -72,24 +73,26 @@ def entry(key: bytes, revision: int, request_id: str = "") -> bytes:
     return evaluation.entry.SerializeToString()
 
 
-def put(key: bytes, request_id: str = "") -> Write:
-    return write_of(kv_pb2.PutRequest(key=key, value=b"v", request_id=request_id, first_attempt_unix_ms=UNIX_MS), 0)
+def put(key: bytes, request_id: str = "") -> core.ClientRequest:
+    return core.ClientRequest(kv_pb2.PutRequest(key=key, value=b"v", request_id=request_id,
+                                                first_attempt_unix_ms=UNIX_MS), 0)
 
 
-def txn_get(key: bytes) -> Write:
+def txn_get(key: bytes) -> core.ClientRequest:
     """A read-only Txn (Get ops only): no record, answered through a barrier."""
-    return write_of(kv_pb2.TxnRequest(compares=[kv_pb2.Compare(key=key, target=kv_pb2.Compare.TARGET_VERSION,
+    return core.ClientRequest(kv_pb2.TxnRequest(compares=[kv_pb2.Compare(key=key, target=kv_pb2.Compare.TARGET_VERSION,
                                                                op=kv_pb2.Compare.OP_EQUAL, version=0)],
                                       success=[kv_pb2.TxnOp(get=kv_pb2.GetRequest(key=key))]), 0)
 
 
-class Drive:
+class Drive(StorePerformers):
     """A machine over a `MemoryShard`, with the store's side of a driver (apply, rewind, wipe),
-    performed through the core's one table (`kvstore.core.replica.performers`); every other
-    result is the scenario's to report, and so are the local ones but `Replayed`."""
+    performed through the core's one table (`kvstore.core.replica.performers`, the replay's
+    `StorePerformers`); every other result is the scenario's to report, and so are the local
+    ones but `Replayed`."""
 
     def __init__(self, config: ReplicaConfig = CONFIG, store: MemoryShard | None = None) -> None:
-        self.store = store or MemoryShard()
+        super().__init__(store or MemoryShard())
         self.machine = ReplicaMachine(config, self.store)
         self.now_ms = 0.0
         self.auto_apply = True  # apply replayed records and report them, as a driver does
@@ -104,29 +107,7 @@ class Drive:
         return actions
 
     def perform_apply_replayed(self, action: core.ApplyReplayed) -> str | None:
-        if self.auto_apply:
-            self.store.apply(list(action.records), action.checkpoint)
-        return None
-
-    def perform_apply_committed(self, action: core.ApplyCommitted) -> str | None:
-        self.store.apply(list(action.records), action.checkpoint, unverified=action.marker_slot)
-        return None
-
-    def perform_rewind(self, action: core.RewindUnverified) -> None:
-        self.store.rewind_unverified()
-
-    def perform_wipe(self, action: core.Wipe) -> None:
-        self.store.wipe()
-
-    def perform_load_snapshot(self, action: core.LoadSnapshot) -> None:
-        pass  # the scenario reports SnapshotDone
-
-    def _nothing(self, action: core.Action) -> None:
-        pass  # the scenario reports what it wants, when it wants
-
-    perform_fence = perform_set_term = perform_append = perform_read_end = perform_read_settled_end = _nothing
-    perform_fetch = perform_answer = perform_close_writer = perform_unable = perform_able = _nothing
-    perform_note = perform_resolve_now = perform_exit = _nothing
+        return super().perform_apply_replayed(action) if self.auto_apply else None
 
 
 def shown(action: core.Action) -> str:
@@ -891,9 +872,9 @@ def test_a_second_snapshot_miss_is_not_told_twice() -> None:
 def test_planning_refuses_an_oversized_record_and_carries_what_does_not_fit() -> None:
     small = dataclasses.replace(CONFIG, batch_limits=BatchLimits(4, 300, 200))
     drive = leading(2, small)
-    big = write_of(kv_pb2.PutRequest(key=b"big", value=b"x" * 500), 0)
+    big = core.ClientRequest(kv_pb2.PutRequest(key=b"big", value=b"x" * 500), 0)
     run(drive, [(WriteArrived(1, big, 10), 100, []), (Tick(), 102, ["Answer(1,InvalidRequestError)"])])
-    mid = [write_of(kv_pb2.PutRequest(key=b"m%d" % i, value=b"x" * 120), 0) for i in range(3)]
+    mid = [core.ClientRequest(kv_pb2.PutRequest(key=b"m%d" % i, value=b"x" * 120), 0) for i in range(3)]
     run(drive, [(WriteArrived(2 + i, w, 10), 200, []) for i, w in enumerate(mid)])
     run(drive, [(Tick(), 202, ["Append(2,2)"]),
                 (committed(drive, 2, 2), None, ["ApplyCommitted(5)", "Answer(2,PutResponse)", "Answer(3,PutResponse)"]),
@@ -903,7 +884,8 @@ def test_planning_refuses_an_oversized_record_and_carries_what_does_not_fit() ->
 def test_the_request_horizon_comes_from_the_config() -> None:
     narrow = dataclasses.replace(CONFIG, request_horizon_ms=1_000, clock_skew_ms=10)
     drive = leading(2, narrow)
-    old = write_of(kv_pb2.PutRequest(key=b"k", value=b"v", request_id="r", first_attempt_unix_ms=UNIX_MS - 60_000), 0)
+    old = core.ClientRequest(kv_pb2.PutRequest(key=b"k", value=b"v", request_id="r",
+                                               first_attempt_unix_ms=UNIX_MS - 60_000), 0)
     drive.store.evicted_through_ms = UNIX_MS  # ids older than this may be forgotten
     run(drive, [(WriteArrived(1, old, 10), 100, ["Answer(1,RequestExpiredError)"])])
 

@@ -10,6 +10,9 @@
 | `reader.py` | the reader's states, one enum with its table of valid moves (`_VALID`) |
 | `catchup.py` | following and a takeover's catch-up: the checkpoint made trustworthy, then fetch (W6) |
 | `batching.py` | group commit: admission, linger, carry-over, one batch in flight, answers after the commit (W5) |
+| `writes.py` | what a write carries in: its request as data; the machine builds the planner's `Write` |
+| `performers.py` | the driver contract: one table of performers, one per action type |
+| `trace.py` | a machine's run as text (printed, parsed back) and its replay through the machine alone |
 | `barrier.py` | the read barrier's rounds, its waits, and reads waiting on a prepared transaction's locks (T4) |
 
 The names drivers use are re-exported here, so `from kvstore.core.replica import ...` keeps
@@ -72,6 +75,15 @@ from kvstore.core.replica.events import (
 )
 from kvstore.core.replica.machine import ReplicaMachine
 from kvstore.core.replica.reader import ReaderState
+from kvstore.core.replica.writes import (
+    ClientRequest,
+    DecideTxn,
+    ForgetTxns,
+    PrepareTxn,
+    ResolveTxn,
+    WriteRequest,
+    write_for,
+)
 
 __all__ = [
     "METRICS",
@@ -85,8 +97,10 @@ __all__ = [
     "ApplyCommitted",
     "ApplyReplayed",
     "ClientGone",
+    "ClientRequest",
     "CloseWriter",
     "CommitApplied",
+    "DecideTxn",
     "EndPurpose",
     "EndRead",
     "EndReadFailed",
@@ -99,10 +113,12 @@ __all__ = [
     "FetchFailed",
     "FetchOutOfRange",
     "Fetched",
+    "ForgetTxns",
     "LeadChanged",
     "LoadSnapshot",
     "Mutation",
     "Note",
+    "PrepareTxn",
     "ProbeRequested",
     "ReadArrived",
     "ReadEnd",
@@ -115,6 +131,7 @@ __all__ = [
     "ReplicaMachine",
     "Reply",
     "ResolveNow",
+    "ResolveTxn",
     "RewindUnverified",
     "Rewound",
     "SetTerm",
@@ -128,4 +145,6 @@ __all__ = [
     "Wipe",
     "Wiped",
     "WriteArrived",
+    "WriteRequest",
+    "write_for",
 ]

@@ -12,9 +12,10 @@ import enum
 from typing import Protocol
 
 from kvstore import limits as store_limits
-from kvstore.core.batch import BatchLimits, RequestTable
+from kvstore.core.batch import BatchLimits
 from kvstore.core.locks import LockView
 from kvstore.core.state import KeyState
+from kvstore.core.txn import TxnTables
 
 
 class Mutation(enum.Enum):
@@ -63,9 +64,10 @@ class ReplicaConfig:
         assert self.beyond_end_poll_ms > 0 and self.beyond_end_grace_ms >= 0, self
 
 
-class StateView(RequestTable, Protocol):
+class StateView(TxnTables, Protocol):
     """What the machine reads of the replica's committed state: the store (LevelDB in a node,
-    `MemoryShard` in the simulation), its keys and request ids. `applied_offset` is the
+    `MemoryShard` in the simulation), its keys, request ids and decisions (a transaction's
+    records are built against them, `kvstore.core.replica.writes.write_for`). `applied_offset` is the
     checkpoint: every record below it applied, none above."""
 
     @property

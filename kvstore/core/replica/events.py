@@ -13,7 +13,7 @@ import dataclasses
 import enum
 from collections.abc import Sequence
 
-from kvstore.core.batch import Write
+from kvstore.core.replica.writes import WriteRequest
 from kvstore.core.role import AppendOutcome
 
 
@@ -58,11 +58,12 @@ class Tick:
 
 @dataclasses.dataclass(frozen=True)
 class WriteArrived:
-    """A client's write (`kvstore.core.batch.write_of`), `size` its request bytes (a batch's
-    pre-bound), `leader_hint` where the group says the leader is (for a refusal)."""
+    """A write: its request as data (`kvstore.core.replica.writes`), which the machine turns
+    into the planner's `Write`; `size` its request bytes (a batch's pre-bound), `leader_hint`
+    where the group says the leader is (for a refusal)."""
 
     ticket: int
-    write: Write
+    request: WriteRequest
     size: int
     leader_hint: str = ""
 

@@ -84,6 +84,7 @@ from kvstore.core.replica.events import (
     WriteArrived,
 )
 from kvstore.core.replica.reader import ReaderState
+from kvstore.core.replica.writes import write_for
 from kvstore.core.role import BROKEN, REBUILDING, AppendOutcome, Next, Role, RoleMachine
 
 
@@ -226,7 +227,7 @@ class ReplicaMachine:
         if refusal is not None:
             self.ctx.emit(AnswerRequest(event.ticket, refusal))
             return
-        self.batching.arrive(event.ticket, event.write, event.size)
+        self.batching.arrive(event.ticket, write_for(event.request, self.ctx.view), event.size)
 
     def _on_read(self, event: ReadArrived) -> None:
         refusal = self.role.write_refusal(event.leader_hint)
