@@ -28,6 +28,7 @@ import enum
 from collections.abc import Sequence
 
 from kvstore import errors
+from wal.errors import FencedError, UnknownOutcomeError, WalError, WriterFatalError
 from wal.offsets import batch_end
 
 
@@ -114,6 +115,23 @@ APPEND_DECISIONS: dict[AppendOutcome, AppendDecision] = {
                                                   "same request id", Next.STEP_DOWN),
 }
 assert set(APPEND_DECISIONS) == set(AppendOutcome), "every append outcome needs a decision"
+
+
+def append_outcome(error: BaseException | None, writer_retired: bool) -> AppendOutcome:
+    """What an append's failure says, for the table above; every driver maps its writer's
+    errors here (the node's librdkafka shell, the simulation's guard shell). `writer_retired`:
+    the writer's next call would init a fresh producer (`wal.guard.Phase.NEEDS_INIT`). Anything
+    but the WAL's own word (a bug, a client library error, a cancellation: None) may have come
+    after commit_transaction ran, so the outcome is unknown (W7)."""
+    if isinstance(error, UnknownOutcomeError):
+        return AppendOutcome.UNKNOWN_FENCED if error.fenced else AppendOutcome.UNKNOWN
+    if isinstance(error, FencedError):
+        return AppendOutcome.FENCED
+    if isinstance(error, WriterFatalError):
+        return AppendOutcome.WRITER_FATAL
+    if not isinstance(error, WalError):
+        return AppendOutcome.CRASHED
+    return AppendOutcome.ABORTED_RETIRED if writer_retired else AppendOutcome.ABORTED
 
 
 @dataclasses.dataclass(frozen=True)

@@ -18,8 +18,8 @@ import grpc.aio
 
 from kvstore import errors
 from kvstore.core import validation
-from kvstore.core.batch import write_of
 from kvstore.core.evaluate import key_value
+from kvstore.core.replica import ClientRequest
 from kvstore.server import forward, routing
 from kvstore.server.scan import Scans
 from kvstore.server.watch import Watches
@@ -70,7 +70,7 @@ class KVService(kv_pb2_grpc.KVServiceServicer):
     async def _write(self, method: str, request: Any, shard: int, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
         try:
             # `write` is the one leadership check of a write (RoleMachine.write_refusal).
-            return await self.node.replica(shard).write(write_of(request, shard), request.ByteSize())
+            return await self.node.replica(shard).write(ClientRequest(request, shard), request.ByteSize())
         except errors.NotLeaderError as refusal:  # definite: nothing was queued here
             return await self._forward(refusal, method, request, context, write=True)
 
@@ -109,7 +109,7 @@ class KVService(kv_pb2_grpc.KVServiceServicer):
         shard = part.shard
         try:
             try:
-                response = await self.node.replica(shard).write(write_of(part, shard), part.ByteSize())
+                response = await self.node.replica(shard).write(ClientRequest(part, shard), part.ByteSize())
             except errors.NotLeaderError as refusal:
                 response = await self._forward_part(refusal, part, context)
         except errors.StoreError as exc:

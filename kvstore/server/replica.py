@@ -30,11 +30,12 @@ import wal.guard
 import wal.writer
 from kvstore import errors
 from kvstore.core import replica as core
-from kvstore.core.batch import BatchLimits, Write
+from kvstore.core.batch import BatchLimits
 from kvstore.core.evaluate import Response
 from kvstore.core.locks import LockView
-from kvstore.core.role import AppendOutcome, Role
-from kvstore.core.state import Change, KeyState, RequestRecord
+from kvstore.core.replica.performers import perform_all
+from kvstore.core.role import Role, append_outcome
+from kvstore.core.state import Change, DecidedTxn, KeyState, RequestRecord
 from kvstore.server import failpoints, restore
 from kvstore.server.clock import SYSTEM_CLOCK, Clock
 from kvstore.server.config import ReplicaConfig
@@ -79,6 +80,12 @@ class _View:
     @property
     def locks(self) -> LockView:
         return self._replica.store.locks
+
+    def decided_txn(self, txn_id: str) -> DecidedTxn | None:
+        return self._replica.store.decided_txn(txn_id)
+
+    def decided_request(self, request_id: str) -> DecidedTxn | None:
+        return self._replica.store.decided_request(request_id)
 
 
 def machine_config(config: ReplicaConfig, standby: bool) -> core.ReplicaConfig:
@@ -192,7 +199,7 @@ class ShardReplica:
         bound_s = self.config.call_timeout_s * 2
         if not await self._until(self._exited.is_set, bound_s):
             log.warning("shard %d: replica did not stop within %.1fs; cutting its calls short", self.shard, bound_s)
-            self._cut_short()
+            self._step(core.StopOverdue())
         if self._timer is not None:
             self._timer.cancel()
         if self._tasks:  # a poll, an end read, a snapshot load: each returns within its own bound
@@ -217,11 +224,11 @@ class ShardReplica:
         if refusal is not None:
             raise refusal
 
-    async def write(self, write: Write, size: int) -> Response:
-        """Queue a write (`kvstore.core.batch.write_of`) for the next batch and wait for its
-        answer (after commit). `size`: the request's bytes, a pre-bound on the batch."""
+    async def write(self, request: core.WriteRequest, size: int) -> Response:
+        """Queue a write (its request as data, `kvstore.core.replica.writes`) for the next batch
+        and wait for its answer (after commit). `size`: the request's bytes, a pre-bound on the batch."""
         ticket, future = self._ticket()
-        self._step(core.WriteArrived(ticket, write, size, self.leader_hint()))
+        self._step(core.WriteArrived(ticket, request, size, self.leader_hint()))
         answer: Response = await future
         return answer
 
@@ -312,6 +319,10 @@ class ShardReplica:
                     if self.machine.exited:
                         self._refuse_after_exit(next_event)
                         continue
+                    if isinstance(next_event, core.CommitApplied):
+                        # The machine's bookkeeping (and its paired W2 assertions) only now, after
+                        # every client of the batch has its committed answer.
+                        failpoints.check("bookkeeping-after-commit")
                     self._perform_all(self.machine.step(next_event, now_ms=self.clock.monotonic() * 1000,
                                                         unix_ms=self.clock.unix_ms()))
                 pending, self._later = self._later, []
@@ -369,70 +380,56 @@ class ShardReplica:
             asyncio.get_running_loop().call_later(REFENCE_PAUSE_S, self._report, machine, core.LeadChanged(True))
 
     def _perform_all(self, actions: list[core.Action]) -> None:
-        apply_error: list[str] = []
-        committed = False
-        for action in actions:
-            if isinstance(action, core.ApplyCommitted):
-                committed = True
-                self._apply_committed(action, apply_error)
+        """Through the core's one table (`kvstore.core.replica.performers`): results of local
+        work are stepped after the list."""
+        self._later.extend(perform_all(self, actions))
+
+    # ---- the performers (kvstore.core.replica.performers.Performers) ------------------------------
+
+    def perform_answer(self, action: core.AnswerRequest) -> None:
+        future = self._tickets.pop(action.ticket, None)
+        if future is not None and not future.done():
+            if isinstance(action.answer, Exception):
+                future.set_exception(action.answer)
             else:
-                self._perform(action)
-        if committed:
-            # The machine's bookkeeping (and its paired W2 assertions) only now, after every
-            # client of the batch has its committed answer (the answers were in the list above).
-            failpoints.check("bookkeeping-after-commit")
-            self._later.append(core.CommitApplied(apply_error[0] if apply_error else None))
+                future.set_result(None if action.answer is core.READY else action.answer)
 
-    def _perform(self, action: core.Action) -> None:
-        if isinstance(action, core.AnswerRequest):
-            future = self._tickets.pop(action.ticket, None)
-            if future is not None and not future.done():
-                if isinstance(action.answer, Exception):
-                    future.set_exception(action.answer)
-                else:
-                    future.set_result(None if action.answer is core.READY else action.answer)
-        elif isinstance(action, core.Append):
-            self._append(action)
-        elif isinstance(action, core.Fetch):
-            self._fetch(action)
-        elif isinstance(action, core.ApplyReplayed):
-            self._apply_replayed(action)
-        elif isinstance(action, core.ReadEnd):
-            self._spawn(self._read_end(action.purpose))
-        elif isinstance(action, core.Fence):
-            self._fence()
-        elif isinstance(action, core.SetTerm):
-            assert self._writer is not None
-            self._writer.identity = wal.WriterIdentity(self.config.node_id, action.term)
-        elif isinstance(action, core.ReadSettledEnd):
-            self._settled_end()
-        elif isinstance(action, core.RewindUnverified):
-            self.store.rewind_unverified()
-            self._later.append(core.Rewound())
-        elif isinstance(action, core.Wipe):
-            self._state_changed()
-            self.store.wipe(action.reason)
-            self._end_watches(f"shard {self.shard}: the replica serving this watch is rebuilding ({action.reason})")
-            self._after_apply([])
-            self._later.append(core.Wiped())
-        elif isinstance(action, core.LoadSnapshot):
-            self._spawn(self._load_snapshot(action))
-        elif isinstance(action, core.CloseWriter):
-            self._close_writer()
-        elif isinstance(action, core.Unable):
-            self._state_changed()  # e.g. a committed batch failed to apply: the store lacks it
-            self.on_unable_to_lead(self.shard, action.reason)
-        elif isinstance(action, core.Able):
-            self.on_unable_to_lead(self.shard, None)
-        elif isinstance(action, core.Note):
-            self._note(action)
-        elif isinstance(action, core.ResolveNow):
-            self.resolve_now(action.txn_ids)
-        else:
-            assert isinstance(action, core.Exit), action
-            self._exited.set()
+    def perform_set_term(self, action: core.SetTerm) -> None:
+        assert self._writer is not None
+        self._writer.identity = wal.WriterIdentity(self.config.node_id, action.term)
 
-    def _note(self, note: core.Note) -> None:
+    def perform_read_end(self, action: core.ReadEnd) -> None:
+        self._spawn(self._read_end(action.purpose))
+
+    def perform_rewind(self, action: core.RewindUnverified) -> None:
+        self.store.rewind_unverified()
+
+    def perform_wipe(self, action: core.Wipe) -> None:
+        self._state_changed()
+        self.store.wipe(action.reason)
+        self._end_watches(f"shard {self.shard}: the replica serving this watch is rebuilding ({action.reason})")
+        self._after_apply([])
+
+    def perform_load_snapshot(self, action: core.LoadSnapshot) -> None:
+        self._spawn(self._load_snapshot(action))
+
+    def perform_close_writer(self, action: core.CloseWriter) -> None:
+        self._close_writer()
+
+    def perform_unable(self, action: core.Unable) -> None:
+        self._state_changed()  # e.g. a committed batch failed to apply: the store lacks it
+        self.on_unable_to_lead(self.shard, action.reason)
+
+    def perform_able(self, action: core.Able) -> None:
+        self.on_unable_to_lead(self.shard, None)
+
+    def perform_resolve_now(self, action: core.ResolveNow) -> None:
+        self.resolve_now(action.txn_ids)
+
+    def perform_exit(self, action: core.Exit) -> None:
+        self._exited.set()
+
+    def perform_note(self, note: core.Note) -> None:
         if note.metric:
             getattr(self.metrics, note.metric).labels(shard=str(self.shard)).inc()
         if note.text:
@@ -472,27 +469,6 @@ class ShardReplica:
         if not self.machine.exited:
             self._step(core.Tick())
 
-    def _cut_short(self) -> None:
-        """The stop bound passed: report what still runs as failed, as a cancellation would."""
-        if self.machine.in_flight is not None:
-            self._step(core.AppendFailed(AppendOutcome.CANCELLED, "node stopping while the batch was committing"))
-        elif self.machine.writer_busy and self.machine.role.role is Role.FENCING:
-            self._step(core.FenceFailed("node stopping"))
-        elif self.machine.writer_busy:
-            self._step(core.EndReadFailed(core.EndPurpose.SETTLE, "node stopping"))
-        if self.machine.reader_op is not None and not self.machine.exited:
-            self._abandon_reader_op()
-
-    def _abandon_reader_op(self) -> None:
-        op = self.machine.reader_op
-        if op is core.ReaderOp.FETCH:
-            self._step(core.FetchFailed("node stopping"))
-        elif op is core.ReaderOp.LOAD:
-            self._step(core.SnapshotDone(False))
-        elif op is core.ReaderOp.END:
-            purpose = core.EndPurpose.CONFIRM if self.machine.stage is core.Stage.CONFIRMING else core.EndPurpose.FOLLOW
-            self._step(core.EndReadFailed(purpose, "node stopping"))
-
     # ---- the writer --------------------------------------------------------------------------------------
 
     def _writer_thread(self, call: Callable[..., Any], *args: Any,
@@ -504,15 +480,13 @@ class ShardReplica:
         self._writer_call = future
         future.add_done_callback(done)
 
-    def _fence(self) -> None:
+    def perform_fence(self, action: core.Fence) -> None:
         if self._writer is None:
             self._writer, self._spare = self._spare or wal.ShardWriter(self.writer_config()), None
         writer, machine = self._writer, self.machine
         self._fence_started = self.clock.monotonic()
 
         def done(f: asyncio.Future[Any]) -> None:
-            if not machine.writer_busy:
-                return  # reported as cut short already
             error = None if f.cancelled() else f.exception()
             if f.cancelled() or error is not None:
                 self._report(machine, core.FenceFailed(f"{type(error).__name__}: {error}" if error else "cancelled"))
@@ -522,15 +496,13 @@ class ShardReplica:
 
         self._writer_thread(writer.fence, done=done)
 
-    def _append(self, action: core.Append) -> None:
+    def perform_append(self, action: core.Append) -> None:
         writer, machine = self._writer, self.machine
         assert writer is not None
         self._txn_started = started = self.clock.monotonic()
 
         def done(f: asyncio.Future[Any]) -> None:
             self._txn_started = None
-            if machine.in_flight is None:
-                return  # reported as cut short already
             error = None if f.cancelled() else f.exception()
             if error is None and not f.cancelled():
                 result: wal.AppendResult = f.result()
@@ -538,25 +510,21 @@ class ShardReplica:
                 self.metrics.commit_latency.labels(shard=label).observe(self.clock.monotonic() - started)
                 self.metrics.batch_records.labels(shard=label).observe(len(action.payloads))
                 self._report(machine, core.Appended(result.offsets, result.upcoming_offset, result.marker_slot))
-            elif isinstance(error, wal.WalError):
-                retired = writer.phase is wal.guard.Phase.NEEDS_INIT
-                self._report(machine, core.AppendFailed(append_outcome(error, retired), str(error)))
             else:
-                # Not the WAL's word (a bug, a client library error): commit_transaction may have
-                # run, so the outcome is unknown (W7).
-                log.error("shard %d: the append failed unexpectedly", self.shard, exc_info=error)
-                self._report(machine, core.AppendFailed(AppendOutcome.CRASHED,
-                                                        type(error).__name__ if error else "cancelled"))
+                if not isinstance(error, wal.WalError):
+                    log.error("shard %d: the append failed unexpectedly", self.shard, exc_info=error)
+                outcome = append_outcome(error, writer.phase is wal.guard.Phase.NEEDS_INIT)
+                detail = (str(error) if isinstance(error, wal.WalError)
+                          else type(error).__name__ if error else "cancelled")
+                self._report(machine, core.AppendFailed(outcome, detail))
 
         self._writer_thread(writer.append, list(action.payloads), action.revision, done=done)
 
-    def _settled_end(self) -> None:
+    def perform_read_settled_end(self, action: core.ReadSettledEnd) -> None:
         writer, machine = self._writer, self.machine
         assert writer is not None
 
         def done(f: asyncio.Future[Any]) -> None:
-            if not machine.writer_busy:
-                return
             error = None if f.cancelled() else f.exception()
             if f.cancelled() or error is not None:
                 self._report(machine, core.EndReadFailed(core.EndPurpose.SETTLE, str(error or "cancelled")))
@@ -609,15 +577,14 @@ class ShardReplica:
 
     # ---- the reader --------------------------------------------------------------------------------------
 
-    def _fetch(self, action: core.Fetch) -> None:
+    def perform_fetch(self, action: core.Fetch) -> None:
         if action.upto is None and self._spare is None:
             self._prepare_spare()
 
         machine = self.machine
 
         def report(event: core.Event) -> None:
-            if machine.reader_op is core.ReaderOp.FETCH:  # not reported as cut short already
-                self._report(machine, event)
+            self._report(machine, event)
 
         async def poll() -> None:
             try:
@@ -668,22 +635,20 @@ class ShardReplica:
             self.end_offset = max(self.end_offset, end)
         except Exception as exc:
             event = core.EndReadFailed(purpose, f"{type(exc).__name__}: {exc}")
-        if purpose is core.EndPurpose.BARRIER or machine.reader_op is core.ReaderOp.END:
-            self._report(machine, event)
+        self._report(machine, event)
 
-    def _apply_replayed(self, action: core.ApplyReplayed) -> None:
+    def perform_apply_replayed(self, action: core.ApplyReplayed) -> str | None:
         """Changes are built only for watchers: a bootstrap applies millions of effects that
         nobody watches (`Applied.changes`)."""
         try:
             applied = self.store.apply(list(action.records), action.checkpoint)
         except (StorageError, OSError) as exc:
             log.warning("shard %d: applying replayed records failed: %s", self.shard, exc)
-            self._later.append(core.ReplayApplyFailed(f"{type(exc).__name__}: {exc}"))
-            return
+            return f"{type(exc).__name__}: {exc}"
         self._after_apply(applied.changes if self.watchers else [])
-        self._later.append(core.Replayed())
+        return None
 
-    def _apply_committed(self, action: core.ApplyCommitted, error: list[str]) -> None:
+    def perform_apply_committed(self, action: core.ApplyCommitted) -> str | None:
         """W5: a committed batch at the offsets its records were delivered at, with the new
         checkpoint and the assumed marker slot. A failure is reported, never raised: the batch
         is committed either way, and its answers follow."""
@@ -692,7 +657,8 @@ class ShardReplica:
             applied = self.store.apply(list(action.records), action.checkpoint, unverified=action.marker_slot)
             self._after_apply(applied.changes if self.watchers else [])
         except Exception as exc:
-            error.append(f"{type(exc).__name__}: {exc}")
+            return f"{type(exc).__name__}: {exc}"
+        return None
 
     def _end_watches(self, why: str) -> None:
         """The state went back (a wipe) or jumped ahead (a snapshot): what it applies next would
@@ -732,20 +698,7 @@ class ShardReplica:
                 loaded = True
         except Exception as exc:
             log.warning("shard %d: loading a snapshot failed: %s", self.shard, exc)
-        if machine.reader_op is core.ReaderOp.LOAD:
-            self._report(machine, core.SnapshotDone(loaded))
-
-
-def append_outcome(exc: wal.WalError, writer_retired: bool) -> AppendOutcome:
-    """What a WAL error says about an append, for the machine's table (`APPEND_DECISIONS`).
-    `writer_retired`: the writer's next call would init a fresh producer (`Phase.NEEDS_INIT`)."""
-    if isinstance(exc, wal.UnknownOutcomeError):
-        return AppendOutcome.UNKNOWN_FENCED if exc.fenced else AppendOutcome.UNKNOWN
-    if isinstance(exc, wal.FencedError):
-        return AppendOutcome.FENCED
-    if isinstance(exc, wal.WriterFatalError):
-        return AppendOutcome.WRITER_FATAL
-    return AppendOutcome.ABORTED_RETIRED if writer_retired else AppendOutcome.ABORTED
+        self._report(machine, core.SnapshotDone(loaded))
 
 
 def writer_config(config: ReplicaConfig) -> wal.WriterConfig:

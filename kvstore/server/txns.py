@@ -37,7 +37,7 @@ import grpc
 
 from kvstore import errors
 from kvstore.core import txn
-from kvstore.core.batch import Write
+from kvstore.core.replica.writes import DecideTxn, ForgetTxns, PrepareTxn, ResolveTxn, WriteRequest
 from kvstore.core.txn import Decide
 from kvstore.core.txn_driver import (
     DecideAnswered,
@@ -68,7 +68,6 @@ from kvstore.v1 import cluster_pb2, kv_pb2
 if TYPE_CHECKING:
     from kvstore.server.node import Node
     from kvstore.server.peers import Peers
-    from kvstore.storage.shard_store import ShardStore
 
 log = logging.getLogger("kvstore.txn")
 
@@ -250,7 +249,7 @@ class Transactions:
     async def _forget_record(self, shard: int, txn_ids: list[str]) -> None:
         try:
             replica = self.node.replica(shard)
-            await asyncio.wait_for(replica.write(txn.forget_write(txn_ids, replica.store), 16 * len(txn_ids)),
+            await asyncio.wait_for(replica.write(ForgetTxns(tuple(txn_ids)), 16 * len(txn_ids)),
                                    TXN_CALL_TIMEOUT_S)
         except (errors.StoreError, TimeoutError) as exc:
             log.info("shard %d: forgetting %d resolved decisions failed (%s); the finishers resolve them again",
@@ -326,27 +325,24 @@ class Transactions:
 
     # ---- the records, here (a peer's call or this node's own driver) -------------------------------------
 
-    async def record(self, shard: int, make: Callable[[ShardStore], Write], size: int) -> Any:
+    async def record(self, shard: int, write: WriteRequest, size: int) -> Any:
         """Append a transaction's record at this node's replica of `shard` (its leader), or
         raise the refusal (NotLeaderError, a conflict...): never forwarded from here."""
-        replica = self.node.replica(shard)
-        return await replica.write(make(replica.store), size)
+        return await self.node.replica(shard).write(write, size)
 
-    def prepare_write(self, request: peer_pb2.PrepareTxnRequest) -> Callable[[ShardStore], Write]:
-        return lambda store: txn.prepare_write(request.txn_id, request.txn, request.shard, self.node.config.shards,
-                                               store, started_unix_ms=request.started_unix_ms,
-                                               first_attempt_unix_ms=request.first_attempt_unix_ms)
+    def prepare_write(self, request: peer_pb2.PrepareTxnRequest) -> WriteRequest:
+        return PrepareTxn(request.txn_id, request.txn, request.shard, self.node.config.shards,
+                          started_unix_ms=request.started_unix_ms, first_attempt_unix_ms=request.first_attempt_unix_ms)
 
-    def decide_write(self, request: peer_pb2.DecideTxnWithPartRequest) -> Callable[[ShardStore], Write]:
+    def decide_write(self, request: peer_pb2.DecideTxnWithPartRequest) -> WriteRequest:
         decide = Decide(request.decision, request.first_attempt_unix_ms,
                         request.txn if request.decision.commit else None,
                         {v.shard: v.vote for v in request.votes})
-        return lambda store: txn.decision_write(decide, store, shard_count=self.node.config.shards,
-                                                started_unix_ms=request.started_unix_ms)
+        return DecideTxn(decide, self.node.config.shards, started_unix_ms=request.started_unix_ms)
 
     @staticmethod
-    def resolve_write(request: peer_pb2.ResolveTxnRequest) -> Callable[[ShardStore], Write]:
-        return lambda _store: txn.resolve_write(request.resolve)
+    def resolve_write(request: peer_pb2.ResolveTxnRequest) -> WriteRequest:
+        return ResolveTxn(request.resolve)
 
     # ---- the shell ------------------------------------------------------------------------------------------
 
@@ -495,13 +491,12 @@ class Transactions:
         except grpc.aio.AioRpcError as exc:
             return errors.from_status(exc.code(), exc.details() or "", tuple(exc.trailing_metadata() or ()))
 
-    async def _record(self, shard: int, method: str, request: Any, make: Callable[[ShardStore], Write],
-                      field: str) -> Any:
+    async def _record(self, shard: int, method: str, request: Any, write: WriteRequest, field: str) -> Any:
         """One record at `shard`: here if this node leads it, else at its leader (whose answer
         carries it in `field`); the answer or the error, as the driver takes it."""
         try:
             if self.node.leads(shard):
-                return await asyncio.wait_for(self.record(shard, make, request.ByteSize()), TXN_CALL_TIMEOUT_S)
+                return await asyncio.wait_for(self.record(shard, write, request.ByteSize()), TXN_CALL_TIMEOUT_S)
             leader = self.node.leader_address(shard)
             if not leader or leader == self.node.address:
                 return errors.UnavailableError(f"shard {shard} has no leader known right now")

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from kvstore.core.batch import write_of
+from kvstore.core.replica import ClientRequest
 from kvstore.core.role import Role
 from kvstore.server.metrics import Metrics
 from kvstore.server.replica import ShardReplica
@@ -36,7 +36,7 @@ def test_one_query_in_flight_serves_every_read_that_came_meanwhile(kafka: LocalK
         try:
             await wait_until_async(lambda: replica.role is Role.LEADING, 30, what="the replica to lead")
             put = kv_pb2.PutRequest(key=b"k", value=b"v")
-            written = await replica.write(write_of(put, 0), put.ByteSize())
+            written = await replica.write(ClientRequest(put, 0), put.ByteSize())
             assert isinstance(written, kv_pb2.PutResponse)
             real = replica.ends.high_watermark
 

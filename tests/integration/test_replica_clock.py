@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from kvstore import errors, limits
-from kvstore.core.batch import write_of
+from kvstore.core.replica import ClientRequest
 from kvstore.core.role import Role
 from kvstore.server.clock import SYSTEM_CLOCK
 from kvstore.server.metrics import Metrics
@@ -43,7 +43,7 @@ class SteppedClock:
 async def _put(replica: ShardReplica, key: bytes, request_id: str, first_attempt_unix_ms: int) -> kv_pb2.PutResponse:
     request = kv_pb2.PutRequest(key=key, value=b"v", request_id=request_id,
                                 first_attempt_unix_ms=first_attempt_unix_ms)
-    response = await replica.write(write_of(request, 0), request.ByteSize())
+    response = await replica.write(ClientRequest(request, 0), request.ByteSize())
     assert isinstance(response, kv_pb2.PutResponse)
     return response
 

@@ -20,7 +20,7 @@ import pytest
 from confluent_kafka import KafkaError, KafkaException, Producer
 
 from kvstore import errors
-from kvstore.core.batch import write_of
+from kvstore.core.replica import ClientRequest
 from kvstore.core.role import Role
 from kvstore.internal.v1 import wal_entry_pb2
 from kvstore.server import failpoints
@@ -56,7 +56,7 @@ async def _replica(config: ReplicaConfig, *, lead: bool) -> AsyncIterator[ShardR
 async def _put(replica: ShardReplica, key: bytes, value: bytes, request_id: str = "") -> kv_pb2.PutResponse:
     request = kv_pb2.PutRequest(key=key, value=value, request_id=request_id,
                                 first_attempt_unix_ms=int(time.time() * 1000))
-    response = await replica.write(write_of(request, 0), request.ByteSize())
+    response = await replica.write(ClientRequest(request, 0), request.ByteSize())
     assert isinstance(response, kv_pb2.PutResponse)
     return response
 
@@ -386,7 +386,7 @@ def test_a_retry_older_than_the_request_id_horizon_is_refused_not_applied(kafka:
             request = kv_pb2.PutRequest(key=b"old", value=b"v", request_id="rid-old",
                                         first_attempt_unix_ms=two_hours_ago)
             with pytest.raises(errors.RequestExpiredError) as info:
-                await replica.write(write_of(request, 0), request.ByteSize())
+                await replica.write(ClientRequest(request, 0), request.ByteSize())
             assert "expired" in str(info.value) and info.value.definite
             assert replica.store.get(b"old") is None
             again = await _put(replica, b"k", b"v", "rid-kept")  # still remembered: the original answer

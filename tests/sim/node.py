@@ -23,8 +23,9 @@ from collections.abc import Callable
 
 from kvstore import errors
 from kvstore.core import placement, txn
-from kvstore.core.batch import Answer, Write, write_of
+from kvstore.core.batch import Answer
 from kvstore.core.placement import Act, Hold, ShardFacts, ShardHold
+from kvstore.core.replica.writes import ClientRequest, WriteRequest
 from kvstore.core.request_window import MemoryShard
 from kvstore.core.sharding import shard_of
 from kvstore.v1 import kv_pb2
@@ -214,7 +215,7 @@ class Node(Actor):
         if isinstance(request, kv_pb2.GetRequest):
             replica.read(request.key, reply)
             return
-        replica.write(write_of(request, shard), None if self.world.late_requests else deadline_ms, reply)
+        replica.write(ClientRequest(request, shard), None if self.world.late_requests else deadline_ms, reply)
 
     def handle_read(self, shard: int, keys: tuple[bytes, ...], span: tuple[bytes, bytes | None] | None,
                     read: Callable[[MemoryShard], object], reply: Callable[[object], None]) -> None:
@@ -230,11 +231,11 @@ class Node(Actor):
 
         replica.barrier(ready, keys, span)
 
-    def handle_record(self, shard: int, make: Callable[[MemoryShard], Write], reply: Callable[[Answer], None]) -> None:
+    def handle_record(self, shard: int, write: WriteRequest, reply: Callable[[Answer], None]) -> None:
         """A peer's call for a cross-shard transaction's record at `shard` (prepare, decision,
         resolve): queued like any write at this node's replica, refused if it holds none."""
         replica = self.replicas.get(shard)
         if replica is None:
             reply(errors.NotHeldError(shard, self.leader_hint(shard)))
             return
-        replica.write(make(replica.store), None, reply)
+        replica.write(write, None, reply)

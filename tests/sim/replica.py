@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 from kvstore import errors
 from kvstore.core import replica as machine_events
-from kvstore.core.batch import Answer, BatchLimits, Write
+from kvstore.core.batch import Answer, BatchLimits
 from kvstore.core.evaluate import key_value
 from kvstore.core.recovery import SnapshotOffer, snapshots_to_try
 from kvstore.core.replica import (
@@ -31,10 +31,12 @@ from kvstore.core.replica import (
     Mutation,
     ReplicaConfig,
     ReplicaMachine,
+    trace,
 )
+from kvstore.core.replica.performers import perform_all
+from kvstore.core.replica.writes import WriteRequest
 from kvstore.core.request_window import MemoryShard
-from kvstore.core.role import Role
-from kvstore.server.replica import append_outcome  # the server's own mapping of WAL errors
+from kvstore.core.role import Role, append_outcome
 from kvstore.v1 import kv_pb2
 from tests.sim.kafka import FetchResult
 from tests.sim.scheduler import Actor
@@ -46,6 +48,16 @@ from wal.record import Verdict, WriterIdentity, judge
 
 ReadAnswer = kv_pb2.GetResponse | errors.StoreError
 Reply = Callable[[Answer], None]
+
+
+@dataclasses.dataclass
+class ReplicaTrace:
+    """Every event stepped into one replica machine, with what it returned (`world.replica_traces`)."""
+
+    name: str
+    config: ReplicaConfig
+    empty_at_start: bool  # its store held nothing: a replay starts from an empty one too
+    steps: list[trace.Step]
 
 
 @dataclasses.dataclass
@@ -86,6 +98,10 @@ class Replica:
         self.caught_up_once = False  # it reached the partition's end at least once (placement's P2)
         # Asked to resolve prepared transactions a read waits on; the node sets it (its resolvers).
         self.resolve_now: Callable[[tuple[str, ...]], None] = lambda txn_ids: None
+        self.recording: ReplicaTrace | None = None
+        if world.replica_traces is not None:
+            self.recording = ReplicaTrace(f"{actor.name} s{shard}", self.machine.config, store.applied_offset == 0, [])
+            world.replica_traces.append(self.recording)
 
     def close(self) -> None:
         """Dropped by placement: it takes no more events (its pending calls' answers are ignored)."""
@@ -112,7 +128,7 @@ class Replica:
     def set_lead(self, lead: bool) -> None:
         self._step(machine_events.LeadChanged(lead))
 
-    def write(self, write: Write, deadline_ms: int | None, reply: Reply) -> None:
+    def write(self, write: WriteRequest, deadline_ms: int | None, reply: Reply) -> None:
         """`deadline_ms`: when its client stops waiting (None: it runs whatever, as gRPC's do)."""
         ticket = self._ticket(_Request(reply))
         self._step(machine_events.WriteArrived(ticket, write, 0, self.leader_hint(self.shard) or ""))
@@ -155,12 +171,15 @@ class Replica:
                                  f"on {type(event).__name__}: {exc}")
             self._dead = True
             return
+        if self.recording is not None:
+            self.recording.steps.append(trace.Step(now, now + self.actor.clock_skew_ms, event,
+                                                   trace.actions_text(actions)))
         if self.machine.role.role is Role.LEADING and before is not Role.LEADING:
             self.world.audit.counters["leaderships"] += 1
             self.world.trace.log(f"{self.actor.name} s{self.shard} leading at {self.machine.role.upcoming} "
                                  f"term {self.machine.term}")
-        for action in actions:
-            self._perform(action)
+        for result in perform_all(self, actions):  # the core's one table; local results after the list
+            self._later(result)
         if self.machine.caught_up:
             self.caught_up_once = True
         self._schedule_tick()
@@ -185,63 +204,83 @@ class Replica:
         self._wake_at = at
         self.world.sched.at(at - self.world.sched.now, tick, self.actor)
 
-    def _perform(self, action: Action) -> None:
-        world, shard = self.world, self.shard
-        if isinstance(action, machine_events.AnswerRequest):
-            self._answer(action.ticket, action.answer)
-        elif isinstance(action, machine_events.Fence):
-            if self.writer is None:
-                self.writer = SimWriter(world, self.actor, shard)
-                world.trace.log(f"{self.actor.name} s{shard} fencing")
-            writer = self.writer
-            writer.fence(lambda result: self._fenced(writer, result))
-        elif isinstance(action, machine_events.SetTerm):
-            assert self.writer is not None
-            self.writer.identity = WriterIdentity(self.actor.name, action.term)
-        elif isinstance(action, machine_events.Append):
-            assert self.writer is not None
-            writer = self.writer
-            writer.append(list(action.payloads), action.revision, lambda result: self._appended(writer, result))
-        elif isinstance(action, machine_events.ApplyCommitted):
-            self._apply(list(action.records), action.checkpoint, action.marker_slot)
-            world.audit.counters["batches"] += 1
-            self._later(machine_events.CommitApplied())  # after the answers that follow it
-        elif isinstance(action, machine_events.ApplyReplayed):
-            self._apply(list(action.records), action.checkpoint, None)
-            self._later(machine_events.Replayed())
-        elif isinstance(action, machine_events.Fetch):
-            self._fetch(action)
-        elif isinstance(action, machine_events.ReadEnd):
-            self._read_end(action.purpose)
-        elif isinstance(action, machine_events.ReadSettledEnd):
-            self._settled_end()
-        elif isinstance(action, machine_events.RewindUnverified):
-            self.store.rewind_unverified()
-            self._later(machine_events.Rewound())
-        elif isinstance(action, machine_events.Wipe):
-            world.trace.log(f"{self.actor.name} s{shard} wipes its replica: {action.reason}")
-            self.store.wipe()
-            self._later(machine_events.Wiped())
-        elif isinstance(action, machine_events.LoadSnapshot):
-            self._later(machine_events.SnapshotDone(self._load_snapshot(action.at_least)))
-        elif isinstance(action, machine_events.CloseWriter):
-            if self.writer is not None:
-                self.writer.close()
-                self.writer = None
-            world.trace.log(f"{self.actor.name} s{shard} follower")
-        elif isinstance(action, machine_events.Note):
-            if action.metric:
-                world.audit.counters[f"replica_{action.metric}"] += 1
-            if action.warning and action.text:
-                world.trace.log(f"{self.actor.name} {action.text}")
-        elif isinstance(action, machine_events.ResolveNow):
-            world.audit.counters["read_resolve_now"] += 1
-            self.resolve_now(action.txn_ids)
-        elif isinstance(action, (machine_events.Unable, machine_events.Able)):
-            world.violation(f"{self.actor.name} shard {shard}: nothing in the simulation makes a replica unable "
-                            f"to lead, yet: {action}")
-        else:
-            assert isinstance(action, machine_events.Exit), action
+    # ---- the performers (kvstore.core.replica.performers.Performers) ---------------------------------
+
+    def perform_answer(self, action: machine_events.AnswerRequest) -> None:
+        self._answer(action.ticket, action.answer)
+
+    def perform_fence(self, action: machine_events.Fence) -> None:
+        if self.writer is None:
+            self.writer = SimWriter(self.world, self.actor, self.shard)
+            self.world.trace.log(f"{self.actor.name} s{self.shard} fencing")
+        writer = self.writer
+        writer.fence(lambda result: self._fenced(writer, result))
+
+    def perform_set_term(self, action: machine_events.SetTerm) -> None:
+        assert self.writer is not None
+        self.writer.identity = WriterIdentity(self.actor.name, action.term)
+
+    def perform_append(self, action: machine_events.Append) -> None:
+        assert self.writer is not None
+        writer = self.writer
+        writer.append(list(action.payloads), action.revision, lambda result: self._appended(writer, result))
+
+    def perform_apply_committed(self, action: machine_events.ApplyCommitted) -> str | None:
+        self._apply(list(action.records), action.checkpoint, action.marker_slot)
+        self.world.audit.counters["batches"] += 1
+        return None
+
+    def perform_apply_replayed(self, action: machine_events.ApplyReplayed) -> str | None:
+        self._apply(list(action.records), action.checkpoint, None)
+        return None
+
+    def perform_fetch(self, action: machine_events.Fetch) -> None:
+        self._fetch(action)
+
+    def perform_read_end(self, action: machine_events.ReadEnd) -> None:
+        self._read_end(action.purpose)
+
+    def perform_read_settled_end(self, action: machine_events.ReadSettledEnd) -> None:
+        self._settled_end()
+
+    def perform_rewind(self, action: machine_events.RewindUnverified) -> None:
+        self.store.rewind_unverified()
+
+    def perform_wipe(self, action: machine_events.Wipe) -> None:
+        self.world.trace.log(f"{self.actor.name} s{self.shard} wipes its replica: {action.reason}")
+        self.store.wipe()
+
+    def perform_load_snapshot(self, action: machine_events.LoadSnapshot) -> machine_events.SnapshotDone:
+        return machine_events.SnapshotDone(self._load_snapshot(action.at_least))
+
+    def perform_close_writer(self, action: machine_events.CloseWriter) -> None:
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
+        self.world.trace.log(f"{self.actor.name} s{self.shard} follower")
+
+    def perform_note(self, action: machine_events.Note) -> None:
+        if action.metric:
+            self.world.audit.counters[f"replica_{action.metric}"] += 1
+        if action.warning and action.text:
+            self.world.trace.log(f"{self.actor.name} {action.text}")
+
+    def perform_resolve_now(self, action: machine_events.ResolveNow) -> None:
+        self.world.audit.counters["read_resolve_now"] += 1
+        self.resolve_now(action.txn_ids)
+
+    def perform_unable(self, action: machine_events.Unable) -> None:
+        self._unexpected(action)
+
+    def perform_able(self, action: machine_events.Able) -> None:
+        self._unexpected(action)
+
+    def _unexpected(self, action: Action) -> None:
+        self.world.violation(f"{self.actor.name} shard {self.shard}: nothing in the simulation makes a replica "
+                             f"unable to lead, yet: {action}")
+
+    def perform_exit(self, action: machine_events.Exit) -> None:
+        pass
 
     def _load_snapshot(self, at_least: int) -> bool:
         """The snapshot the node would load (`kvstore.core.recovery.snapshots_to_try`, as

@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING, Any
 
 from kvstore import errors
 from kvstore.core import txn
-from kvstore.core.batch import Answer, Write
+from kvstore.core.batch import Answer
+from kvstore.core.replica.writes import DecideTxn, ForgetTxns, PrepareTxn, ResolveTxn, WriteRequest
 from kvstore.core.request_window import MemoryShard
 from kvstore.core.role import Role
 from kvstore.core.txn_driver import (
@@ -175,7 +176,7 @@ class TxnShell:
                 if left is not None:
                     left.difference_update(ids)
 
-        replica.write(txn.forget_write(ids, store), None, answered)
+        replica.write(ForgetTxns(tuple(ids)), None, answered)
 
     # ---- the shell --------------------------------------------------------------------------------------
 
@@ -203,11 +204,9 @@ class TxnShell:
         if isinstance(action, SendPrepare):
             prepare_action = action
 
-            def prepare(store: MemoryShard) -> Write:
-                a = prepare_action
-                return txn.prepare_write(a.txn_id, a.request, a.shard, world.shards, store,
-                                         started_unix_ms=a.started_unix_ms,
-                                         first_attempt_unix_ms=a.first_attempt_unix_ms)
+            a = prepare_action
+            prepare = PrepareTxn(a.txn_id, a.request, a.shard, world.shards, started_unix_ms=a.started_unix_ms,
+                                 first_attempt_unix_ms=a.first_attempt_unix_ms)
 
             shard = action.shard
             self._call(txn_id, driver, shard, prepare, lambda answer: PrepareAnswered(shard, answer))
@@ -216,14 +215,13 @@ class TxnShell:
             second = TxnMutation.SECOND_DECISION in world.txn_mutations
             table_only = TxnMutation.DECISION_IN_REQUEST_TABLE in world.txn_mutations
 
-            def decide_write(store: MemoryShard) -> Write:
-                return txn.decision_write(decide, store, shard_count=world.shards, started_unix_ms=started,
-                                          second_decision=second, request_table_only=table_only)
+            decide_write = DecideTxn(decide, world.shards, started_unix_ms=started, second_decision=second,
+                                     request_table_only=table_only)
 
             self._call(txn_id, driver, action.shard, decide_write, DecideAnswered)
         elif isinstance(action, SendResolve):
             resolve, target = action.resolve, action.shard
-            self._call(txn_id, driver, target, lambda _store: txn.resolve_write(resolve),
+            self._call(txn_id, driver, target, ResolveTxn(resolve),
                        lambda answer: ResolveAnswered(target, answer))
         elif isinstance(action, SendRead):
             read_action = action
@@ -267,12 +265,12 @@ class TxnShell:
             return
         world.net.send(lambda: target.txns.note_forget(shard, txn_id), target, once=True)
 
-    def _call(self, txn_id: str, driver: TxnDriver, shard: int, make: Callable[[MemoryShard], Write],
+    def _call(self, txn_id: str, driver: TxnDriver, shard: int, write: WriteRequest,
               event_of: Callable[[Any], Any]) -> None:
         """One peer call to the node the group says leads `shard` (any node if none is known),
         bounded by the call timeout: no answer in time is an unknown outcome."""
         self._peer_call(txn_id, driver, shard, event_of,
-                        lambda target, answer: target.handle_record(shard, make, answer))
+                        lambda target, answer: target.handle_record(shard, write, answer))
 
     def _read(self, txn_id: str, driver: TxnDriver, shard: int, keys: tuple[bytes, ...],
               read: Callable[[MemoryShard], object], event_of: Callable[[Any], Any]) -> None:

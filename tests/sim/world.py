@@ -127,6 +127,9 @@ class World:
     # Per shard, the snapshots taken (cut, state), oldest first: what `kvstore snapshot create`
     # leaves in a node's --snapshot-dir, built from the WAL, never from a replica.
     snapshots: dict[int, list[tuple[int, MemoryShard]]] = dataclasses.field(default_factory=dict)
+    # Every replica machine's trace (`tests.sim.replica.ReplicaTrace`), when a test asks for them
+    # (a list); None: not recorded (the cost of printing every step's actions).
+    replica_traces: list[Any] | None = None
     txn_mutations: frozenset[TxnMutation] = frozenset()  # the transaction protocol's broken variants (teeth)
     peers: dict[str, Any] = dataclasses.field(default_factory=dict)  # every node by name (peer calls)
     _ids: int = 0

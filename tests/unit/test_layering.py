@@ -21,7 +21,7 @@ CORE_STDLIB = {"__future__", "abc", "bisect", "collections", "dataclasses", "enu
                "heapq", "itertools", "math", "operator", "re", "struct", "typing", "zlib"}
 CORE_KVSTORE = ("kvstore.core", "kvstore.v1", "kvstore.internal.v1", "kvstore.errors", "kvstore.limits")
 # The log's pure rules the core shares instead of restating them (each checked pure below).
-CORE_WAL = ("wal.offsets",)
+CORE_WAL = ("wal.offsets", "wal.errors")
 
 HEAVY = ("confluent_kafka", "plyvel", "pyarrow", "pyspark", "pandas", "prometheus_client", "grpc_health",
          "grpc_reflection")

@@ -17,7 +17,7 @@ import pytest
 
 from kvstore import errors
 from kvstore.core import replica as core
-from kvstore.core.batch import BatchLimits, Write, write_of
+from kvstore.core.batch import BatchLimits
 from kvstore.core.evaluate import evaluate_put
 from kvstore.core.replica import (
     READY,
@@ -37,20 +37,24 @@ from kvstore.core.replica import (
     Mutation,
     ProbeRequested,
     ReadArrived,
-    Reading,
+    ReaderState,
     ReplayApplyFailed,
     Replayed,
     ReplicaConfig,
     ReplicaMachine,
     Rewound,
     SnapshotDone,
-    Stage,
     Started,
+    StopOverdue,
     StopRequested,
     Tick,
     Wiped,
     WriteArrived,
 )
+from kvstore.core.replica.machine import _HANDLERS
+from kvstore.core.replica.performers import perform_all
+from kvstore.core.replica.reader import _VALID as reader_moves
+from kvstore.core.replica.trace import StorePerformers
 from kvstore.core.request_window import MemoryShard
 from kvstore.core.role import BROKEN, NEEDS_SNAPSHOT, REBUILDING, AppendOutcome, Role
 from kvstore.v1 import kv_pb2
@@ -69,22 +73,26 @@ def entry(key: bytes, revision: int, request_id: str = "") -> bytes:
     return evaluation.entry.SerializeToString()
 
 
-def put(key: bytes, request_id: str = "") -> Write:
-    return write_of(kv_pb2.PutRequest(key=key, value=b"v", request_id=request_id, first_attempt_unix_ms=UNIX_MS), 0)
+def put(key: bytes, request_id: str = "") -> core.ClientRequest:
+    return core.ClientRequest(kv_pb2.PutRequest(key=key, value=b"v", request_id=request_id,
+                                                first_attempt_unix_ms=UNIX_MS), 0)
 
 
-def txn_get(key: bytes) -> Write:
+def txn_get(key: bytes) -> core.ClientRequest:
     """A read-only Txn (Get ops only): no record, answered through a barrier."""
-    return write_of(kv_pb2.TxnRequest(compares=[kv_pb2.Compare(key=key, target=kv_pb2.Compare.TARGET_VERSION,
+    return core.ClientRequest(kv_pb2.TxnRequest(compares=[kv_pb2.Compare(key=key, target=kv_pb2.Compare.TARGET_VERSION,
                                                                op=kv_pb2.Compare.OP_EQUAL, version=0)],
                                       success=[kv_pb2.TxnOp(get=kv_pb2.GetRequest(key=key))]), 0)
 
 
-class Drive:
-    """A machine over a `MemoryShard`, with the store's side of a driver: apply, rewind, wipe."""
+class Drive(StorePerformers):
+    """A machine over a `MemoryShard`, with the store's side of a driver (apply, rewind, wipe),
+    performed through the core's one table (`kvstore.core.replica.performers`, the replay's
+    `StorePerformers`); every other result is the scenario's to report, and so are the local
+    ones but `Replayed`."""
 
     def __init__(self, config: ReplicaConfig = CONFIG, store: MemoryShard | None = None) -> None:
-        self.store = store or MemoryShard()
+        super().__init__(store or MemoryShard())
         self.machine = ReplicaMachine(config, self.store)
         self.now_ms = 0.0
         self.auto_apply = True  # apply replayed records and report them, as a driver does
@@ -93,17 +101,13 @@ class Drive:
         if at_ms is not None:
             self.now_ms = at_ms
         actions = self.machine.step(event, now_ms=self.now_ms, unix_ms=UNIX_MS + int(self.now_ms))
-        for action in list(actions):
-            if isinstance(action, core.ApplyReplayed) and self.auto_apply:  # applied and reported
-                self.store.apply(list(action.records), action.checkpoint)
-                actions += self.step(core.Replayed())
-            elif isinstance(action, core.ApplyCommitted):
-                self.store.apply(list(action.records), action.checkpoint, unverified=action.marker_slot)
-            elif isinstance(action, core.RewindUnverified):
-                self.store.rewind_unverified()
-            elif isinstance(action, core.Wipe):
-                self.store.wipe()
+        for result in perform_all(self, actions):
+            if isinstance(result, core.Replayed) and self.auto_apply:  # applied and reported
+                actions += self.step(result)
         return actions
+
+    def perform_apply_replayed(self, action: core.ApplyReplayed) -> str | None:
+        return super().perform_apply_replayed(action) if self.auto_apply else None
 
 
 def shown(action: core.Action) -> str:
@@ -188,15 +192,12 @@ def committed(drive: Drive, revision: int, count: int) -> Appended:
     return Appended(offsets, revision + count + 1, revision + count)
 
 
-def state(drive: Drive, role: Role | None = None, reading: Reading | None = None, stage: Stage | None = ...,  # type: ignore[assignment]
-          **fields: Any) -> None:
+def state(drive: Drive, role: Role | None = None, reader: ReaderState | None = None, **fields: Any) -> None:
     m = drive.machine
     if role is not None:
         assert m.role.role is role, (m.role.role, role)
-    if reading is not None:
-        assert m.reading is reading, (m.reading, reading)
-    if stage is not ...:
-        assert m.stage is stage, (m.stage, stage)
+    if reader is not None:
+        assert m.reader is reader, (m.reader, reader)
     for name, value in fields.items():
         assert getattr(m, name) == value, (name, getattr(m, name), value)
 
@@ -221,9 +222,10 @@ def test_a_replica_with_state_skips_the_snapshot_and_a_snapshot_loaded_is_counte
 
 
 def test_without_standby_a_replica_idles_at_its_checkpoint() -> None:
-    drive = Drive(dataclasses.replace(CONFIG, standby=False))
+    drive = Drive()
+    drive.machine.config = dataclasses.replace(CONFIG, standby=False)  # as a node's `set_standby`
     run(drive, [(Started(), 0, [])])
-    assert drive.machine.caught_up and drive.machine.reading is Reading.NONE
+    assert drive.machine.caught_up and drive.machine.reader is ReaderState.IDLE
 
 
 def test_a_fetch_from_an_old_position_or_for_another_reading_is_dropped() -> None:
@@ -243,7 +245,7 @@ def test_a_failed_fetch_backs_off_then_the_reading_starts_over() -> None:
         (Tick(), 250, []),
         (Tick(), 320, ["RewindUnverified"]),
     ])
-    assert drive.machine.backoff_ms == 400
+    assert drive.machine.catch_up.backoff_ms == 400
 
 
 def test_a_replay_apply_that_fails_backs_off() -> None:
@@ -252,7 +254,7 @@ def test_a_replay_apply_that_fails_backs_off() -> None:
     drive.auto_apply = False
     run(drive, [(Fetched(2, [(2, entry(b"b", 2))], 3), 0, ["ApplyReplayed(3)"]),
                 (ReplayApplyFailed("disk full"), 0, [])])
-    assert drive.machine.retry_at_ms == 100 and drive.machine.reading is Reading.NONE
+    assert drive.machine.catch_up.retry_at_ms == 100 and drive.machine.reader is ReaderState.IDLE
     assert drive.store.applied_offset == 2
 
 
@@ -293,7 +295,7 @@ def test_a_stale_end_that_catches_up_is_no_reason_to_wipe() -> None:
         (Tick(), 500, ["ReadEnd(confirm)"]),
         (EndRead(EndPurpose.CONFIRM, 12), 510, ["Fetch(10,None)"]),  # a broker back with its real end
     ])
-    assert drive.machine.follow_end == 12
+    assert drive.machine.catch_up.follow_end == 12
 
 
 def test_an_end_unreadable_through_the_grace_concludes_nothing() -> None:
@@ -304,7 +306,7 @@ def test_an_end_unreadable_through_the_grace_concludes_nothing() -> None:
         (EndReadFailed(EndPurpose.CONFIRM, "down"), 510, []),
         (Tick(), 2_000, []),  # unconfirmed: retry the reading later, never wipe
     ])
-    assert drive.store.applied_offset == 10 and drive.machine.retry_at_ms == 2_100
+    assert drive.store.applied_offset == 10 and drive.machine.catch_up.retry_at_ms == 2_100
 
 
 def test_below_a_truncated_log_start_a_snapshot_or_nothing() -> None:
@@ -347,7 +349,7 @@ def test_taking_over_fences_catches_up_to_the_fenced_end_then_leads() -> None:
         (WriteArrived(1, put(b"x"), 10), None, ["Answer(1,UnavailableError)"]),  # taking over: retry
         (Fetched(2, [(3, entry(b"b", 3))], 6), None, ["ApplyReplayed(6)"]),
     ])
-    state(drive, Role.LEADING, Reading.NONE, None)
+    state(drive, Role.LEADING, ReaderState.IDLE)
     assert drive.machine.role.upcoming == 6 and drive.machine.term == 7
 
 
@@ -397,7 +399,7 @@ def test_a_fence_that_fails_backs_off_and_resigning_while_fencing_steps_down() -
         (LeadChanged(False), None, []),
         (Fenced(0), None, ["CloseWriter", "RewindUnverified"]),  # given up meanwhile: step down
     ])
-    state(drive, Role.FOLLOWER, Reading.FOLLOW)
+    state(drive, Role.FOLLOWER, ReaderState.FOLLOW_REWINDING)
 
 
 def test_resigning_while_catching_up_steps_down_at_once() -> None:
@@ -408,7 +410,7 @@ def test_resigning_while_catching_up_steps_down_at_once() -> None:
         (LeadChanged(False), None, ["CloseWriter"]),  # the rewind is out: the reading resumes after
         (Rewound(), None, ["RewindUnverified"]),
     ])
-    state(drive, Role.FOLLOWER, Reading.FOLLOW, Stage.REWINDING)
+    state(drive, Role.FOLLOWER, ReaderState.FOLLOW_REWINDING)
 
 
 def test_the_end_moving_while_taking_over_means_taking_over_again() -> None:
@@ -457,7 +459,7 @@ def test_a_client_that_gives_up_while_queued_is_not_written() -> None:
     drive = leading(2)
     run(drive, [(WriteArrived(1, put(b"a", "r"), 10), 100, []), (ClientGone(1), None, []),
                 (Tick(), 102, []), (ClientGone(99), None, [])])
-    assert not drive.machine.in_progress and not drive.machine.queue
+    assert not drive.machine.batching.in_progress and not drive.machine.batching.queue
 
 
 def test_an_aborted_batch_learns_the_settled_end_replays_and_leads_on() -> None:
@@ -562,7 +564,7 @@ def test_the_probe_appends_an_empty_entry_once() -> None:
                 (ProbeRequested(), None, []),  # the first is written: another may be queued
                 (AppendFailed(AppendOutcome.FENCED, "fenced"), None, ["Note(fencings)", "CloseWriter",
                                                                        "RewindUnverified"])])
-    assert not drive.machine.queue  # the second probe was refused with the leadership
+    assert not drive.machine.batching.queue  # the second probe was refused with the leadership
 
 
 def test_a_probe_on_a_follower_is_nothing() -> None:
@@ -611,7 +613,7 @@ def test_a_high_watermark_beyond_our_writes_refuses_and_probes() -> None:
     drive = leading(2)
     run(drive, [(ReadArrived(1), 100, ["ReadEnd(barrier)"]),
                 (EndRead(EndPurpose.BARRIER, 7), None, ["Answer(1,UnavailableError)"])])
-    assert drive.machine.probing and len(drive.machine.queue) == 1
+    assert drive.machine.batching.probing and len(drive.machine.batching.queue) == 1
 
 
 def test_a_barrier_that_cannot_read_the_end_or_waits_too_long_refuses() -> None:
@@ -677,6 +679,63 @@ def test_stopping_waits_for_the_batch_in_flight_and_the_reader() -> None:
     run(drive, [(StopRequested(), None, []), (Fetched(0, (), 0), None, ["Exit"])])
 
 
+def test_a_stop_overdue_takes_each_call_out_as_failed_and_exits() -> None:
+    """The node's bound on a stop passed (`StopOverdue`): the machine, not the driver, knows
+    what is out and what its failure means (it was `ShardReplica._cut_short`)."""
+    appending = leading(2)
+    run(appending, [(WriteArrived(1, put(b"a"), 10), 100, []), (Tick(), 102, ["Append(2,1)"]),
+                    (StopRequested(), None, []),
+                    (StopOverdue(), None, ["Note(unknown_outcomes)", "Answer(1,UnknownOutcomeError)", "CloseWriter",
+                                           "Exit"])])
+    fencing = following()
+    run(fencing, [(LeadChanged(True), None, []), (Fetched(0, (), 0), 0, ["Fence"]), (StopRequested(), None, []),
+                  (StopOverdue(), None, ["CloseWriter", "Exit"])])
+    settling = leading(2)
+    run(settling, [(WriteArrived(1, put(b"a"), 10), 100, []), (Tick(), 102, ["Append(2,1)"]),
+                   (AppendFailed(AppendOutcome.ABORTED, "x"), None, ["Answer(1,UnavailableError)", "ReadSettledEnd"]),
+                   (StopRequested(), None, []), (StopOverdue(), None, ["CloseWriter", "Exit"])])
+    for drive in (following(), reading_the_end_at(2)):  # a fetch, an end out
+        run(drive, [(StopRequested(), None, []), (StopOverdue(), None, ["Exit"])])
+    loading = Drive()
+    run(loading, [(Started(), 0, ["RewindUnverified"]), (Rewound(), None, ["LoadSnapshot(0)"]),
+                  (StopRequested(), None, []), (StopOverdue(), None, ["Exit"])])
+    assert loading.machine.exited
+
+
+def test_a_stop_overdue_leaves_the_drivers_own_work_and_needs_a_stop() -> None:
+    rewinding = Drive()
+    run(rewinding, [(Started(), 0, ["RewindUnverified"]), (StopRequested(), None, []), (StopOverdue(), None, [])])
+    assert not rewinding.machine.exited  # a rewind is the driver's synchronous work: its answer comes
+    run(rewinding, [(Rewound(), None, ["Exit"])])
+    with pytest.raises(AssertionError):
+        following().step(StopOverdue())
+
+
+def test_the_reader_moves_only_as_its_table_allows() -> None:
+    drive = following()
+    with pytest.raises(AssertionError):
+        drive.machine.catch_up.reader.enter(ReaderState.CATCH_UP_FETCHING)
+    assert all(ReaderState.IDLE in moves for moves in reader_moves.values())  # any reading may end
+
+
+def test_perform_all_answers_local_work_after_the_list() -> None:
+    class Failing(Drive):
+        def perform_apply_replayed(self, action: core.ApplyReplayed) -> str | None:
+            return "disk full"
+
+        def perform_apply_committed(self, action: core.ApplyCommitted) -> str | None:
+            return "disk full"
+
+        def perform_load_snapshot(self, action: core.LoadSnapshot) -> core.SnapshotDone | None:
+            return core.SnapshotDone(False)
+
+    results = perform_all(Failing(), [core.ApplyCommitted((), 2, 1), core.AnswerRequest(1, READY),
+                                      core.ApplyReplayed((), 3), core.LoadSnapshot(0, "empty"),
+                                      core.RewindUnverified(), core.Wipe("x")])
+    assert results == [core.ReplayApplyFailed("disk full"), core.SnapshotDone(False), core.Rewound(), core.Wiped(),
+                       core.CommitApplied("disk full")]
+
+
 # ---- mutations (the simulation's teeth) ------------------------------------------------------------------
 
 def test_each_mutation_breaks_its_rule() -> None:
@@ -701,7 +760,7 @@ def test_each_mutation_breaks_its_rule() -> None:
 # ---- invariants of the interface -------------------------------------------------------------------------
 
 def test_every_event_has_a_handler_and_every_metric_a_name() -> None:
-    assert set(core._HANDLERS) == set(core.Event.__args__)  # type: ignore[attr-defined]
+    assert set(_HANDLERS) == set(core.Event.__args__)  # type: ignore[attr-defined]
     with pytest.raises(AssertionError):
         core.Note("x", metric="no_such_metric")
 
@@ -732,19 +791,19 @@ def test_results_of_a_reading_given_up_are_dropped() -> None:
     drive = following(2, [(0, entry(b"a", 0))])
     run(drive, [(FetchFailed("x"), 0, [])])  # the reading ends; a retry is due at 100
     for stale in (EndRead(EndPurpose.FOLLOW, 5), EndReadFailed(EndPurpose.FOLLOW, "late")):
-        drive.machine.reader_op = core.ReaderOp.END  # as if it had been out
+        drive.machine.catch_up.reader.out = core.ReadEnd(EndPurpose.FOLLOW)  # as if it had been out
         run(drive, [(stale, None, [])])
     for stale_fetch in (FetchOutOfRange(2, True, 10, 20), FetchFailed("late")):
-        drive.machine.reader_op = core.ReaderOp.FETCH
+        drive.machine.catch_up.reader.out = core.Fetch(2, None)
         run(drive, [(stale_fetch, None, [])])
-    drive.machine.reader_op = core.ReaderOp.LOAD
+    drive.machine.catch_up.reader.out = core.LoadSnapshot(0, "")
     run(drive, [(SnapshotDone(True), None, [])])
-    drive.machine.reader_op = core.ReaderOp.WIPE
+    drive.machine.catch_up.reader.out = core.Wipe("")
     drive.store.wipe()
     run(drive, [(Wiped(), None, [])])
-    drive.machine.reader_op = core.ReaderOp.REWIND
+    drive.machine.catch_up.reader.out = core.RewindUnverified()
     run(drive, [(Rewound(), None, [])])
-    assert drive.machine.reading is Reading.NONE and drive.machine.retry_at_ms == 100
+    assert drive.machine.reader is ReaderState.IDLE and drive.machine.catch_up.retry_at_ms == 100
 
 
 def test_records_applied_after_the_reading_was_given_up_stay_applied() -> None:
@@ -813,9 +872,9 @@ def test_a_second_snapshot_miss_is_not_told_twice() -> None:
 def test_planning_refuses_an_oversized_record_and_carries_what_does_not_fit() -> None:
     small = dataclasses.replace(CONFIG, batch_limits=BatchLimits(4, 300, 200))
     drive = leading(2, small)
-    big = write_of(kv_pb2.PutRequest(key=b"big", value=b"x" * 500), 0)
+    big = core.ClientRequest(kv_pb2.PutRequest(key=b"big", value=b"x" * 500), 0)
     run(drive, [(WriteArrived(1, big, 10), 100, []), (Tick(), 102, ["Answer(1,InvalidRequestError)"])])
-    mid = [write_of(kv_pb2.PutRequest(key=b"m%d" % i, value=b"x" * 120), 0) for i in range(3)]
+    mid = [core.ClientRequest(kv_pb2.PutRequest(key=b"m%d" % i, value=b"x" * 120), 0) for i in range(3)]
     run(drive, [(WriteArrived(2 + i, w, 10), 200, []) for i, w in enumerate(mid)])
     run(drive, [(Tick(), 202, ["Append(2,2)"]),
                 (committed(drive, 2, 2), None, ["ApplyCommitted(5)", "Answer(2,PutResponse)", "Answer(3,PutResponse)"]),
@@ -825,7 +884,8 @@ def test_planning_refuses_an_oversized_record_and_carries_what_does_not_fit() ->
 def test_the_request_horizon_comes_from_the_config() -> None:
     narrow = dataclasses.replace(CONFIG, request_horizon_ms=1_000, clock_skew_ms=10)
     drive = leading(2, narrow)
-    old = write_of(kv_pb2.PutRequest(key=b"k", value=b"v", request_id="r", first_attempt_unix_ms=UNIX_MS - 60_000), 0)
+    old = core.ClientRequest(kv_pb2.PutRequest(key=b"k", value=b"v", request_id="r",
+                                               first_attempt_unix_ms=UNIX_MS - 60_000), 0)
     drive.store.evicted_through_ms = UNIX_MS  # ids older than this may be forgotten
     run(drive, [(WriteArrived(1, old, 10), 100, ["Answer(1,RequestExpiredError)"])])
 
@@ -871,7 +931,7 @@ def test_a_write_on_a_locked_key_waits_for_the_next_apply_then_goes() -> None:
     _lock(drive, b"k")
     run(drive, [(WriteArrived(1, put(b"k"), 10), 0, []),
                 (Tick(), 2, [])])  # planned after the linger: parked on the lock, unanswered
-    assert len(drive.machine.parked) == 1 and drive.machine.pending_writes == 1
+    assert len(drive.machine.batching.parked) == 1 and drive.machine.pending_writes == 1
     assert drive.machine.wake_at_ms() == 2 + CONFIG.lock_wait_ms
     drive.store.locks.remove("t")  # the resolve, as an apply releases it...
     run(drive, [(WriteArrived(2, put(b"other"), 10), 3, []),
@@ -879,7 +939,7 @@ def test_a_write_on_a_locked_key_waits_for_the_next_apply_then_goes() -> None:
                 (committed(drive, 2, 1), None, ["ApplyCommitted(4)", "Answer(2,PutResponse)"]),
                 (CommitApplied(), 6, []),  # ...and the parked write is queued again, first...
                 (Tick(), 8, ["Append(4,1)"])])  # ...going after the linger as a lone write does
-    assert not drive.machine.parked
+    assert not drive.machine.batching.parked
 
 
 def test_a_write_locked_past_its_wait_is_refused_definitely() -> None:
@@ -888,13 +948,13 @@ def test_a_write_locked_past_its_wait_is_refused_definitely() -> None:
     run(drive, [(WriteArrived(1, put(b"k", "r-1"), 10), 0, []),
                 (Tick(), 2, []),
                 (Tick(), 2 + CONFIG.lock_wait_ms, ["Answer(1,TxnConflictError)"])])
-    assert not drive.machine.parked and "r-1" not in drive.machine.in_progress
+    assert not drive.machine.batching.parked and "r-1" not in drive.machine.batching.in_progress
     # Gone while parked: forgotten; and leadership lost: refused with everything queued.
     run(drive, [(WriteArrived(2, put(b"k"), 10), 600, []), (Tick(), 610, []), (ClientGone(2), None, [])])
-    assert not drive.machine.parked
+    assert not drive.machine.batching.parked
     run(drive, [(WriteArrived(3, put(b"k"), 10), 700, []), (Tick(), 710, [])])
     actions = [shown(a) for a in drive.step(LeadChanged(False))]
-    assert "Answer(3,UnavailableError)" in actions and not drive.machine.parked
+    assert "Answer(3,UnavailableError)" in actions and not drive.machine.batching.parked
 
 
 def test_a_parked_write_planned_again_past_its_wait_is_refused() -> None:
@@ -923,7 +983,7 @@ def test_a_read_of_a_locked_key_waits_for_the_apply_that_releases_it() -> None:
                 (ReadArrived(2, "", (b"free",)), None, []),
                 (EndRead(EndPurpose.BARRIER, 2), None, ["ReadEnd(barrier)"]),  # 1 passed: now the lock
                 (EndRead(EndPurpose.BARRIER, 2), None, ["Answer(2,READY)"])])
-    assert len(drive.machine.locked_reads) == 1
+    assert len(drive.machine.barrier.locked_reads) == 1
     assert drive.machine.wake_at_ms() == 100 + CONFIG.read_kick_ms
     run(drive, [(WriteArrived(3, put(b"x"), 10), 110, []), (Tick(), 112, ["Append(2,1)"]),
                 (committed(drive, 2, 1), None, ["ApplyCommitted(4)", "Answer(3,PutResponse)"]),  # still locked
@@ -942,7 +1002,7 @@ def test_a_read_locked_too_long_asks_for_a_resolve_then_gives_up() -> None:
                 (Tick(), 100 + CONFIG.read_kick_ms, ["ResolveNow"]),
                 (Tick(), 100 + CONFIG.read_lock_wait_ms - 1, []),
                 (Tick(), 100 + CONFIG.read_lock_wait_ms, ["Answer(1,UnavailableError)"])])
-    assert not drive.machine.locked_reads and drive.machine.wake_at_ms() is None
+    assert not drive.machine.barrier.locked_reads and drive.machine.wake_at_ms() is None
 
 
 def test_a_scan_waits_on_a_lock_in_its_range_only() -> None:
@@ -953,11 +1013,11 @@ def test_a_scan_waits_on_a_lock_in_its_range_only() -> None:
                 (ReadArrived(2, "", (), (b"k", None)), 101, ["ReadEnd(barrier)"]),
                 (EndRead(EndPurpose.BARRIER, 2), None, [])])
     run(drive, [(ClientGone(2), None, [])])
-    assert not drive.machine.locked_reads
+    assert not drive.machine.barrier.locked_reads
     run(drive, [(ReadArrived(3, "", (b"m",)), 200, ["ReadEnd(barrier)"]),
                 (EndRead(EndPurpose.BARRIER, 2), None, [])])
     actions = [shown(a) for a in drive.step(LeadChanged(False))]
-    assert "Answer(3,UnavailableError)" in actions and not drive.machine.locked_reads
+    assert "Answer(3,UnavailableError)" in actions and not drive.machine.barrier.locked_reads
 
 
 def test_the_mutation_serves_a_locked_key_at_once() -> None:

@@ -253,3 +253,19 @@ def test_reasons_not_to_lead_clear_one_by_one() -> None:
     assert m.clear_unable(REBUILDING), "the last reason cleared: the node may ask to lead again"
     assert m.set_lead(True) is None and m.want_lead
 
+
+
+def test_append_outcome_reads_the_wal_errors() -> None:
+    """Every driver maps its writer's errors here (it was the node's, and the simulation
+    imported it from the server)."""
+    import wal.errors as w
+    from kvstore.core.role import append_outcome
+
+    assert append_outcome(w.UnknownOutcomeError("t"), False) is AppendOutcome.UNKNOWN
+    assert append_outcome(w.UnknownOutcomeError("t", fenced=True), False) is AppendOutcome.UNKNOWN_FENCED
+    assert append_outcome(w.FencedError("f"), False) is AppendOutcome.FENCED
+    assert append_outcome(w.WriterFatalError("x"), True) is AppendOutcome.WRITER_FATAL
+    assert append_outcome(w.BatchAbortedError("a"), False) is AppendOutcome.ABORTED
+    assert append_outcome(w.BatchAbortedError("a"), True) is AppendOutcome.ABORTED_RETIRED
+    assert append_outcome(RuntimeError("bug"), False) is AppendOutcome.CRASHED
+    assert append_outcome(None, False) is AppendOutcome.CRASHED  # cancelled: may have committed
