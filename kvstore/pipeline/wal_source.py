@@ -135,5 +135,5 @@ def accepted(judged_frame: DataFrame) -> DataFrame:
 
 def entries(accepted_frame: DataFrame) -> DataFrame:
     """Accepted records with their store entry decoded (`entry` NULL: not a WalEntry, which the
-    store counts as malformed and skips, `kvstore.core.state.decode_entry`)."""
+    store counts as malformed and skips, `kvstore.core.entries.decode_entry`)."""
     return accepted_frame.withColumn("entry", F.call_function(ENTRY_UDF, F.col("payload")))

@@ -39,14 +39,12 @@ from kvstore import errors
 from kvstore.core import txn
 from kvstore.core.replica.writes import DecideTxn, ForgetTxns, PrepareTxn, ResolveTxn, WriteRequest
 from kvstore.core.txn import Decide
-from kvstore.core.txn_driver import (
+from kvstore.core.txn_driver import DriverConfig, Mode, Phase, TxnDriver
+from kvstore.core.txn_events import (
     DecideAnswered,
-    DriverConfig,
     Finished,
     Forget,
-    Mode,
     PartRead,
-    Phase,
     PrepareAnswered,
     ReadAnswered,
     Reply,
@@ -57,7 +55,6 @@ from kvstore.core.txn_driver import (
     SendValidate,
     Started,
     Tick,
-    TxnDriver,
     ValidateAnswered,
 )
 from kvstore.internal.v1 import peer_pb2

@@ -19,8 +19,9 @@ import grpc.aio
 import wal
 from kvstore import errors, limits
 from kvstore.core import reads, validation
+from kvstore.core.entries import decode_entry
 from kvstore.core.evaluate import key_value
-from kvstore.core.state import Change, ChangeType, KeyState, decode_entry, effect_key
+from kvstore.core.state import Change, ChangeType, KeyState, effect_key
 from kvstore.internal.v1 import peer_pb2
 from kvstore.server import routing
 from kvstore.v1 import kv_pb2

@@ -18,7 +18,7 @@ from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
 from kvstore import cli
-from kvstore.core.state import decode_entry
+from kvstore.core.entries import decode_entry
 from kvstore.internal.v1 import wal_entry_pb2
 from kvstore.pipeline import changes
 from kvstore.pipeline.target import WalTarget

@@ -35,9 +35,10 @@ import collections
 import dataclasses
 from collections.abc import Callable, Sequence
 
+from kvstore.core.entries import decode_entry
 from kvstore.core.request_window import MemoryShard
 from kvstore.core.sharding import shard_of
-from kvstore.core.state import TXN_ID_PREFIX, RequestRecord, decode_entry
+from kvstore.core.state import TXN_ID_PREFIX, RequestRecord
 from kvstore.internal.v1 import wal_entry_pb2
 from tests.sim import linearizability
 from tests.sim.bank import BankKind, BankOp, balance

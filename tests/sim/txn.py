@@ -22,12 +22,11 @@ from kvstore.core.batch import Answer
 from kvstore.core.replica.writes import DecideTxn, ForgetTxns, PrepareTxn, ResolveTxn, WriteRequest
 from kvstore.core.request_window import MemoryShard
 from kvstore.core.role import Role
-from kvstore.core.txn_driver import (
+from kvstore.core.txn_driver import DriverConfig, Mode, TxnDriver, TxnMutation
+from kvstore.core.txn_events import (
     DecideAnswered,
-    DriverConfig,
     Finished,
     Forget,
-    Mode,
     PartRead,
     PrepareAnswered,
     ReadAnswered,
@@ -40,8 +39,6 @@ from kvstore.core.txn_driver import (
     SendValidate,
     Started,
     Tick,
-    TxnDriver,
-    TxnMutation,
     ValidateAnswered,
 )
 from kvstore.internal.v1 import wal_entry_pb2

@@ -12,8 +12,9 @@ import pytest
 
 from kvstore import errors, limits
 from kvstore.core.batch import BatchLimits, Plan, Write, admit, plan_batch, probe_write, replayed, write_of
+from kvstore.core.entries import decode_entry
 from kvstore.core.evaluate import Evaluation, evaluate_delete, evaluate_mutations, evaluate_put, evaluate_txn
-from kvstore.core.state import KeyState, RequestRecord, apply_entries, decode_entry
+from kvstore.core.state import KeyState, RequestRecord, apply_entries
 from kvstore.internal.v1 import wal_entry_pb2 as pb
 from kvstore.v1 import kv_pb2 as kv
 

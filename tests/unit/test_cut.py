@@ -17,11 +17,10 @@ from kvstore.core.cut import Answer, Cut, CutConfig, GiveUp, ReadParts, Validate
 from kvstore.core.evaluate import evaluate_put
 from kvstore.core.recent_writes import RecentWrites
 from kvstore.core.request_window import MemoryShard
-from kvstore.core.txn_driver import (
-    DriverConfig,
+from kvstore.core.txn_driver import DriverConfig, Phase, TxnDriver, TxnMutation
+from kvstore.core.txn_events import (
     Finished,
     PartRead,
-    Phase,
     ReadAnswered,
     Reply,
     SendPrepare,
@@ -29,8 +28,6 @@ from kvstore.core.txn_driver import (
     SendValidate,
     Started,
     Tick,
-    TxnDriver,
-    TxnMutation,
     ValidateAnswered,
 )
 from kvstore.internal.v1 import wal_entry_pb2 as pb

@@ -7,6 +7,7 @@ from collections.abc import Callable, Collection
 
 import pytest
 
+from kvstore.core.entries import decode_canonical, decode_entry, decode_fields
 from kvstore.core.state import (
     Applied,
     ChangeType,
@@ -14,11 +15,8 @@ from kvstore.core.state import (
     Lookup,
     RequestRecord,
     RequestSeen,
-    _decode_canonical,
     apply_effects,
     apply_entries,
-    decode_entry,
-    decode_fields,
     next_key_state,
 )
 from kvstore.internal.v1 import wal_entry_pb2 as pb
@@ -389,7 +387,7 @@ def test_canonical_entries_take_the_fast_path() -> None:
     for seed in range(50):
         entry = _random_entry(random.Random(seed))
         if all(ord(c) < 128 for c in entry.request_id) and entry.leader_unix_ms >= 0 and 0 <= entry.request_kind < 128:
-            assert _decode_canonical(entry.SerializeToString()) == _reference_fields(entry.SerializeToString())
+            assert decode_canonical(entry.SerializeToString()) == _reference_fields(entry.SerializeToString())
 
 
 def _reference_apply_entries(lookup: Lookup, request_seen: RequestSeen, records: list[tuple[int, bytes]],

@@ -12,13 +12,11 @@ import pytest
 
 from kvstore import errors
 from kvstore.core import txn
-from kvstore.core.txn_driver import (
+from kvstore.core.txn_driver import DriverConfig, Mode, Phase, TxnDriver, TxnMutation
+from kvstore.core.txn_events import (
     DecideAnswered,
-    DriverConfig,
     Finished,
     Forget,
-    Mode,
-    Phase,
     PrepareAnswered,
     Reply,
     ResolveAnswered,
@@ -27,8 +25,6 @@ from kvstore.core.txn_driver import (
     SendResolve,
     Started,
     Tick,
-    TxnDriver,
-    TxnMutation,
 )
 from kvstore.internal.v1 import wal_entry_pb2 as pb
 from kvstore.v1 import kv_pb2 as kv

@@ -26,7 +26,7 @@ import org.apache.spark.sql.api.java.UDF1;
  * (see kvstore/pipeline/jvm/pom.xml), and keep its contract: the schema comes from a descriptor
  * set of the stubs generated from proto/ (embedded as a resource), bytes that do not parse give
  * NULL, never a failed job. Each decoder mirrors the Python reader it must agree with:
- * {@code wal.record.judge} for a record's envelope and {@code kvstore.core.state.decode_entry} for
+ * {@code wal.record.judge} for a record's envelope and {@code kvstore.core.entries.decode_entry} for
  * the store's entry (an effect without a kind makes the whole entry malformed). The tests hold
  * them together on the same bytes.
  */
