@@ -64,10 +64,8 @@ HEAVY_FILES = (
     "tests/integration/test_three_brokers.py",
     "tests/integration/test_placement.py",
     "tests/integration/test_cluster.py",
-    "tests/integration/test_kafka_security.py",
     "tests/integration/test_make_up.py",
     "tests/integration/test_make_up_secure.py",
-    "tests/integration/test_packaging.py",
 )
 PROCESS_DIRS = ("tests/integration/", "tests/pipeline/", "tests/fuzz/", "tests/robustness/")
 
