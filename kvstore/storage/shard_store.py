@@ -226,7 +226,7 @@ class ShardStore:
         because a rebuild needs the whole WAL (or a snapshot), which a truncated WAL without
         --snapshot-dir cannot give. Bounded by MAX_REQUEST_IDS rows. (`_migrate_from_3` follows.)"""
         count = 0
-        with db.write_batch(sync=True) as batch:
+        with db.write_batch(sync=True, transaction=True) as batch:
             for raw_key, raw_value in db.iterator(prefix=_REQUEST):  # bounded: the kept ids
                 revision, leader_ms = _REQUEST_HEAD_V2.unpack_from(raw_value)
                 batch.put(raw_key, _REQUEST_HEAD.pack(revision, leader_ms, 0) + raw_value[_REQUEST_HEAD_V2.size:])
@@ -240,7 +240,7 @@ class ShardStore:
         the prefix (none was ever written) is dropped rather than trusted. The decisions applied
         before the upgrade stay out of the table (the module's docstring says what answers for
         them)."""
-        with db.write_batch(sync=True) as batch:
+        with db.write_batch(sync=True, transaction=True) as batch:
             for prefix in (_DECIDED, _DECIDED_BY_REQUEST):
                 for raw_key in db.iterator(prefix=prefix, include_value=False):  # none expected
                     batch.delete(raw_key)
@@ -249,7 +249,7 @@ class ShardStore:
                  FORMAT_VERSION.decode())
 
     def _initialise(self, db: plyvel.DB) -> None:
-        with db.write_batch(sync=True) as batch:
+        with db.write_batch(sync=True, transaction=True) as batch:
             batch.put(_META + b"format", FORMAT_VERSION)
             batch.put(_META + b"topic", self.topic.encode())
             batch.put(_META + b"shard", str(self.shard).encode())
@@ -468,7 +468,7 @@ class ShardStore:
         if held is not None and held.full:
             held = self._held = None
         held_bits = held.bits if held is not None else None
-        with self._writing(), self._db.write_batch(sync=sync) as batch:
+        with self._writing(), self._db.write_batch(sync=sync, transaction=True) as batch:
             for key, state in applied.writes.items():  # bounded by the records
                 if state is None:
                     batch.delete(_DATA + key)
@@ -571,14 +571,14 @@ class ShardStore:
         self._db.put(_META + b"loading", b"1", sync=True)
         keys = requests = 0
         for batch_rows in key_batches:
-            with self._db.write_batch() as batch:
+            with self._db.write_batch(transaction=True) as batch:
                 for key, encoded in batch_rows:
                     batch.put(_DATA + key, encoded)
             keys += len(batch_rows)
             if on_progress is not None:
                 on_progress(keys, requests)
         for request_rows in request_batches:
-            with self._db.write_batch() as batch:
+            with self._db.write_batch(transaction=True) as batch:
                 for req in request_rows:
                     assert req.revision < checkpoint, f"request {req.request_id} at {req.revision} >= cut {checkpoint}"
                     rid = req.request_id.encode()
@@ -589,7 +589,7 @@ class ShardStore:
             if on_progress is not None:
                 on_progress(keys, requests)
         locks = LockIndex()
-        with self._db.write_batch(sync=True) as batch:
+        with self._db.write_batch(sync=True, transaction=True) as batch:
             for txn in prepared:
                 assert txn.revision < checkpoint, f"{txn.txn_id} prepared at {txn.revision} >= cut {checkpoint}"
                 locks.add(txn)
@@ -615,7 +615,7 @@ class ShardStore:
         unverified = self.unverified
         if unverified is None or not past_marker(self.applied_offset, unverified):
             return False
-        with self._writing(), self._db.write_batch(sync=True) as batch:
+        with self._writing(), self._db.write_batch(sync=True, transaction=True) as batch:
             batch.put(_META + b"checkpoint", _U64.pack(unverified))
             batch.delete(_META + b"unverified")
         return True

@@ -189,6 +189,31 @@ def test_reopen_keeps_the_decision_table(open_store: Callable[..., ShardStore]) 
     assert wiped.decided() == [] and wiped.decided_txn("t") is None and tmp.exists()
 
 
+def test_an_apply_that_fails_midway_writes_nothing(store: ShardStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A write batch is all or nothing even when the code filling it raises (plyvel writes a
+    batch left by an exception unless it is a transaction): before, a read failing inside the
+    batch (the decision table's row before this apply) left the keys written without their
+    checkpoint, and the replay from the old checkpoint applied those records a second time."""
+    store.apply([(0, put(b"before"))], 1)
+    read = store.decided_txn
+    calls: list[str] = []
+
+    def fail_in_the_batch(txn_id: str) -> DecidedTxn | None:
+        calls.append(txn_id)  # the first read plans the apply (store_delta), the second is in the batch
+        if len(calls) > 1:
+            raise StorageError(f"reading {txn_id} failed")
+        return read(txn_id)
+
+    monkeypatch.setattr(store, "decided_txn", fail_in_the_batch)
+    with pytest.raises(StorageError):
+        store.apply([(1, put(b"half", b"written")), (2, decision("t"))], 3)
+    monkeypatch.undo()
+    assert calls == ["t", "t"], calls
+    assert (store.applied_offset, store.get(b"half"), store.decided()) == (1, None, [])
+    store.apply([(1, put(b"half", b"written")), (2, decision("t"))], 3)  # the replay applies it once
+    assert store.get(b"half") == KeyState(b"written", 1, 1, 1) and [d.txn_id for d in store.decided()] == ["t"]
+
+
 def test_a_decision_is_found_by_its_client_request_id(open_store: Callable[..., ShardStore]) -> None:
     """The first decision carrying a client's request id is the request's outcome, found after the
     request-id table forgot the id (`kvstore.core.txn.request_outcome`), until it is forgotten."""
