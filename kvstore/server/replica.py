@@ -126,6 +126,7 @@ class ShardReplica:
         self._reads: set[int] = set()  # which of them are read barriers
         self._next_ticket = 0
         self._later: list[core.Event] = []  # results of local actions, stepped after the current list
+        self._relead_to: core.ReplicaMachine | None = None  # a started-over machine that will be told to lead
         self._stepping = False
         self._changed = asyncio.Event()  # set after every step: waits for the machine's state
         self._applied = asyncio.Event()
@@ -181,11 +182,13 @@ class ShardReplica:
 
     def set_lead(self, lead: bool) -> None:
         """Gain (or drop, without waiting) leadership."""
+        self._relead_to = None  # told now: a lead pending since a start-over is moot
         self._step(core.LeadChanged(lead))
 
     async def resign(self, timeout_s: float) -> None:
         """Stop leading: the batch in flight finishes and is answered, queued writes are refused
         (UNAVAILABLE, retriable elsewhere), and nothing more is written. Bounded by `timeout_s`."""
+        self._relead_to = None
         self._step(core.LeadChanged(False))
         if not await self._until(lambda: not self.machine.holding, timeout_s):
             log.warning("shard %d: still leading %.1fs after resigning", self.shard, timeout_s)
@@ -374,10 +377,28 @@ class ShardReplica:
             machine.exited = True
             self._exited.set()
             return
-        self._perform_all(machine.step(core.Started(), now_ms=self.clock.monotonic() * 1000,
-                                       unix_ms=self.clock.unix_ms()))
-        if old.role.want_lead:
-            asyncio.get_running_loop().call_later(REFENCE_PAUSE_S, self._report, machine, core.LeadChanged(True))
+        # Its first results (a rewind done at once) are stepped after the pause, not left in
+        # `_later`, which the failed step dropped: a follower would wait in its rewind for an
+        # event that never comes. The pause bounds how fast a replica that keeps failing restarts.
+        results = perform_all(self, machine.step(core.Started(), now_ms=self.clock.monotonic() * 1000,
+                                                 unix_ms=self.clock.unix_ms()))
+        loop = asyncio.get_running_loop()
+        if results:
+            loop.call_later(REFENCE_PAUSE_S, self._report_all, machine, results)
+        # The intent to lead goes to the new machine, and on to the next if this one starts over
+        # before the pause is out (its own want_lead is not set until it is told).
+        if old.role.want_lead or self._relead_to is old:
+            self._relead_to = machine
+            loop.call_later(REFENCE_PAUSE_S, self._relead, machine)
+
+    def _report_all(self, machine: core.ReplicaMachine, events: list[core.Event]) -> None:
+        for event in events:
+            self._report(machine, event)
+
+    def _relead(self, machine: core.ReplicaMachine) -> None:
+        if self._relead_to is machine:
+            self._relead_to = None
+            self._report(machine, core.LeadChanged(True))
 
     def _perform_all(self, actions: list[core.Action]) -> None:
         """Through the core's one table (`kvstore.core.replica.performers`): results of local
@@ -399,7 +420,7 @@ class ShardReplica:
         self._writer.identity = wal.WriterIdentity(self.config.node_id, action.term)
 
     def perform_read_end(self, action: core.ReadEnd) -> None:
-        self._spawn(self._read_end(action.purpose))
+        self._spawn(self._read_end(self.machine, action.purpose))
 
     def perform_rewind(self, action: core.RewindUnverified) -> None:
         self.store.rewind_unverified()
@@ -411,7 +432,7 @@ class ShardReplica:
         self._after_apply([])
 
     def perform_load_snapshot(self, action: core.LoadSnapshot) -> None:
-        self._spawn(self._load_snapshot(action))
+        self._spawn(self._load_snapshot(self.machine, action))
 
     def perform_close_writer(self, action: core.CloseWriter) -> None:
         self._close_writer()
@@ -627,8 +648,9 @@ class ShardReplica:
         if reader is not None:
             await asyncio.to_thread(reader.close)
 
-    async def _read_end(self, purpose: core.EndPurpose) -> None:
-        machine = self.machine
+    async def _read_end(self, machine: core.ReplicaMachine, purpose: core.EndPurpose) -> None:
+        """`machine`: the one that asked, captured when the action was performed: a task starts
+        later, and a replica started over meanwhile has a machine that asked nothing."""
         try:
             end = await asyncio.to_thread(self.ends.high_watermark, self.config.topic, self.shard)
             event: core.Event = core.EndRead(purpose, end)
@@ -679,8 +701,8 @@ class ShardReplica:
 
     # ---- snapshots ---------------------------------------------------------------------------------------
 
-    async def _load_snapshot(self, action: core.LoadSnapshot) -> None:
-        machine = self.machine
+    async def _load_snapshot(self, machine: core.ReplicaMachine, action: core.LoadSnapshot) -> None:
+        """`machine`: the one that asked (as `_read_end`)."""
         loaded = False
         try:
             found = None

@@ -20,7 +20,7 @@ import pytest
 from confluent_kafka import KafkaError, KafkaException, Producer
 
 from kvstore import errors
-from kvstore.core.replica import ClientRequest
+from kvstore.core.replica import ClientRequest, EndPurpose, ReadEnd
 from kvstore.core.role import Role
 from kvstore.internal.v1 import wal_entry_pb2
 from kvstore.server import failpoints
@@ -452,5 +452,59 @@ def test_a_second_attempt_while_the_first_commits_is_unknown_not_refused(kafka: 
             original = await first
             again = await _put(replica, b"k", b"v", "rid-twice")
             assert again.result.replayed and again.result.revision == original.result.revision
+
+    asyncio.run(scenario())
+
+
+def test_a_replica_started_over_keeps_following_and_drops_what_its_old_machine_asked(kafka: LocalKafka,
+                                                                                    tmp_path: Path) -> None:
+    """A replica whose machine raised starts over with a fresh one (`ShardReplica._start_over`).
+    The new machine's first results (the rewind it does at once) are stepped after the pause, not
+    lost with the failed step: a follower used to sit in its rewind until some event came. And a
+    read its old machine asked for, still to start when the replica started over, answers the old
+    machine, not the new one (whose reader asked nothing: it used to fail there and start over
+    again). Found by the issue 32 review."""
+    topic = _topic(kafka)
+
+    async def scenario() -> None:
+        async with _replica(_config(kafka, topic, tmp_path, "leader"), lead=True) as leader, \
+                _replica(_config(kafka, topic, tmp_path, "follower"), lead=False) as follower:
+            await wait_until_async(lambda: leader.role is Role.LEADING, 30, what="the replica to lead")
+            await _put(leader, b"a", b"1")
+            await wait_until_async(lambda: follower.store.get(b"a") is not None, 15, what="the follower to follow")
+            restarts: list[Exception] = []
+            start_over = follower._start_over
+
+            def counted(exc: Exception) -> None:
+                restarts.append(exc)
+                start_over(exc)
+
+            follower._start_over = counted  # type: ignore[method-assign]
+            old = follower.machine
+            follower.perform_read_end(ReadEnd(EndPurpose.FOLLOW))  # its task starts after the start-over
+            follower._start_over(RuntimeError("the machine raised (test)"))
+            assert follower.machine is not old
+            await _put(leader, b"b", b"2")
+            await wait_until_async(lambda: follower.store.get(b"b") is not None, 15,
+                                   what="the started-over follower to apply a write made after it")
+            assert len(restarts) == 1, restarts  # the stray answer did not make the new machine fail
+
+    asyncio.run(scenario())
+
+
+def test_a_leader_started_over_twice_within_the_pause_leads_again(kafka: LocalKafka, tmp_path: Path) -> None:
+    """The intent to lead passes from a started-over machine to the next even when the next start
+    comes before the first one was told to lead (it used to be addressed to the second machine
+    only, which never had it, so the third never led: the shard sat assigned and unled)."""
+    topic = _topic(kafka)
+
+    async def scenario() -> None:
+        async with _replica(_config(kafka, topic, tmp_path, "a"), lead=True) as replica:
+            await wait_until_async(lambda: replica.role is Role.LEADING, 30, what="the replica to lead")
+            replica._start_over(RuntimeError("first (test)"))
+            replica._start_over(RuntimeError("second, within the pause (test)"))
+            await wait_until_async(lambda: replica.role is Role.LEADING, 30, what="the replica to lead again")
+            response = await _put(replica, b"k", b"v")
+            assert response.result.HasField("revision")
 
     asyncio.run(scenario())
