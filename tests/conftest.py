@@ -64,8 +64,10 @@ HEAVY_FILES = (
     "tests/integration/test_three_brokers.py",
     "tests/integration/test_placement.py",
     "tests/integration/test_cluster.py",
+    "tests/integration/test_kafka_security.py",
     "tests/integration/test_make_up.py",
     "tests/integration/test_make_up_secure.py",
+    "tests/integration/test_packaging.py",
 )
 PROCESS_DIRS = ("tests/integration/", "tests/pipeline/", "tests/fuzz/", "tests/robustness/")
 
@@ -90,7 +92,7 @@ def _first_handed_out(nodeid: str) -> int:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if config.getvalue("loadgroup"):  # a worker under `--dist loadgroup`: what it collects is the order
+    if getattr(config.option, "loadgroup", False):  # a worker under `--dist loadgroup`: its collection is the order
         items.sort(key=lambda item: _first_handed_out(item.nodeid))  # stable: file order within each
 
 
