@@ -226,8 +226,10 @@ def test_fence_command_settles_leadership_again(cluster: Cluster) -> None:
         assert client.list_transactions() == []  # nothing left open: the fence aborted nothing stuck
         client.put(key, "after")  # retried by the client until leadership settled again
         assert client.get(key).value == b"after"
-        described = client.shard_map().node(leader.node_id)  # as the leader describes itself
-        assert described is not None and shard in described.leads
+        # As the leader describes itself: the map a node answers may be one merged up to
+        # SHARD_MAP_REUSE_S earlier, or one a retry above started before the shard was led again.
+        wait_until(lambda: (described := client.shard_map().node(leader.node_id)) is not None
+                   and shard in described.leads, 15, what=f"{leader.node_id} to describe itself leading shard {shard}")
     # The leader found its writer fenced (and stepped down): the node's metric, not its log text.
     assert leader.metric("kvstore_fencings_total", shard=str(shard)) >= 1
 
