@@ -72,7 +72,10 @@ def _wait_serving(address: str, proc: subprocess.Popen[bytes], timeout_s: float,
 
 
 def _port_free(port: int) -> bool:
+    """Whether a node could listen on `port` now: bound as gRPC binds (SO_REUSEADDR), so the
+    connections a previous run left in TIME_WAIT do not count, a process listening there does."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind(("127.0.0.1", port))
         except OSError:
@@ -81,13 +84,23 @@ def _port_free(port: int) -> bool:
 
 
 def _ports(data_dir: Path, nodes: int) -> list[int]:
-    """Each node's port, kept across runs (clients and the README's examples keep working)."""
+    """Each node's port, kept across runs (clients and the README's examples keep working) while
+    it is free: one that another process took meanwhile would keep its node from ever starting
+    (a resume waited forever), so that node gets a free port, said on stderr and saved."""
     port_file = data_dir / "ports.json"
     saved: list[int] = json.loads(port_file.read_text()) if port_file.exists() else []
-    ports = saved[:nodes]
-    for i in range(len(ports), nodes):
+    ports: list[int] = []
+    for i in range(nodes):
+        kept = saved[i] if i < len(saved) else None
+        if kept is not None and kept not in ports and _port_free(kept):
+            ports.append(kept)
+            continue
         preferred = FIRST_PORT + i
-        ports.append(preferred if _port_free(preferred) and preferred not in ports else free_port())
+        port = preferred if preferred not in ports and preferred not in saved and _port_free(preferred) else free_port()
+        if kept is not None:
+            print(f"node-{i + 1}: port {kept} is taken by another process; listening on {port} instead",
+                  file=sys.stderr)
+        ports.append(port)
     port_file.write_text(json.dumps(ports) + "\n")
     return ports
 
