@@ -82,6 +82,9 @@ class Reason(enum.StrEnum):
     # A cross-shard Txn was aborted and its request id's outcome recorded as failed: nothing of it
     # was or will be applied; a retry with the same id gets this answer again: retry with a new id.
     TXN_ABORTED = "TXN_ABORTED"
+    # An operator's drain or move computed from an older placement epoch: nothing was recorded;
+    # look at the placement again (ShardMap's placement_epoch) and retry.
+    PLACEMENT_CHANGED = "PLACEMENT_CHANGED"
 
 
 # RetryInfo.retry_delay: how long a client should wait before the same request can succeed. Short:
@@ -254,6 +257,14 @@ class RequestExpiredError(StoreError):
         return ((REASON_KEY, REASON_REQUEST_ID_EXPIRED),)
 
 
+class PlacementChangedError(StoreError):
+    """An operator's drain or move named a placement epoch that is no longer the log's (P4):
+    refused, never merged into the newer placement. Nothing was recorded."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+    reason = Reason.PLACEMENT_CHANGED
+
+
 class CompactedError(StoreError):
     """History asked for below a shard's log start: `kvstore wal truncate` deleted those records
     (etcd's ErrCompacted). Nothing was done. The newest snapshot holds the state as of its cut;
@@ -351,6 +362,8 @@ def from_status(code: grpc.StatusCode, details: str, trailing: Trailers | None) 
         return TxnAbortedError(details, txn_id=info.get(INFO_TXN_ID, ""))
     if reason == Reason.REQUEST_ID_EXPIRED:
         return RequestExpiredError(details)
+    if reason == Reason.PLACEMENT_CHANGED:
+        return PlacementChangedError(details)
     if reason in (Reason.INVALID_ARGUMENT, Reason.LIMIT_EXCEEDED):
         return InvalidRequestError(details, limit=info.get(INFO_LIMIT, ""))
     if info.get(INFO_OUTCOME) == OUTCOME_NONE:

@@ -49,9 +49,15 @@ from confluent_kafka.admin import (
     ResourceType,
 )
 
-from wal.clients import READER_GROUP_PREFIX, ClientSecurity, client_config, shard_transactional_id_prefix
+from wal.clients import (
+    READER_GROUP_PREFIX,
+    ClientSecurity,
+    client_config,
+    placement_transactional_id,
+    shard_transactional_id_prefix,
+)
 from wal.errors import UnavailableError
-from wal.topic import control_topic, readers_topic
+from wal.topic import placement_topic, readers_topic
 
 
 class Resource(enum.Enum):
@@ -95,8 +101,9 @@ def wal_grants(topic: str, group: str, store: str, pipeline: str) -> list[Grant]
     assert store != pipeline, "the store and the pipeline must be different principals"
     topic_ = (Resource.TOPIC, topic, Pattern.LITERAL)
     registry = (Resource.TOPIC, readers_topic(topic), Pattern.LITERAL)
-    control = (Resource.TOPIC, control_topic(topic), Pattern.LITERAL)
+    placement = (Resource.TOPIC, placement_topic(topic), Pattern.LITERAL)
     txn = (Resource.TRANSACTIONAL_ID, shard_transactional_id_prefix(topic), Pattern.PREFIXED)
+    placement_txn = (Resource.TRANSACTIONAL_ID, placement_transactional_id(topic), Pattern.LITERAL)
     # The membership group and every shard's leadership group, `<group>.<shard>` (kvstore.server.leadership).
     leaders = (Resource.GROUP, group, Pattern.PREFIXED)
     readers = (Resource.GROUP, READER_GROUP_PREFIX, Pattern.PREFIXED)
@@ -104,7 +111,8 @@ def wal_grants(topic: str, group: str, store: str, pipeline: str) -> list[Grant]
         (store, topic_, ("WRITE", "READ", "DESCRIBE", "CREATE", "DESCRIBE_CONFIGS")),
         (store, txn, ("WRITE", "DESCRIBE")),
         (store, leaders, ("READ", "DESCRIBE")),
-        (store, control, ("WRITE", "READ", "DESCRIBE", "CREATE")),
+        (store, placement, ("WRITE", "READ", "DESCRIBE", "CREATE", "DESCRIBE_CONFIGS")),
+        (store, placement_txn, ("WRITE", "DESCRIBE")),
         (store, readers, ("DESCRIBE",)),
         (pipeline, topic_, ("READ", "DESCRIBE")),
         (pipeline, registry, ("READ", "WRITE", "DESCRIBE", "CREATE")),

@@ -160,6 +160,13 @@ def shard_transactional_id(topic: str, shard: int) -> str:
     return f"{shard_transactional_id_prefix(topic)}{shard}"
 
 
+def placement_transactional_id(topic: str) -> str:
+    """W4 for the placement log of `topic` (wal.topic.placement_topic): one id, so that a new
+    placement controller fences the old one."""
+    assert topic and topic.strip() == topic, f"topic must be non-empty and unpadded: {topic!r}"
+    return f"{topic}.placement"
+
+
 def producer_config(
     bootstrap_servers: str,
     transactional_id: str,

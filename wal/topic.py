@@ -178,21 +178,29 @@ def ensure_readers_topic(bootstrap_servers: str, wal_topic: str, timeout_s: floa
                              security=security)
 
 
-CONTROL_SUFFIX = ".control"
+PLACEMENT_SUFFIX = ".placement"
 
 
-def control_topic(wal_topic: str) -> str:
-    """The WAL's control topic (wal.control): operators' settings for the store that uses it,
-    named after it like the readers registry."""
+def placement_topic(wal_topic: str) -> str:
+    """The placement log of the store that writes `wal_topic` (one partition, kept whole like the
+    WAL: it is appended through the same guard, so compaction would break its offsets)."""
     assert wal_topic and wal_topic.strip() == wal_topic, f"topic must be non-empty and unpadded: {wal_topic!r}"
-    return f"{wal_topic}{CONTROL_SUFFIX}"
+    return f"{wal_topic}{PLACEMENT_SUFFIX}"
+
+
+def ensure_placement_topic(bootstrap_servers: str, wal_topic: str, timeout_s: float = 30.0, *,
+                           security: ClientSecurity | None = None) -> bool:
+    """Create the placement log of `wal_topic` unless it exists; True if created here."""
+    return ensure_side_topic(bootstrap_servers, wal_topic, placement_topic(wal_topic), "placement", timeout_s,
+                             security=security, compacted=False)
 
 
 def ensure_side_topic(bootstrap_servers: str, wal_topic: str, name: str, what: str, timeout_s: float = 30.0, *,
-                      security: ClientSecurity | None = None) -> bool:
-    """Create the compacted one-partition topic `name` next to `wal_topic` (`readers_topic_config`,
-    the WAL's replication factor) unless it exists; True if it was created here. Raises
-    UnavailableError when the WAL topic does not exist or the brokers cannot be asked or refuse."""
+                      security: ClientSecurity | None = None, compacted: bool = True) -> bool:
+    """Create the one-partition topic `name` next to `wal_topic` (`readers_topic_config`, or the
+    WAL's own config unless `compacted`; the WAL's replication factor) unless it exists; True if it
+    was created here. Raises UnavailableError when the WAL topic does not exist or the brokers
+    cannot be asked or refuse."""
     admin = AdminClient(client_config(bootstrap_servers, security, **{"client.id": f"wal-{what}-topic"}))
     try:
         meta = admin.list_topics(timeout=timeout_s)
@@ -204,7 +212,8 @@ def ensure_side_topic(bootstrap_servers: str, wal_topic: str, name: str, what: s
         except UnavailableError as exc:
             raise UnavailableError(f"{exc}; the WAL's {what} topic {name} is created next to it") from None
         rf = max(len(p.replicas) for p in wal.partitions.values())
-        futures = admin.create_topics([NewTopic(name, 1, replication_factor=rf, config=readers_topic_config(rf))],
+        config = readers_topic_config(rf) if compacted else wal_topic_config(rf)
+        futures = admin.create_topics([NewTopic(name, 1, replication_factor=rf, config=config)],
                                       request_timeout=timeout_s)
         for future in futures.values():
             try:
@@ -213,7 +222,8 @@ def ensure_side_topic(bootstrap_servers: str, wal_topic: str, name: str, what: s
                 if exc.args[0].code() == KafkaError.TOPIC_ALREADY_EXISTS:
                     return False  # someone else created it meanwhile
                 raise
-        log.info("created WAL %s topic %s (compacted, replication factor %d)", what, name, rf)
+        log.info("created WAL %s topic %s (%s, replication factor %d)", what, name,
+                 "compacted" if compacted else "kept whole", rf)
         return True
     except KafkaException as exc:
         raise UnavailableError(f"WAL {what} topic {name}: {exc.args[0]}") from exc

@@ -99,10 +99,13 @@ def run(args: argparse.Namespace, printer: ResultPrinter) -> int:
         elif command == "fence":
             printer.fenced(client.fence(args.shard))
         elif command == "drain":
-            return _follow(client, client.drain(args.node, undo=args.undo), args, printer)
-        elif command == "move":
-            return _follow(client, client.move_shard(args.shard, args.to_node, args.from_node, unpin=args.unpin),
+            return _follow(client, client.drain(args.node, undo=args.undo, force=args.force, epoch=args.epoch),
                            args, printer)
+        elif command == "move":
+            return _follow(client, client.move_shard(args.shard, args.to_node, args.from_node, unpin=args.unpin,
+                                                     epoch=args.epoch), args, printer)
+        elif command == "placement":
+            printer.placement_log(client.placement_log(args.limit))
         else:  # pragma: no cover - argparse only lets known commands through
             raise InvalidArgument(f"unknown command {command!r}")
     return EXIT_OK

@@ -9,6 +9,7 @@ which the pipeline's commands print with too.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 from collections.abc import Iterable
 from typing import Any
 
@@ -29,7 +30,13 @@ from kvstore.client import (
     WatchEvent,
 )
 from kvstore.client.moves import describe
+from kvstore.client.results import PlacementLog
 from kvstore.output import Printer, bytes_field, display, format_table
+
+
+def _clock(at_ms: int) -> str:
+    """A record's wall-clock time for people (UTC, to the second)."""
+    return datetime.datetime.fromtimestamp(at_ms / 1000, datetime.UTC).strftime("%Y-%m-%d %H:%M:%S") if at_ms else "-"
 
 
 def kv_record(kv: KeyValue) -> dict[str, Any]:
@@ -229,6 +236,19 @@ class ResultPrinter(Printer):
             return
         self.line(format_table(["SHARD", "FROM", "TO"], [[c.shard, ",".join(c.before) or "-", ",".join(c.after) or "-"]
                                                          for c in changes]))
+
+    def placement_log(self, placement: PlacementLog) -> None:
+        if self.json:
+            self.record(dataclasses.asdict(placement) | {"entries": [dataclasses.asdict(e) for e in placement.entries]})
+            return
+        controller = (f"{placement.controller} (term {placement.controller_term})" if placement.controller
+                      else "none yet")
+        self.line(f"placement epoch {placement.epoch}, controller {controller}")
+        if placement.skipped:
+            self.line("records skipped (hostile or broken): "
+                      + ", ".join(f"{why}: {count}" for why, count in sorted(placement.skipped.items())))
+        self.line(format_table(["OFFSET", "EPOCH", "AT", "DECISION", "REASON"], [
+            [e.offset, e.epoch, _clock(e.at_ms), e.summary, e.reason] for e in placement.entries]))
 
     def move_progress(self, progress: MoveProgress) -> None:
         left = progress.left

@@ -187,6 +187,9 @@ def build_parser() -> argparse.ArgumentParser:
                        "progress until done (docs/operations.md, \"Placement\")")
     p.add_argument("node", help="the node id")
     p.add_argument("--undo", action="store_true", help="let the node hold shards again")
+    p.add_argument("--force", action="store_true", help="drain although a shard is left with fewer than R nodes "
+                   "able to hold it (refused otherwise, naming the shards)")
+    _epoch_flag(p)
     _wait_flags(p)
 
     p = sub.add_parser("move", parents=[common], help="move one replica of a shard to a node, with progress until "
@@ -196,7 +199,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--from", dest="from_node", default="", metavar="NODE",
                    help="the replica that gives way (default: the shard's last replica)")
     p.add_argument("--unpin", action="store_true", help="drop the shard's pin: the placement rule decides again")
+    _epoch_flag(p)
     _wait_flags(p)
+
+    p = sub.add_parser("placement", parents=[common], help="the placement log: its recent decisions with their "
+                       "reasons, the epoch and the controller")
+    p.add_argument("what", choices=["log"])
+    p.add_argument("--limit", type=_non_negative_int, default=50, help="the newest N decisions (default 50, at most "
+                   "1000)")
 
     p = sub.add_parser("demo", parents=[common], help="demos against the running local cluster (`make up`)")
     p.add_argument("scenario", choices=["failover"])
@@ -214,6 +224,12 @@ def build_parser() -> argparse.ArgumentParser:
     register_all(sub, common)  # the pipeline's commands: argparse only, no pyspark import
     sub.add_parser("serve", add_help=False, help="run a server node (all further arguments go to the server)")
     return parser
+
+
+def _epoch_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--epoch", type=_non_negative_int, default=None, metavar="N",
+                   help="the placement epoch you decided from (`kvstore shards` shows it); refused if the placement "
+                        "moved since (default: the epoch now)")
 
 
 def _wait_flags(p: argparse.ArgumentParser) -> None:

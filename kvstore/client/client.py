@@ -20,6 +20,7 @@ from kvstore.client.errors import (
     NotLeader,
     RequestExpired,
     TxnAborted,
+    Unavailable,
     UnknownOutcome,
     error_from_rpc,
     error_from_status,
@@ -45,6 +46,7 @@ from kvstore.client.results import (
     FenceResult,
     GetResult,
     KeyValue,
+    PlacementLog,
     PreparedTxn,
     PutResult,
     ReadHeader,
@@ -470,17 +472,35 @@ class Client:
                           key=None, timeout_s=timeout_s)
         return FenceResult(resp.shard, resp.end_offset, resp.notified)
 
-    def drain(self, node_id: str, *, undo: bool = False, timeout_s: float | None = None) -> list[PlacementChange]:
+    def drain(self, node_id: str, *, undo: bool = False, force: bool = False, epoch: int | None = None,
+              timeout_s: float | None = None) -> list[PlacementChange]:
         """Move every shard off `node_id` before it is removed (`undo`: let it hold shards again).
-        Returns at once with the changes to expect; `wait_moves` follows them."""
+        Returns once the placement controller recorded it, with the changes to expect;
+        `wait_moves` follows them. Refused (InvalidArgument, naming the shards) if it would leave
+        a shard fewer than R nodes able to hold it, unless `force`. `epoch`: the placement epoch
+        the decision was made from (default: the shard map's now); PlacementChanged if the
+        placement moved since."""
         if not node_id:
             raise InvalidArgument("drain needs a node id")
-        resp = self._call("Drain", cluster_pb2.DrainRequest(node_id=node_id, undo=undo), cluster_pb2.DrainResponse,
-                          key=None, timeout_s=timeout_s)
+        request = cluster_pb2.DrainRequest(node_id=node_id, undo=undo, force=force,
+                                           epoch=self._placement_epoch() if epoch is None else epoch)
+        resp = self._call("Drain", request, cluster_pb2.DrainResponse, key=None, timeout_s=timeout_s)
         return [PlacementChange.from_pb(c) for c in resp.changes]
 
+    def placement_log(self, limit: int = 50, *, timeout_s: float | None = None) -> PlacementLog:
+        """The placement log's newest decisions (at most `limit`), with their reasons."""
+        resp = self._call("PlacementLog", cluster_pb2.PlacementLogRequest(limit=limit),
+                          cluster_pb2.PlacementLogResponse, key=None, timeout_s=timeout_s)
+        return PlacementLog.from_pb(resp)
+
+    def _placement_epoch(self) -> int:
+        epoch = self.shard_map().placement_epoch
+        if epoch == 0:
+            raise Unavailable("the cluster has no placement yet (its controller is starting): retry")
+        return epoch
+
     def move_shard(self, shard: int, to_node: str = "", from_node: str = "", *, unpin: bool = False,
-                   timeout_s: float | None = None) -> list[PlacementChange]:
+                   epoch: int | None = None, timeout_s: float | None = None) -> list[PlacementChange]:
         """Move one replica of `shard` to `to_node` (replacing `from_node`, default its last
         replica), or `unpin` it back to the placement rule. Returns at once with the changes to
         expect; `wait_moves` follows them."""
@@ -488,7 +508,8 @@ class Client:
             raise InvalidArgument(f"shard must be >= 0: {shard}")
         if unpin == bool(to_node):
             raise InvalidArgument("give either a node to move to or unpin")
-        request = cluster_pb2.MoveShardRequest(shard=shard, to_node=to_node, from_node=from_node, unpin=unpin)
+        request = cluster_pb2.MoveShardRequest(shard=shard, to_node=to_node, from_node=from_node, unpin=unpin,
+                                               epoch=self._placement_epoch() if epoch is None else epoch)
         resp = self._call("MoveShard", request, cluster_pb2.MoveShardResponse, key=None, timeout_s=timeout_s)
         return [PlacementChange.from_pb(c) for c in resp.changes]
 

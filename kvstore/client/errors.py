@@ -218,6 +218,11 @@ class TxnAborted(KvError):
         return self.details.info.get(INFO_TXN_ID) or None
 
 
+class PlacementChanged(KvError):
+    """A drain or move computed from an older placement epoch than the log's: nothing was
+    recorded. Look at the shard map again and retry."""
+
+
 class Compacted(KvError):
     """A Watch asked for history below a shard's log start: the WAL was truncated there (etcd's
     ErrCompacted). Nothing was started; read the current state, then watch from `log_start`."""
@@ -319,6 +324,8 @@ def error_from_status(
     if reason == Reason.REQUEST_ID_EXPIRED or (
             code == grpc.StatusCode.FAILED_PRECONDITION and metadata.get(REASON_KEY) == REASON_REQUEST_ID_EXPIRED):
         return RequestExpired(_expired_message(details, request_id), **kwargs)
+    if reason == Reason.PLACEMENT_CHANGED:
+        return PlacementChanged(message, **kwargs)
     if write and not write_attempt_is_definite(metadata, rich):
         return UnknownOutcome(message, **kwargs)
     if code == grpc.StatusCode.INVALID_ARGUMENT:

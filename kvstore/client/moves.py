@@ -67,10 +67,12 @@ def progress(smap: ShardMap, changes: Sequence[PlacementChange]) -> MoveProgress
         want = set(change.after)
         moves.append(ShardMove(
             shard=change.shard, want=change.after,
-            replicas=tuple(sorted(r.node_id for r in copies if r.state == "replica" and r.node_id in want)),
-            learners=tuple(sorted((r.node_id, r.lag) for r in copies if r.state == "learner")),
+            replicas=tuple(sorted(r.node_id for r in copies
+                                  if r.state == "replica" and r.in_group and r.node_id in want)),
+            learners=tuple(sorted((r.node_id, r.lag) for r in copies if r.state == "learner"
+                                  or (r.state == "replica" and not r.in_group and r.node_id in want))),
             leaving=tuple(sorted(r.node_id for r in copies
-                                 if r.state in ("replica", "retiring") and r.node_id not in want))))
+                                 if r.state in ("replica", "retiring", "stray") and r.node_id not in want))))
     return MoveProgress(tuple(moves))
 
 

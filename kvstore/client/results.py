@@ -146,13 +146,18 @@ class ReplicaInfo:
 
     node_id: str
     address: str
-    state: str  # "replica" (caught up, may lead), "learner", "retiring", "follower" (a read replica)
+    # What the placement log says of it: "replica" (may lead once caught up), "learner", "retiring",
+    # "stray" (on disk, not in the log: kept until the log drops it); "follower" (a read replica).
+    state: str
     applied_offset: int
     lag: int
+    caught_up: bool = False  # reached the end, within the lag bound, able to lead (P2)
+    in_group: bool = False  # in the shard's leadership group: may be elected
 
 
 _REPLICA_STATES = {cluster_pb2.REPLICA_STATE_LEARNER: "learner", cluster_pb2.REPLICA_STATE_REPLICA: "replica",
-                   cluster_pb2.REPLICA_STATE_RETIRING: "retiring", cluster_pb2.REPLICA_STATE_FOLLOWER: "follower"}
+                   cluster_pb2.REPLICA_STATE_RETIRING: "retiring", cluster_pb2.REPLICA_STATE_FOLLOWER: "follower",
+                   cluster_pb2.REPLICA_STATE_STRAY: "stray"}
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -167,11 +172,13 @@ class ShardInfo:
     leader_id: str = ""  # node id of the leader (or of the node taking over)
     leader_ready: bool = False  # False while the assigned node fences and bootstraps
     replicas: tuple[ReplicaInfo, ...] = ()  # every copy a node answered for
-    placed_on: tuple[str, ...] = ()  # the nodes the placement rule puts it on
+    placed_on: tuple[str, ...] = ()  # its target replicas, as the placement log says
 
     def caught_up(self) -> tuple[str, ...]:
-        """Addresses of its caught-up copies (replicas and read replicas): where a stale read may go."""
-        return tuple(r.address for r in self.replicas if r.state in ("replica", "follower") and r.address)
+        """Addresses of its caught-up copies (replicas in the leadership group, and read
+        replicas): where a stale read may go."""
+        return tuple(r.address for r in self.replicas
+                     if ((r.state == "replica" and r.in_group) or r.state == "follower") and r.address)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -183,6 +190,7 @@ class NodeInfo:
     address: str
     leads: tuple[int, ...]  # shards it leads now (fenced and bootstrapped)
     can_lead: bool  # False for a read replica
+    zone: str = ""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -192,6 +200,8 @@ class ShardMap:
     served_by: str
     shards: tuple[ShardInfo, ...]
     nodes: tuple[NodeInfo, ...] = ()
+    placement_epoch: int = 0  # the placement log's epoch as the answering node read it
+    controller: str = ""  # the placement controller the log names
 
     def node(self, node_id: str) -> NodeInfo | None:
         return next((n for n in self.nodes if n.node_id == node_id), None)
@@ -209,12 +219,38 @@ class ShardMap:
             ShardInfo(s.shard, s.leader, s.term, s.applied_offset, s.end_offset, s.lag, s.open_txn_age_ms,
                       s.leader_id, s.leader_ready,
                       tuple(ReplicaInfo(r.node_id, r.address, _REPLICA_STATES.get(r.state, "unknown"), r.applied_offset,
-                                        r.lag) for r in s.replicas),
+                                        r.lag, r.caught_up, r.in_group) for r in s.replicas),
                       tuple(s.placed_on))
             for s in resp.shards
         )
-        nodes = tuple(NodeInfo(n.node_id, n.address, tuple(n.leads), n.can_lead) for n in resp.nodes)
-        return cls(resp.shard_count, resp.topic, resp.served_by, shards, nodes)
+        nodes = tuple(NodeInfo(n.node_id, n.address, tuple(n.leads), n.can_lead, n.zone) for n in resp.nodes)
+        return cls(resp.shard_count, resp.topic, resp.served_by, shards, nodes, resp.placement_epoch,
+                   resp.controller)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PlacementLogEntry:
+    offset: int
+    epoch: int  # the placement epoch once it was applied
+    kind: str  # settings, controller_started, node_joined, node_gone, drain, pin, step
+    summary: str
+    reason: str
+    at_ms: int  # the controller's wall clock when it decided
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PlacementLog:
+    entries: tuple[PlacementLogEntry, ...]
+    epoch: int
+    controller: str
+    controller_term: int
+    skipped: dict[str, int]  # records no reader takes (hostile or broken), by reason
+
+    @classmethod
+    def from_pb(cls, resp: cluster_pb2.PlacementLogResponse) -> PlacementLog:
+        entries = tuple(PlacementLogEntry(e.offset, e.epoch, e.kind, e.summary, e.reason, e.at_ms)
+                        for e in resp.entries)
+        return cls(entries, resp.epoch, resp.controller, resp.controller_term, dict(resp.skipped))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

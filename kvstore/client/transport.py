@@ -30,7 +30,7 @@ from kvstore.v1 import cluster_pb2_grpc, kv_pb2_grpc
 DEFAULT_MAX_CHANNELS = 64
 MAX_ENDPOINTS = 64  # seeds plus the nodes learned from shard maps
 CLUSTER_METHODS = frozenset({"ShardMap", "ListTransactions", "FenceShard", "Drain", "MoveShard",
-                             "ListPreparedTransactions", "ResolveTransaction"})
+                             "ListPreparedTransactions", "ResolveTransaction", "PlacementLog"})
 # This client routes every request to its shard's leader itself: a node that does not lead the
 # shard answers NOT_LEADER with the leader's address (one round trip, then the map is right)
 # instead of forwarding the request there (a second hop on every call while the map is stale).

@@ -33,7 +33,7 @@ import enum
 import hashlib
 import json
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 DEFAULT_REPLICATION_FACTOR = 3
 DEFAULT_GRACE_MS = 30_000
@@ -159,7 +159,7 @@ def changes(before: Sequence[Sequence[str]], after_: Sequence[Sequence[str]]) ->
 
 
 def place(shard_count: int, members: Iterable[str], replication_factor: int,
-          overrides: Overrides = NO_OVERRIDES) -> tuple[tuple[str, ...], ...]:
+          overrides: Overrides = NO_OVERRIDES, zones: Mapping[str, str] | None = None) -> tuple[tuple[str, ...], ...]:
     """Every shard's replicas (index = shard), best first.
 
     Rendezvous hashing with bounded loads: shards are placed in order, each on its pinned
@@ -173,7 +173,11 @@ def place(shard_count: int, members: Iterable[str], replication_factor: int,
 
     R = min(`replication_factor`, candidates). Candidates are the members not drained; if every
     member is drained, all of them (a shard is never placed nowhere while any member lives). No
-    members: nowhere."""
+    members: nowhere.
+
+    Zones (`zones`: node -> zone, "" or absent: a zone of its own): each shard's replicas are
+    spread over as many zones as the candidates allow (Helix's fault zones, CockroachDB's
+    locality): at every pick, an unused zone's node first, in the order above."""
     assert replication_factor >= 1, f"replication factor must be at least 1: {replication_factor}"
     assert shard_count >= 0, shard_count
     everyone = frozenset(members)
@@ -182,6 +186,7 @@ def place(shard_count: int, members: Iterable[str], replication_factor: int,
     if count == 0:
         return tuple(() for _ in range(shard_count))
     cap = math.ceil(count * shard_count / len(candidates))
+    zone_of = _zone_function(zones)
     load = dict.fromkeys(candidates, 0)
     placement: list[list[str]] = []
     for shard in range(shard_count):
@@ -190,18 +195,35 @@ def place(shard_count: int, members: Iterable[str], replication_factor: int,
             if node in candidates and node not in chosen and len(chosen) < count:
                 chosen.append(node)
         order = [node for node in ranked(shard, candidates) if node not in chosen]
-        under = [node for node in order if load[node] < cap]
-        chosen += under[:count - len(chosen)]
-        chosen += [node for node in order if node not in chosen][:count - len(chosen)]
+        _pick(chosen, [node for node in order if load[node] < cap], count, zone_of)
+        _pick(chosen, order, count, zone_of)
         assert len(chosen) == count and len(set(chosen)) == count, chosen
         for node in chosen:
             load[node] += 1
         placement.append(chosen)
-    _even_out(placement, load, cap, overrides)
+    _even_out(placement, load, cap, overrides, zone_of)
     return tuple(tuple(chosen) for chosen in placement)
 
 
-def _even_out(placement: list[list[str]], load: dict[str, int], cap: int, overrides: Overrides) -> None:
+def _zone_function(zones: Mapping[str, str] | None) -> Callable[[str], str]:
+    """A node's zone; a node without one is a zone of its own (a name no zone can have)."""
+    known = dict(zones or {})
+    return lambda node: known.get(node) or f"\0{node}"
+
+
+def _pick(chosen: list[str], order: Sequence[str], count: int, zone_of: Callable[[str], str]) -> None:
+    """Fill `chosen` up to `count` from `order`: nodes of zones not used yet first, then the rest."""
+    for spread in (True, False):
+        for node in order:
+            if len(chosen) >= count:
+                return
+            if node in chosen or (spread and zone_of(node) in {zone_of(n) for n in chosen}):
+                continue
+            chosen.append(node)
+
+
+def _even_out(placement: list[list[str]], load: dict[str, int], cap: int, overrides: Overrides,
+              zone_of: Callable[[str], str]) -> None:
     """The greedy pass can end over the bound: the last shards find fewer than R nodes below it
     that do not hold them yet. Move replicas from nodes over the bound to the least loaded ones,
     each time the unpinned shard the receiver weighs highest, until none is over (or nothing can
@@ -213,13 +235,19 @@ def _even_out(placement: list[list[str]], load: dict[str, int], cap: int, overri
         giver = over[0]
         taker = min(load, key=lambda n: (load[n], n))
         movable = [shard for shard, chosen in enumerate(placement)
-                   if giver in chosen and taker not in chosen and giver not in overrides.pinned.get(shard, ())]
+                   if giver in chosen and taker not in chosen and giver not in overrides.pinned.get(shard, ())
+                   and _spread(chosen, giver, taker, zone_of) >= _spread(chosen, giver, giver, zone_of)]
         if load[taker] >= cap or not movable:
             return
         shard = max(movable, key=lambda s: (weight(s, taker), -s))
         placement[shard][placement[shard].index(giver)] = taker
         load[giver] -= 1
         load[taker] += 1
+
+
+def _spread(chosen: Sequence[str], giver: str, taker: str, zone_of: Callable[[str], str]) -> int:
+    """How many zones `chosen` spans once `taker` replaced `giver` (a move must not narrow it)."""
+    return len({zone_of(taker if node == giver else node) for node in chosen})
 
 
 def shards_of(node: str, placement: Sequence[Sequence[str]]) -> frozenset[int]:

@@ -75,7 +75,7 @@ _METHODS: dict[str, Role | None] = {
     **{f"/kvstore.v1.KVService/{m}": Role.READ for m in ("Get", "Scan", "Watch")},
     **{f"/kvstore.v1.KVService/{m}": Role.WRITE for m in ("Put", "Delete", "Txn", "WriteBatch")},
     **{f"/kvstore.v1.ClusterService/{m}": Role.READ for m in ("ShardMap", "ShardDigest", "ListTransactions",
-                                                               "ListPreparedTransactions")},
+                                                               "ListPreparedTransactions", "PlacementLog")},
     **{f"/kvstore.v1.ClusterService/{m}": Role.ADMIN for m in ("FenceShard", "Drain", "MoveShard",
                                                                 "ResolveTransaction")},
     **{f"/kvstore.internal.v1.PeerService/{m}": Role.NODE for m in ("ScanShards", "LocalShardView", "CheckFenced",
@@ -83,7 +83,7 @@ _METHODS: dict[str, Role | None] = {
                                                                             "DecideTxnWithPart",
                                                                             "ResolveTxn", "ForgetTxns", "PreparedTxns",
                                                                             "ResolvePrepared", "ReadTxnPart",
-                                                                            "ValidateReads")},
+                                                                            "ValidateReads", "PlacementRequest")},
 }
 _SERVICES: dict[str, Role | None] = {
     "kvstore.internal.v1.PeerService": Role.NODE,  # an RPC added later is still node-only

@@ -1,7 +1,7 @@
 """kvstore.v1.ClusterService: the cluster as operators and clients see it, and what operators ask.
 
 The shard map (every node's report of itself, merged here, reused briefly), a shard's digest,
-the WAL's open transactions and forcing one closed (`fence`), placement's overrides (drain, move)
+the WAL's open transactions and forcing one closed (`fence`), placement (drain, move, its log)
 and the cross-shard transactions left prepared (list, resolve). It answers for the whole
 cluster from any node, asking the other members through their peer service where it must.
 """
@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import time
 from typing import TYPE_CHECKING, Any
@@ -20,7 +19,8 @@ import grpc
 import wal
 import wal.transactions
 from kvstore import errors
-from kvstore.core import placement
+from kvstore.core.placement_controller import Drain, Move
+from kvstore.core.placement_log import RECENT_RECORDS
 from kvstore.internal.v1 import peer_pb2
 from kvstore.server import shardmap
 from kvstore.server.node import PEER_TIMEOUT_S
@@ -78,7 +78,7 @@ class ClusterService(cluster_pb2_grpc.ClusterServiceServicer):
         answers = await asyncio.gather(*(self.node.peer_report(address) for address in addresses))
         assigned = {shard: (leader, self.node.leader_address(shard)) for shard in range(self.node.config.shards)
                     if (leader := self.node.leader_id(shard))}
-        return shardmap.merge(local, [a for a in answers if a is not None], assigned, self.node.placement)
+        return shardmap.merge(local, [a for a in answers if a is not None], assigned, self.node.log.state.targets())
 
     async def ShardDigest(self, request: cluster_pb2.ShardDigestRequest,
                           context: Any) -> cluster_pb2.ShardDigestResponse:
@@ -145,19 +145,14 @@ class ClusterService(cluster_pb2_grpc.ClusterServiceServicer):
 
     async def Drain(self, request: cluster_pb2.DrainRequest, context: Any) -> cluster_pb2.DrainResponse:
         self._placing()
-        node_id = request.node_id
-        members = self.node.members()
-        drained = self.node.overrides.drained
-        if not node_id or (node_id not in members and not (request.undo and node_id in drained)):
-            raise errors.InvalidRequestError(f"node {node_id!r} is not a member of the cluster (members: "
-                                             f"{', '.join(sorted(members)) or 'none known here'})", field="node_id")
-        overrides = dataclasses.replace(self.node.overrides, drained=drained - {node_id} if request.undo
-                                        else drained | {node_id})
-        moves = await self.node.set_override(placement.drain_entry(node_id, undo=request.undo), overrides)
+        if not request.node_id:
+            raise errors.InvalidRequestError("drain needs a node id", field="node_id")
+        changes, epoch = await self.node.placement_request(
+            Drain(request.node_id, _epoch(request.epoch), undo=request.undo, force=request.force))
         self.forget_merged_map()
-        log.warning("placement: %s %s by an operator (%d shards to move)", "undrained" if request.undo else "drained",
-                    node_id, len(moves))
-        return cluster_pb2.DrainResponse(changes=_changes(moves))
+        log.warning("placement: %s %s by an operator (%d shards to move, epoch %d)",
+                    "undrained" if request.undo else "drained", request.node_id, len(changes), epoch)
+        return cluster_pb2.DrainResponse(changes=_changes(changes), epoch=epoch)
 
     async def MoveShard(self, request: cluster_pb2.MoveShardRequest, context: Any) -> cluster_pb2.MoveShardResponse:
         self._placing()
@@ -165,28 +160,35 @@ class ClusterService(cluster_pb2_grpc.ClusterServiceServicer):
         if request.shard >= shards:
             raise errors.InvalidRequestError(f"shard {request.shard} out of range: the cluster has {shards} shards",
                                              field="shard")
-        pinned = dict(self.node.overrides.pinned)
-        if request.unpin:
-            if request.to_node or request.from_node:
-                raise errors.InvalidRequestError("unpin takes no to_node or from_node", field="unpin")
-            pinned.pop(request.shard, None)
-            entry = placement.pin_entry(request.shard, None)
-        else:
-            if len(self.node.placement) != shards:  # starting: it has not placed the shards yet
-                raise errors.UnavailableError("this node has not placed the shards yet (it is starting); retry, or "
-                                              "ask another node")
-            try:
-                nodes = placement.move(self.node.placement, self.node.members(), self.node.overrides, request.shard,
-                                       request.to_node, request.from_node)
-            except placement.MoveRefused as exc:
-                raise errors.InvalidRequestError(str(exc), field="to_node") from exc
-            pinned[request.shard] = nodes
-            entry = placement.pin_entry(request.shard, nodes)
-        moves = await self.node.set_override(entry, dataclasses.replace(self.node.overrides, pinned=pinned))
+        if request.unpin and (request.to_node or request.from_node):
+            raise errors.InvalidRequestError("unpin takes no to_node or from_node", field="unpin")
+        if not request.unpin and not request.to_node:
+            raise errors.InvalidRequestError("a move needs to_node (or unpin)", field="to_node")
+        changes, epoch = await self.node.placement_request(
+            Move(request.shard, _epoch(request.epoch), to=request.to_node, source=request.from_node,
+                 unpin=request.unpin))
         self.forget_merged_map()
-        log.warning("placement: shard %d %s by an operator", request.shard,
-                    "unpinned" if request.unpin else f"pinned to {', '.join(pinned[request.shard])}")
-        return cluster_pb2.MoveShardResponse(changes=_changes(moves))
+        log.warning("placement: shard %d %s by an operator (epoch %d)", request.shard,
+                    "unpinned" if request.unpin else f"moved to {request.to_node}", epoch)
+        return cluster_pb2.MoveShardResponse(changes=_changes(changes), epoch=epoch)
+
+    async def PlacementLog(self, request: cluster_pb2.PlacementLogRequest,
+                           context: Any) -> cluster_pb2.PlacementLogResponse:
+        self._placing()
+        limit = request.limit or DEFAULT_PLACEMENT_LOG_LIMIT
+        if limit > RECENT_RECORDS:
+            raise errors.InvalidRequestError(f"limit {limit} is over {RECENT_RECORDS}, the entries a node keeps",
+                                             field="limit", limit="RECENT_RECORDS")
+        state = self.node.log.state
+        response = cluster_pb2.PlacementLogResponse(epoch=state.epoch, skipped=dict(state.skipped))
+        if state.controller is not None:
+            response.controller = state.controller.node_id
+            response.controller_term = state.controller.term
+        for entry in list(state.recent)[-limit:]:
+            response.entries.append(cluster_pb2.PlacementLogEntry(
+                offset=entry.offset, epoch=entry.epoch, kind=entry.kind, summary=entry.summary, reason=entry.reason,
+                at_ms=entry.at_ms))
+        return response
 
     async def ListPreparedTransactions(self, request: cluster_pb2.ListPreparedTransactionsRequest,
                                        context: Any) -> cluster_pb2.ListPreparedTransactionsResponse:
@@ -241,6 +243,18 @@ class ClusterService(cluster_pb2_grpc.ClusterServiceServicer):
                 return address, None
 
         return list(await asyncio.gather(*(one(a) for a in addresses)))
+
+
+DEFAULT_PLACEMENT_LOG_LIMIT = 50
+
+
+def _epoch(epoch: int) -> int:
+    """A drain or move names the placement epoch it was computed from (P4): required."""
+    if epoch == 0:
+        raise errors.InvalidRequestError("the request names no placement epoch: read ShardMap's placement_epoch "
+                                         "and send it (a request is refused if the placement moved since)",
+                                         field="epoch")
+    return epoch
 
 
 def _changes(moves: list[tuple[int, tuple[str, ...], tuple[str, ...]]]) -> list[cluster_pb2.PlacementChange]:

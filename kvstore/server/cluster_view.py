@@ -13,7 +13,8 @@ holding some of those coordinators dies: seen on all three nodes at once in
 tests/integration/test_three_brokers.py. One group per call is what the nodes described before
 placement, and what survived that test. A node's report of its own copies (`Node.local_view`) is
 what the shard map shows anyway: a copy in state REPLICA is in its shard's leadership group, and
-the node that says it leads (or was assigned) a shard is its leader.
+the node that says it leads (or was assigned) a shard is its leader. A copy that says `in_group`
+is in its shard's leadership group.
 """
 
 from __future__ import annotations
@@ -75,7 +76,7 @@ def from_reports(members: Mapping[str, str], reports: Sequence[cluster_pb2.Shard
         node = report.nodes[0]  # each node describes itself first
         for info in report.shards:
             own = [r for r in info.replicas if r.node_id == node.node_id]
-            if not own or own[0].state != cluster_pb2.REPLICA_STATE_REPLICA:
+            if not own or not own[0].in_group:
                 continue
             claims_it = info.leader_id == node.node_id
             member = Member(node.node_id, node.address, (info.shard,) if claims_it else ())

@@ -31,7 +31,8 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, Settings
 import wal.clients
 import wal.writer
 from kvstore import limits
-from kvstore.core import placement
+from kvstore.core import placement, placement_log
+from kvstore.core.placement_controller import DEFAULT_MAX_LEARNERS_PER_NODE
 
 ENV_PREFIX = "KVSTORE_"
 CONFIG_VARIABLE = "KVSTORE_CONFIG"  # the TOML file, when --config is not given
@@ -67,9 +68,9 @@ _SPECIAL_FLAGS: Mapping[str, tuple[str, object, str] | None] = {
     "kafka_password": None,
 }
 
-# A node id names its consumer group members, its placement entries in the control topic
-# (wal.control.MAX_KEY_BYTES) and its copies in every shard map: short.
-MAX_NODE_ID_BYTES = 200
+# A node id names its consumer group members, its records in the placement log
+# (kvstore.core.placement_log.MAX_NODE_ID_BYTES, the same bound) and its copies in every shard map: short.
+MAX_NODE_ID_BYTES = placement_log.MAX_NODE_ID_BYTES
 
 _FILE_VALUES: contextvars.ContextVar[Mapping[str, Any] | None] = contextvars.ContextVar("kvstore_config_file",
                                                                                         default=None)
@@ -110,6 +111,11 @@ class NodeConfig(BaseSettings):
     placement_grace_ms: int = Field(placement.DEFAULT_GRACE_MS, ge=0, le=3_600_000,
                                     description="how long a node that left or died still counts for placement before "
                                                 "its shards are placed elsewhere (a restart within it moves nothing)")
+    placement_max_learners: int = Field(DEFAULT_MAX_LEARNERS_PER_NODE, ge=1, le=64,
+                                        description="learners one node bootstraps at once, at most (the cluster's "
+                                                    "setting, recorded in the placement log by its first controller)")
+    zone: str = Field("", max_length=64, description="this node's zone (rack, availability zone): placement spreads "
+                                                     "each shard's replicas over as many zones as it can")
     txn_in_doubt_ms: int = Field(limits.TXN_IN_DOUBT_AFTER_MS, ge=100, le=86_400_000,
                                  description="a cross-shard transaction prepared this long ago at a shard this node "
                                              "leads is in doubt: the node resolves it from its coordinator's WAL "

@@ -60,6 +60,21 @@ class Metrics:
         self.placement_steps = Counter("kvstore_placement_steps",
                                        "placement steps taken here: open (a learner), join (caught up), leave "
                                        "(no longer placed), drop (data removed)", ["step"], registry=r)
+        # The placement controller (kvstore.server.controller): its term while it is the controller
+        # (0: not the controller), what it recorded, what operators asked that it refused.
+        self.controller_term = Gauge("kvstore_placement_controller_term",
+                                     "this node's term as the placement controller (0: not the controller)", registry=r)
+        self.placement_decisions = Counter("kvstore_placement_decisions",
+                                           "records this node appended to the placement log as its controller, "
+                                           "by kind", ["kind"], registry=r)
+        self.placement_refused = Counter("kvstore_placement_refused_requests",
+                                         "operators' drains and moves the controller refused (stale epoch, below R, "
+                                         "unknown node or shard)", registry=r)
+        self.moves_in_progress = Gauge("kvstore_placement_moves_in_progress",
+                                       "copies the placement log has as learners or retiring now", registry=r)
+        self.placement_skipped = Gauge("kvstore_placement_log_skipped_records",
+                                       "records of the placement log this node's reader skipped (hostile or broken)",
+                                       registry=r)
         self.learner_bytes = Counter("kvstore_learner_bytes",
                                      "bytes on disk of replicas when they caught up as learners", registry=r)
         self.shards_held = Gauge("kvstore_shards_held", "replicas this node holds, by placement state", ["state"],

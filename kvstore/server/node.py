@@ -1,12 +1,13 @@
 """A store node: the WAL topic, the replicas of the shards placed on it, and their leadership.
 
-Placement (docs/design.md §9, kvstore.core.placement) decides which shards a node holds: every
-`cluster_view.REFRESH_S` the node learns the members and every shard's replicas and leader
-(kvstore.server.cluster_view), counts the live members (with a grace period), places every
-shard, and takes the next step for each shard (`kvstore.core.placement.decide`): open a learner,
-join the shard's leadership group once caught up (kvstore.server.leadership), leave it when the
-shard is placed elsewhere and its placed replicas are all caught up, drop the data. The decisions
-are pure; here are only their I/O.
+Placement (docs/design.md §9) is a log, `<wal topic>.placement`, which the node reads into the
+one fold (kvstore.server.placement_log, kvstore.core.placement_log) and follows: it opens a copy,
+joins a shard's leadership group with a caught-up replica (kvstore.server.leadership), leaves it
+or drops the data only because the log says so (`kvstore.core.placement_follower.acts`). Every
+`cluster_view.REFRESH_S` it also learns the members and every node's report of its copies
+(kvstore.server.cluster_view): for routing, the shard map, and, on the node the membership group
+makes the placement controller (kvstore.server.controller), for the controller's decisions. The
+decisions are pure; here are only their I/O.
 
 A read replica (`--follower`) holds every shard, follows them all, never leads and is no
 member: placement does not count it.
@@ -25,10 +26,12 @@ from pathlib import Path
 import grpc
 
 import wal
-import wal.control
+import wal.topic
 from kvstore import errors
-from kvstore.core import placement
-from kvstore.core.placement import Act, Hold, ShardFacts, ShardHold
+from kvstore.core import placement_follower
+from kvstore.core.placement_controller import Drain, Request, RequestRefused, is_caught_up
+from kvstore.core.placement_follower import Act, Local
+from kvstore.core.placement_log import CopyState, Settings
 from kvstore.core.role import Role
 from kvstore.core.sharding import shard_of
 from kvstore.internal.v1 import peer_pb2
@@ -36,9 +39,11 @@ from kvstore.server import cluster_view
 from kvstore.server.clock import process_clock
 from kvstore.server.cluster_view import View
 from kvstore.server.config import NodeConfig, ReplicaConfig
+from kvstore.server.controller import ControllerShell, node_report
 from kvstore.server.leadership import ShardLeadership
 from kvstore.server.metrics import Metrics
 from kvstore.server.peers import Peers
+from kvstore.server.placement_log import PlacementLogReader, PlacementSettingsError, settings_problem
 from kvstore.server.replica import ShardReplica
 from kvstore.server.txns import Transactions
 from kvstore.v1 import cluster_pb2
@@ -52,9 +57,9 @@ _CLOCK = process_clock()
 ENDS_REFRESH_S = 1.0
 RESIGN_TIMEOUT_S = 15.0  # a batch in flight gets this long to finish when a shard is handed over
 SHARD_DIR_PREFIX = "shard-"
-_REPLICA_STATES = {Hold.LEARNING: cluster_pb2.REPLICA_STATE_LEARNER, Hold.SERVING: cluster_pb2.REPLICA_STATE_REPLICA,
-                   Hold.RETIRING: cluster_pb2.REPLICA_STATE_RETIRING}
-CONTROL_POLL_S = 0.5
+_REPLICA_STATES = {CopyState.LEARNER: cluster_pb2.REPLICA_STATE_LEARNER,
+                   CopyState.REPLICA: cluster_pb2.REPLICA_STATE_REPLICA,
+                   CopyState.RETIRING: cluster_pb2.REPLICA_STATE_RETIRING}
 PEER_TIMEOUT_S = 0.5  # a peer's report of itself: a node that does not answer within this is left out
 
 
@@ -86,15 +91,14 @@ class Node:
         self.peers = peers
         self.metrics = Metrics()
         self.replicas: dict[int, ShardReplica] = {}
-        self.holds: dict[int, ShardHold] = {}
         self.leaderships: dict[int, ShardLeadership] = {}
-        self.placement: tuple[tuple[str, ...], ...] = ()
         self.view: View = cluster_view.EMPTY
-        self.liveness = placement.Liveness(config.placement_grace_ms)
-        self.overrides = placement.NO_OVERRIDES  # the operators' word (drain, move), from the control topic
-        self._control: wal.control.ControlLog | None = None
-        self._unusable_entries: list[str] = []
-        self._control_read = False  # the control topic was read to its end once (placement waits for it)
+        self.settings = Settings(config.shards, config.replication_factor, config.placement_grace_ms,
+                                 config.placement_max_learners)
+        self.log = PlacementLogReader(config.kafka, config.wal_topic, security=config.kafka_security,
+                                      on_change=self._stale_set)
+        self.controller: ControllerShell | None = None
+        self._found_at_start: set[int] = set()  # copies on disk when the node started
         self._unable: dict[int, str] = {}  # shard -> why its replica cannot lead now
         self._membership: GroupMember | None = None
         self._tasks: list[asyncio.Task[None]] = []
@@ -118,6 +122,14 @@ class Node:
             for shard in range(self.config.shards):
                 self._open(shard, standby=True)
         else:
+            # The cluster's settings first: a node that disagrees with them must not take part,
+            # not even as a candidate controller.
+            self._tasks.append(asyncio.create_task(self.log.run(), name="placement-log"))
+            await self.log.read_to_end_once()
+            cluster = self.log.state.settings
+            problem = settings_problem(self.settings, cluster) if cluster is not None else None
+            if problem is not None:
+                raise PlacementSettingsError(problem)
             loop = asyncio.get_running_loop()
             self._membership = GroupMember(
                 bootstrap_servers=self.config.kafka, group=self.config.leader_group, topic=self.config.wal_topic,
@@ -125,12 +137,14 @@ class Node:
                 on_assigned=lambda _: None, on_revoked=lambda _p, _l: None,
                 on_rebalanced=lambda: self._wake_threadsafe(loop), security=self.config.kafka_security)
             self._membership.start()
-            self._control = wal.control.ControlLog(self.config.kafka, self.config.wal_topic,
-                                                   security=self.config.kafka_security)
-            self._tasks.append(asyncio.create_task(self._follow_control(), name="control"))
+            self.controller = ControllerShell(
+                node_id=self.config.node_id, address=self.address, settings=self.settings, reader=self.log,
+                bootstrap_servers=self.config.kafka, wal_topic=self.config.wal_topic,
+                security=self.config.kafka_security, metrics=self.metrics)
             for shard in shards_on_disk(self.config.data_dir, self.config.shards):
-                self._open(shard, standby=True)  # a learner: it replays its tail before it counts
-                self.holds[shard] = ShardHold(Hold.LEARNING, self._now_ms())
+                # Kept until the log says otherwise (P2); it replays its tail before it counts.
+                self._open(shard, standby=True)
+                self._found_at_start.add(shard)
             self._tasks.append(asyncio.create_task(self._place_loop(), name="placement"))
         self._tasks.append(asyncio.create_task(self._refresh_ends(), name="partition-ends"))
         self.txns.start()
@@ -145,11 +159,15 @@ class Node:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await asyncio.gather(*(leadership.leave() for leadership in self.leaderships.values()))
         self.leaderships.clear()
+        if self.controller is not None:
+            await self.controller.close()
         if self._membership is not None:
             await asyncio.to_thread(self._membership.leave)
         await asyncio.gather(*(replica.stop() for replica in self.replicas.values()))
-        if self._control is not None:
-            await asyncio.to_thread(self._control.close)
+        await asyncio.to_thread(self.log.close)
+
+    def _stale_set(self) -> None:
+        self._stale.set()
 
     def _wake_threadsafe(self, loop: asyncio.AbstractEventLoop) -> None:
         loop.call_soon_threadsafe(self._stale.set)
@@ -166,26 +184,34 @@ class Node:
         while True:
             members = dict(self.view.members)
             described = bool(self.view.at_s)
+            listing: list[str] | None = None  # the members, if the group was listed this round
             if time.monotonic() - described_at >= cluster_view.MEMBERS_REFRESH_S:
                 try:
-                    listing = await asyncio.to_thread(membership.describe, cluster_view.DESCRIBE_TIMEOUT_S)
-                    members = {m.member_id: m.address for m in listing}
+                    found = await asyncio.to_thread(membership.describe, cluster_view.DESCRIBE_TIMEOUT_S)
+                    members = {m.member_id: m.address for m in found}
+                    listing = list(members)
                     described_at = time.monotonic()
                     membership.listed(self.config.node_id in members)
                     described = True
                 except Exception as exc:  # keep the last members; the next round retries
                     log.debug("describing the membership group failed: %s", exc)
+            reports: list[cluster_pb2.ShardMapResponse] = []
             if described:
                 reports = [self.local_view(), *await self._peer_reports(members)]
                 self.view = cluster_view.from_reports(members, reports, time.monotonic())
             try:
-                # Not before the coordinator answered once and the control topic was read to its
-                # end: a node that placed with only itself as a member, or without the operators'
-                # overrides, would open learners for shards that are not its own.
-                if self.view.at_s and self._control_read:
-                    await self._place()
+                assert self.controller is not None
+                await self.controller.step(0 in membership.owned, listing,
+                                           [node_report(r, self.controller.now_ms()) for r in reports if r.nodes])
+            except errors.StoreError as exc:
+                log.debug("placement controller: %s", exc)
             except Exception:  # a bug: say so loudly, keep the node up, try again next round
-                log.exception("placing shards failed")
+                log.exception("the placement controller's round failed")
+            try:
+                if self.log.reached_end:
+                    await self._follow()
+            except Exception:  # a bug: say so loudly, keep the node up, try again next round
+                log.exception("following the placement log failed")
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._stale.wait(), cluster_view.REFRESH_S)
             self._stale.clear()
@@ -208,89 +234,79 @@ class Node:
         assert isinstance(reply, peer_pb2.LocalShardViewResponse)
         return reply.view
 
-    async def _place(self) -> None:
-        """One round: place every shard over the live members and take each shard's next step."""
-        now_ms = self._now_ms()
-        me = self.config.node_id
-        self.liveness.observe([*self.view.members, me], now_ms)
-        self.placement = placement.place(self.config.shards, self.liveness.members(now_ms),
-                                         self.config.replication_factor, self.overrides)
-        settled = now_ms - self._started_s * 1000 >= self.config.placement_grace_ms
-        for shard, placed in enumerate(self.placement):
-            replica = self.replicas.get(shard)
-            facts = ShardFacts(placed_here=me in placed, placed=placed,
-                               caught_up=replica is not None and replica.caught_up,
-                               in_group=self.view.in_group(shard), view_settled=settled)
-            held = self.holds.get(shard)
-            act = placement.decide(me, held, facts, now_ms)
-            if act is Act.NOTHING:
-                continue
-            log.info("shard %d: %s (placed on %s%s)", shard, act.value, ", ".join(placed) or "nobody",
-                     f"; was {held.hold.value}" if held else "")
+    def _local(self) -> dict[int, Local]:
+        """This node's copies as it has them now (the follower's input)."""
+        local = {}
+        for shard, replica in self.replicas.items():
+            lag = max(0, replica.end_offset - replica.store.applied_offset)
+            local[shard] = Local(open=True, in_group=shard in self.leaderships,
+                                 caught_up=is_caught_up(replica.caught_up, lag, shard in self._unable),
+                                 found_at_start=shard in self._found_at_start)
+        return local
+
+    async def _follow(self) -> None:
+        """Take every step the placement log asks of this node now."""
+        state = self.log.state
+        for shard, act in placement_follower.acts(state, self.config.node_id, self._local()):
+            said = state.copy_state(shard, self.config.node_id)
+            log.info("shard %d: %s (the placement log has %s; targets %s)", shard, act.value,
+                     f"a {said.value} copy here" if said else "no copy here",
+                     ", ".join(state.targets()[shard]) if state.targets() else "none yet")
             await self._take(shard, act)
-            hold = placement.after(held, act, now_ms)
-            if hold is None:
-                self.holds.pop(shard, None)
-            else:
-                self.holds[shard] = hold
             self.metrics.placement_steps.labels(step=act.value).inc()
-        for state in Hold:
-            self.metrics.shards_held.labels(state=state.value).set(
-                sum(1 for h in self.holds.values() if h.hold is state))
+        mine = state.held_by(self.config.node_id)
+        for held in CopyState:
+            self.metrics.shards_held.labels(state=held.value).set(sum(1 for s in mine.values() if s is held))
+        self.metrics.moves_in_progress.set(sum(1 for copies in state.copies.values() for c in copies.values()
+                                               if c is not CopyState.REPLICA))
+        self.metrics.placement_skipped.set(sum(state.skipped.values()))
 
-    async def _follow_control(self) -> None:
-        """Keep `overrides` as the control topic says; a change places shards again at once."""
-        assert self._control is not None
-        while True:
-            changed = await asyncio.to_thread(self._control.poll, CONTROL_POLL_S)
-            self._control_read = self._control.reached_end
-            if changed:
-                overrides, unusable = placement.overrides_from(self._control.entries, self.config.shards)
-                if unusable != self._unusable_entries:
-                    self._unusable_entries = unusable
-                    if unusable:
-                        log.warning("control topic %s: unusable placement entries skipped: %s", self._control.topic,
-                                    ", ".join(unusable))
-                if overrides != self.overrides:
-                    log.info("placement overrides: drained %s, pinned %s", sorted(overrides.drained) or "none",
-                             dict(overrides.pinned) or "none")
-                    self.overrides = overrides
-                    self._stale.set()
-            await asyncio.sleep(0)
-
-    async def set_override(self, entry: tuple[str, bytes | None], overrides: placement.Overrides,
-                           ) -> list[tuple[int, tuple[str, ...], tuple[str, ...]]]:
-        """Record `entry` in the control topic (every node then places shards with `overrides`)
-        and take it here at once; the placement changes to expect. Raises UnavailableError."""
+    async def placement_request(self, request: Request, *, forward: bool = True,
+                                ) -> tuple[list[tuple[int, tuple[str, ...], tuple[str, ...]]], int]:
+        """An operator's drain or move, recorded by the placement controller (this node, or the
+        one the log names, over the peer channel): (the target changes, the epoch after). Raises
+        InvalidRequestError (refused: the message says why; FAILED_PRECONDITION for a stale
+        epoch) or UnavailableError."""
         if not self.config.lead:
             raise errors.InvalidRequestError("a read replica (--follower) takes part in no placement: ask a member")
-        key, value = entry
+        if self.controller is not None and self.controller.active:
+            try:
+                return await self.controller.request(request)
+            except RequestRefused as exc:
+                if exc.stale:
+                    raise errors.PlacementChangedError(str(exc)) from exc
+                raise errors.InvalidRequestError(str(exc)) from exc
+        known = self.log.state.controller
+        if not forward:
+            raise errors.UnavailableError("this node is not the placement controller (any more): retry")
+        if known is None or known.node_id == self.config.node_id or not known.address:
+            raise errors.UnavailableError("no placement controller is known yet (one is being elected): retry")
+        if isinstance(request, Drain):
+            message = peer_pb2.PlacementRequestRequest(drain=cluster_pb2.DrainRequest(
+                node_id=request.node, undo=request.undo, epoch=request.epoch, force=request.force))
+        else:
+            message = peer_pb2.PlacementRequestRequest(move=cluster_pb2.MoveShardRequest(
+                shard=request.shard, to_node=request.to, from_node=request.source, unpin=request.unpin,
+                epoch=request.epoch))
         try:
-            await asyncio.to_thread(wal.control.write, self.config.kafka, self.config.wal_topic, key, value,
-                                    security=self.config.kafka_security)
-        except ValueError as exc:  # beyond the control topic's bounds
-            raise errors.InvalidRequestError(str(exc)) from exc
-        except wal.WalError as exc:
-            raise errors.UnavailableError(f"recording the placement change failed: {exc}; nothing may have changed, "
-                                          "or it may have: ask again") from exc
-        members = self.liveness.members(self._now_ms())
-        before = placement.place(self.config.shards, members, self.config.replication_factor, self.overrides)
-        self.overrides = overrides
-        self._stale.set()
-        after = placement.place(self.config.shards, members, self.config.replication_factor, overrides)
-        return placement.changes(before, after)
-
-    def members(self) -> frozenset[str]:
-        """The members placement counts now (live, or away less than the grace period)."""
-        return self.liveness.members(self._now_ms()) if self.config.lead else frozenset()
+            reply = await self.peers.peer(known.address).PlacementRequest(message, timeout=30.0)
+        except grpc.aio.AioRpcError as exc:
+            trailing = tuple((str(k), v) for k, v in (exc.trailing_metadata() or ()))
+            error = errors.from_status(exc.code(), exc.details() or "", trailing)
+            if isinstance(error, errors.UnknownOutcomeError):  # lost on the way: it may have been recorded
+                raise errors.UnknownOutcomeError(f"the placement controller {known.node_id} at {known.address} did not "
+                                              f"answer ({error}): the request may or may not have been recorded; "
+                                              "look at `kvstore placement log`") from exc
+            raise error from exc
+        assert isinstance(reply, peer_pb2.PlacementRequestResponse)
+        return [(c.shard, tuple(c.before), tuple(c.after)) for c in reply.changes], reply.epoch
 
     async def _take(self, shard: int, act: Act) -> None:
         if act is Act.OPEN:
             self._open(shard, standby=True)
         elif act is Act.JOIN:
             replica = self.replicas[shard]
-            if self.holds[shard].hold is Hold.LEARNING:
-                self.metrics.learner_bytes.inc(await asyncio.to_thread(directory_bytes, replica.store.path))
+            self.metrics.learner_bytes.inc(await asyncio.to_thread(directory_bytes, replica.store.path))
             self._join(shard, replica)
         elif act is Act.LEAVE:
             leadership = self.leaderships.pop(shard, None)
@@ -301,6 +317,7 @@ class Node:
             leadership = self.leaderships.pop(shard, None)
             if leadership is not None:
                 await leadership.leave()
+            self._found_at_start.discard(shard)
             replica = self.replicas.pop(shard)
             await replica.stop()
             path = replica.store.path
@@ -394,13 +411,14 @@ class Node:
         service (its requests are forwarded meanwhile). A read replica: once every replica caught up."""
         if not self.config.lead:
             return bool(self.replicas) and all(r.caught_up for r in self.replicas.values())
-        if self._membership is None or not self._membership.joined or not self.placement:
+        targets = self.log.state.targets()
+        if self._membership is None or not self._membership.joined or not targets:
             return False
         if not self._ready_once:
             me = self.config.node_id
-            for shard, placed in enumerate(self.placement):
-                hold = self.holds.get(shard)
-                if me in placed and (hold is None or hold.hold is not Hold.SERVING):
+            for shard, target in enumerate(targets):
+                said = self.log.state.copy_state(shard, me)
+                if me in target and (said is not CopyState.REPLICA or shard not in self.leaderships):
                     return False
         for shard, leadership in self.leaderships.items():
             if not leadership.joined:
@@ -435,7 +453,9 @@ class Node:
         config = self.config
         response = cluster_pb2.ShardMapResponse(shard_count=config.shards, topic=config.wal_topic,
                                                 served_by=config.node_id)
-        me = cluster_pb2.NodeInfo(node_id=config.node_id, address=self.address, can_lead=config.lead)
+        me = cluster_pb2.NodeInfo(node_id=config.node_id, address=self.address, can_lead=config.lead,
+                                  zone=config.zone)
+        local = self._local()
         for shard, replica in sorted(self.replicas.items()):
             # The last known high watermark (refreshed every second): a map must answer at once,
             # also while a broker is down and offset queries hang.
@@ -444,15 +464,23 @@ class Node:
             leading = replica.role is Role.LEADING
             if leading:
                 me.leads.append(shard)
-            hold = self.holds.get(shard)
-            state = _REPLICA_STATES[hold.hold] if hold is not None else cluster_pb2.REPLICA_STATE_FOLLOWER
+            if not config.lead:
+                state = cluster_pb2.REPLICA_STATE_FOLLOWER
+            else:
+                said = self.log.state.copy_state(shard, config.node_id)
+                state = _REPLICA_STATES[said] if said is not None else cluster_pb2.REPLICA_STATE_STRAY
             response.shards.append(cluster_pb2.ShardInfo(
                 shard=shard, leader=self.leader_address(shard), term=replica.term if leading else 0,
                 applied_offset=applied, end_offset=end, lag=max(0, end - applied),
                 open_txn_age_ms=replica.open_txn_age_ms(), leader_id=self.leader_id(shard), leader_ready=leading,
                 replicas=[cluster_pb2.ReplicaInfo(node_id=config.node_id, address=self.address, state=state,
-                                                  applied_offset=applied, lag=max(0, end - applied))]))
+                                                  applied_offset=applied, lag=max(0, end - applied),
+                                                  caught_up=local[shard].caught_up,
+                                                  in_group=local[shard].in_group)]))
         response.nodes.append(me)
+        response.placement_epoch = self.log.state.epoch
+        if self.log.state.controller is not None:
+            response.controller = self.log.state.controller.node_id
         return response
 
     def replica_address(self, shard: int) -> str:
@@ -467,5 +495,5 @@ class Node:
         wal.ensure_wal_topic(self.config.kafka, self.config.wal_topic, self.config.shards,
                              self.config.wal_replication_factor or None, security=self.config.kafka_security)
         if self.config.lead:
-            wal.control.ensure_control_topic(self.config.kafka, self.config.wal_topic,
+            wal.topic.ensure_placement_topic(self.config.kafka, self.config.wal_topic,
                                              security=self.config.kafka_security)

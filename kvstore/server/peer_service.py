@@ -18,8 +18,10 @@ import grpc.aio
 from kvstore import errors, limits
 from kvstore.core import reads, validation
 from kvstore.core import txn as txn_core
+from kvstore.core.placement_controller import Drain, Move, Request
 from kvstore.internal.v1 import peer_pb2, peer_pb2_grpc, wal_entry_pb2
 from kvstore.server import txns as txns_module
+from kvstore.v1 import cluster_pb2
 
 if TYPE_CHECKING:
     from kvstore.server.node import Node
@@ -113,6 +115,22 @@ class PeerService(peer_pb2_grpc.PeerServiceServicer):
                                              limit="MAX_FORGET_IDS")
         self.node.txns.note_forget(self._shard(request.shard), list(request.txn_ids))
         return peer_pb2.ForgetTxnsResponse()
+
+    async def PlacementRequest(self, request: peer_pb2.PlacementRequestRequest,
+                               context: Any) -> peer_pb2.PlacementRequestResponse:
+        which = request.WhichOneof("request")
+        placement_request: Request
+        if which == "drain":
+            drain = request.drain
+            placement_request = Drain(drain.node_id, drain.epoch, undo=drain.undo, force=drain.force)
+        elif which == "move":
+            move = request.move
+            placement_request = Move(move.shard, move.epoch, to=move.to_node, source=move.from_node, unpin=move.unpin)
+        else:
+            raise errors.InvalidRequestError("a placement request is a drain or a move")
+        changes, epoch = await self.node.placement_request(placement_request, forward=False)
+        return peer_pb2.PlacementRequestResponse(epoch=epoch, changes=[
+            cluster_pb2.PlacementChange(shard=shard, before=before, after=after) for shard, before, after in changes])
 
     async def ReadTxnPart(self, request: peer_pb2.ReadTxnPartRequest, context: Any) -> peer_pb2.ReadTxnPartResponse:
         participants = validation.check_txn(request.txn, self.node.config.shards)

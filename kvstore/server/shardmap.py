@@ -21,8 +21,10 @@ def merge(local: cluster_pb2.ShardMapResponse, peers: Sequence[cluster_pb2.Shard
           placement: Sequence[Sequence[str]] = ()) -> cluster_pb2.ShardMapResponse:
     """`local`: this node's own view; `peers`: the local views of the nodes that answered;
     `assigned`: shard -> (node id, address) its leadership group chose; `placement`: shard ->
-    the nodes it is placed on, as this node computes it."""
-    out = cluster_pb2.ShardMapResponse(shard_count=local.shard_count, topic=local.topic, served_by=local.served_by)
+    its target in the placement log, as this node read it (with the log's epoch and controller,
+    which `local` carries)."""
+    out = cluster_pb2.ShardMapResponse(shard_count=local.shard_count, topic=local.topic, served_by=local.served_by,
+                                       placement_epoch=local.placement_epoch, controller=local.controller)
     views = [local, *peers]
     for view in views:
         out.nodes.extend(view.nodes[:1])  # each node describes itself first

@@ -4,7 +4,8 @@ two replicas each.
 Each node holds only the shards placed on it, on disk too; a SIGKILLed node's led shards fail
 over to their other replica and are re-replicated after the grace period; a sixth node joins
 and takes shards, and the givers drop theirs; `drain` empties a node and `move` places a
-shard. Throughout, the demo's workload checks that nothing acknowledged is lost, nothing applied
+shard, under a hostile record in the placement log and with the controller's node SIGKILLed
+mid-drain. Throughout, the demo's workload checks that nothing acknowledged is lost, nothing applied
 twice and replicas end equal, and single-key registers are checked for linearizability.
 """
 
@@ -20,7 +21,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from confluent_kafka import Consumer, Producer, TopicPartition
 
+import wal
+import wal.record
 from kvstore.client import Client, ShardMap
 from kvstore.core.sharding import shard_of
 from kvstore.dev import demo
@@ -93,14 +97,28 @@ class Placed:
             if {n.node_id for n in smap.nodes} != live:
                 return None
             for info in smap.shards:
-                copies = {(r.node_id, r.state) for r in info.replicas}
+                copies = {(r.node_id, r.state, r.in_group) for r in info.replicas}
                 if not info.leader_ready or len(info.placed_on) != min(RF, len(live)) or \
-                        copies != {(node, "replica") for node in info.placed_on}:
+                        copies != {(node, "replica", True) for node in info.placed_on}:
                     return None
             return smap
 
         return wait_until(placed, timeout_s, interval_s=0.5,
                           what="every shard led and held by exactly its placed nodes")
+
+
+def write_hostile_record(kafka: str, topic: str, payload: bytes) -> None:
+    """A record in the placement log that its readers accept (W3: it lands where its header says)
+    but that is no placement record: a producer outside the store, at the log's end."""
+    consumer = Consumer({"bootstrap.servers": kafka, "group.id": "hostile", "enable.auto.commit": False})
+    try:
+        _low, end = consumer.get_watermark_offsets(TopicPartition(topic, 0), timeout=10)
+    finally:
+        consumer.close()
+    value, headers = wal.record.encode(end, wal.WriterIdentity("intruder", 0), payload)
+    producer = Producer({"bootstrap.servers": kafka})
+    producer.produce(topic, value, partition=0, headers=headers)
+    assert producer.flush(10) == 0
 
 
 def held_on_disk(node: StoreProcess) -> set[int]:
@@ -230,13 +248,35 @@ def test_drain_empties_a_node_and_move_places_a_shard(placed: Placed) -> None:
     acks_grow(workload)
     drained = placed.node("n2")
     assert held_on_disk(drained)
+    # Issue 33: one hostile record, written by a producer outside the store where the log's readers
+    # accept it (the right expected offset), stopped placement on every node for good. Now every
+    # node skips and counts it, and placement goes on.
+    write_hostile_record(placed.kafka, f"{placed.name}.wal.placement", b"[" * 2400)
     cli = [sys.executable, "-m", "kvstore.cli", "--endpoints", ",".join(placed.endpoints), "-o", "json"]
-    done = subprocess.run([*cli, "drain", "n2", "--wait-timeout", "120"], cwd=REPO, capture_output=True, text=True,
-                          timeout=180, env={**os.environ, "PYTHONPATH": str(REPO)})
-    assert done.returncode == 0, done.stderr
-    records = [json.loads(line) for line in done.stdout.splitlines()]
-    assert records[0]["changes"] and records[-1]["done"] is True
-    assert len(records) >= 2  # the changes, then progress until done
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    with subprocess.Popen([*cli, "drain", "n2", "--wait-timeout", "150"], cwd=REPO, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True, env=env) as drain:
+        assert drain.stdout is not None
+        line = drain.stdout.readline()
+        assert line, drain.communicate(timeout=10)[1]
+        first = json.loads(line)  # the changes: recorded by the controller
+        assert first["changes"], first
+        # The controller's node is SIGKILLed mid-drain and comes back within the grace period: another
+        # node takes the office over from the log, and the drain completes.
+        with placed.client() as client:
+            controller = placed.node(client.shard_map().controller)
+            term = client.placement_log(1).controller_term
+        controller.stop(signal.SIGKILL)
+        controller.start(timeout_s=90)
+        out, err = drain.communicate(timeout=180)
+    assert drain.returncode == 0, err
+    records = [first, *(json.loads(line) for line in out.splitlines())]
+    assert records[-1]["done"] is True and len(records) >= 2  # the changes, then progress until done
+    with placed.client() as client:
+        log = client.placement_log(1000)
+    assert log.controller_term > term  # the office moved on
+    assert sum(log.skipped.values()) >= 1, log.skipped  # the hostile record, skipped
+    assert any(e.kind == "drain" and "n2" in e.summary for e in log.entries)
     smap = placed.wait_placed()
     assert not held_in_map(smap, "n2")
     wait_until(lambda: not held_on_disk(drained), 30, interval_s=0.5, what="n2's data removed")

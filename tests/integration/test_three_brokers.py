@@ -14,7 +14,7 @@ from tests.integration.helpers import payloads, replay_all, writer
 from tests.waiting import wait_until
 from wal import WalError
 from wal.broker import QUICK_JVM_FLAGS, LocalKafka
-from wal.topic import control_topic, ensure_side_topic, ensure_wal_topic
+from wal.topic import ensure_side_topic, ensure_wal_topic, placement_topic
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 
@@ -71,12 +71,13 @@ def test_appends_survive_killing_the_partition_leader(cluster: LocalKafka) -> No
 def test_a_topic_just_created_is_waited_for_not_taken_for_missing(cluster: LocalKafka) -> None:
     """Found by the robustness campaign (docs/robustness.md): a node that had just created the WAL
     topic exited at once, because the broker it asked next had not heard of the topic yet and the
-    control topic is created next to the WAL's. Now a topic just created is waited for (bounded)."""
+    placement log is created next to the WAL's. Now a topic just created is waited for (bounded)."""
     for i in range(6):
         topic = unique("wal-fresh")
         assert ensure_wal_topic(cluster.node_bootstrap(i % 3), topic, partitions=3)
         # Straight away, through another broker: its metadata may still lag the controller's.
-        assert ensure_side_topic(cluster.node_bootstrap((i + 1) % 3), topic, control_topic(topic), "control")
+        assert ensure_side_topic(cluster.node_bootstrap((i + 1) % 3), topic, placement_topic(topic), "placement",
+                                 compacted=False)
         assert not ensure_wal_topic(cluster.node_bootstrap((i + 2) % 3), topic, partitions=3)  # found, as made
 
 

@@ -28,6 +28,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from kvstore.client import PlacementChanged
 from tests.robustness.cluster import CLUSTER, SoakCluster
 
 log = logging.getLogger("soak.nemesis")
@@ -389,7 +390,11 @@ class Nemesis:
         to = candidates[(e.pick >> 8) % len(candidates)]
         done.targets = [f"shard {info.shard}", to]
         with self.cluster.client() as client:
-            changes = client.move_shard(info.shard, to)
+            try:  # conditional on the placement the move was computed from (P4)
+                changes = client.move_shard(info.shard, to, epoch=smap.placement_epoch or None)
+            except PlacementChanged as exc:
+                done.detail = f"refused, the placement changed meanwhile: {exc}"
+                return
         done.detail = "; ".join(f"shard {c.shard}: {','.join(c.before)} -> {','.join(c.after)}" for c in changes)
 
     # ---- episodes: the pipeline ------------------------------------------------------------

@@ -299,12 +299,13 @@ class FakeClient:
         self._record("fence", shard)
         return FenceResult(shard, 12, "n1")
 
-    def drain(self, node_id: str, *, undo: bool = False) -> list[PlacementChange]:
+    def drain(self, node_id: str, *, undo: bool = False, force: bool = False,
+              epoch: int | None = None) -> list[PlacementChange]:
         self._record("drain", node_id, undo=undo)
         return [] if undo else [PlacementChange(1, ("n2", "n1"), ("n3", "n1"))]
 
     def move_shard(self, shard: int, to_node: str = "", from_node: str = "", *,
-                   unpin: bool = False) -> list[PlacementChange]:
+                   unpin: bool = False, epoch: int | None = None) -> list[PlacementChange]:
         self._record("move_shard", shard, to_node, from_node, unpin=unpin)
         return [PlacementChange(shard, ("n1", "n2"), ("n1", to_node))]
 

@@ -100,7 +100,8 @@ def report(node: str, shards: dict[int, tuple[int, bool, bool]]) -> cluster_pb2.
     for shard, (state, claims, ready) in shards.items():
         out.shards.append(cluster_pb2.ShardInfo(
             shard=shard, leader_id=node if claims else "other", leader_ready=ready, term=7 if ready else 0,
-            replicas=[cluster_pb2.ReplicaInfo(node_id=node, address=f"{node}:1", state=state)]))
+            replicas=[cluster_pb2.ReplicaInfo(node_id=node, address=f"{node}:1", state=state,
+                                              in_group=state == cluster_pb2.REPLICA_STATE_REPLICA)]))
     return out
 
 

@@ -1,0 +1,232 @@
+"""The placement controller's decisions (kvstore.core.placement_controller) and the nodes' following
+(kvstore.core.placement_follower), driven together without Kafka: the scenarios of issue 33's
+review, each with P2 checked after every append (the simulation runs them under faults)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvstore.core import placement_follower
+from kvstore.core.placement_controller import (
+    CopyReport,
+    Drain,
+    Move,
+    NodeReport,
+    PlacementController,
+    RequestRefused,
+    shard_ranges,
+)
+from kvstore.core.placement_follower import Act, Local
+from kvstore.core.placement_log import CopyState, PlacementState, Settings
+from kvstore.internal.v1 import placement_pb2
+
+ROUND_MS = 500
+
+
+class Cluster:
+    """Nodes with their copies (`disk`), one controller, one log; every node up reports each round."""
+
+    def __init__(self, nodes: list[str], *, shards: int = 10, r: int = 2, grace_ms: int = 4000,
+                 learners: int = 2) -> None:
+        self.settings = Settings(shards, r, grace_ms, learners)
+        self.state = PlacementState()
+        self.now = 0
+        self.up = set(nodes)
+        self.listing_fails = False
+        self.disk: dict[str, dict[int, Local]] = {node: {} for node in nodes}
+        self.controller = PlacementController("c", "c:1", 1, self.settings, self.now)
+        self.deleted: list[tuple[str, int]] = []
+
+    def start(self, node: str) -> None:
+        """A node (re)starts: its copies on disk are reopened, not caught up yet."""
+        self.up.add(node)
+        self.disk[node] = {shard: Local(True, False, False, found_at_start=True) for shard in self.disk.get(node, {})}
+
+    def round(self) -> list[placement_pb2.PlacementRecord]:
+        self.now += ROUND_MS
+        if not self.listing_fails:
+            self.controller.members_listed(sorted(self.up), self.now)
+        for node in sorted(self.up):
+            copies = {s: CopyReport(local.in_group, local.caught_up) for s, local in self.disk[node].items()}
+            self.controller.report(NodeReport(node, "", copies, self.now))
+        records = self.controller.plan(self.state, self.now)
+        self.append(records)
+        self.follow()
+        return records
+
+    def append(self, records: list[placement_pb2.PlacementRecord]) -> None:
+        for record in records:
+            before = self.ready_copies()
+            assert self.state.apply(self.state.position, record.SerializeToString()) is None
+            if record.WhichOneof("kind") == "step" and record.step.kind in (
+                    placement_pb2.COPY_STEP_KIND_RETIRE, placement_pb2.COPY_STEP_KIND_DROP):
+                shard = record.step.shard
+                needed = min(self.settings.replication_factor, len(self.state.candidates))
+                left = before[shard] - {record.step.node_id}
+                assert len(left) >= needed, f"P2: {record} leaves {sorted(left)} ready (needed {needed})"
+
+    def ready_copies(self) -> dict[int, set[str]]:
+        """Really caught up and in the group (the nodes' own state, not their reports)."""
+        ready: dict[int, set[str]] = {s: set() for s in range(self.settings.shard_count)}
+        for node in self.up:
+            for shard, local in self.disk[node].items():
+                if local.caught_up and local.in_group:
+                    ready[shard].add(node)
+        return ready
+
+    def follow(self) -> None:
+        for node in sorted(self.up):
+            for shard, act in placement_follower.acts(self.state, node, self.disk[node]):
+                local = self.disk[node].get(shard)
+                if act is Act.OPEN:
+                    self.disk[node][shard] = Local(True, False, False)
+                elif act is Act.JOIN:
+                    assert local is not None
+                    self.disk[node][shard] = Local(True, True, True)
+                elif act is Act.LEAVE:
+                    assert local is not None
+                    self.disk[node][shard] = Local(True, False, local.caught_up)
+                else:
+                    assert self.state.copy_state(shard, node) is None and (shard, node) in self.state.dropped
+                    del self.disk[node][shard]
+                    self.deleted.append((node, shard))
+            for shard, local in list(self.disk[node].items()):  # a copy catches up within a round
+                if not local.caught_up:
+                    self.disk[node][shard] = Local(True, local.in_group, True)
+
+    def settle(self, rounds: int = 60) -> None:
+        quiet = 0
+        for _ in range(rounds):
+            quiet = 0 if self.round() else quiet + 1
+            if quiet >= 3:
+                return
+        raise AssertionError("placement did not settle")
+
+    def assert_settled(self) -> None:
+        for shard, target in enumerate(self.state.targets()):
+            assert dict(self.state.copies_of(shard)) == dict.fromkeys(target, CopyState.REPLICA), shard
+            for node in target:
+                assert self.disk[node][shard].in_group
+
+
+def test_a_new_cluster_waits_for_its_members_then_opens_only_the_copies_placed() -> None:
+    cluster = Cluster(["a", "b", "c", "d", "e"])
+    first = cluster.round()
+    assert first == []  # the listing must stay the same for STARTUP_QUIET_MS first
+    cluster.settle()
+    cluster.assert_settled()
+    assert sum(len(copies) for copies in cluster.disk.values()) == 10 * 2  # never a copy more than placed
+    assert cluster.deleted == []
+    assert [e.kind for e in list(cluster.state.recent)[:7]] == ["settings", "controller_started", *["node_joined"] * 5]
+
+
+def test_a_node_late_at_cold_start_takes_its_share_and_no_copy_goes_before_its_replacement() -> None:
+    cluster = Cluster(["a", "b", "c", "d", "e"])
+    cluster.up.discard("c")
+    cluster.settle()
+    cluster.assert_settled()
+    cluster.start("c")
+    cluster.settle()
+    cluster.assert_settled()
+    assert any(node == "c" for copies in cluster.state.copies.values() for node in copies)
+
+
+def test_a_restarted_node_keeps_its_copies_and_moves_nothing_within_the_grace_period() -> None:
+    cluster = Cluster(["a", "b", "c"])
+    cluster.settle()
+    held = {s for s, copies in cluster.state.copies.items() if "b" in copies}
+    epoch = cluster.state.epoch
+    cluster.up.discard("b")
+    for _ in range(4):  # 2 s away, grace 4 s
+        cluster.round()
+    cluster.start("b")  # reopened from disk: REPLICA in the log, not caught up yet
+    cluster.settle()
+    assert cluster.state.epoch == epoch and {s for s, c in cluster.state.copies.items() if "b" in c} == held
+    assert cluster.deleted == []
+
+
+def test_a_node_away_past_the_grace_period_is_gone_and_its_shards_re_replicated() -> None:
+    cluster = Cluster(["a", "b", "c"])
+    cluster.settle()
+    cluster.up.discard("b")
+    for _ in range(10):  # 5 s, grace 4 s
+        cluster.round()
+    cluster.settle()
+    assert "b" not in cluster.state.nodes
+    cluster.assert_settled()
+
+
+def test_a_controller_that_cannot_list_the_members_declares_nobody_dead() -> None:
+    cluster = Cluster(["a", "b", "c"])
+    cluster.settle()
+    cluster.listing_fails = True
+    cluster.up.discard("b")
+    for _ in range(30):  # 15 s, grace 4 s: a stale view must not count as "not listed"
+        cluster.round()
+    assert "b" in cluster.state.nodes
+
+
+def test_learners_per_node_are_bounded() -> None:
+    cluster = Cluster(["a"], shards=8, r=1, learners=2)
+    for _ in range(5):
+        cluster.round()
+        learners = sum(1 for copies in cluster.state.copies.values() if copies.get("a") is CopyState.LEARNER)
+        assert learners <= 2
+
+
+def test_a_drain_below_r_is_refused_naming_the_shards_unless_forced() -> None:
+    cluster = Cluster(["a", "b", "c"], shards=4, r=3)
+    cluster.settle()
+    with pytest.raises(RequestRefused, match=r"leaves 2 node\(s\) able to hold copies .* shards 0-3 would keep"):
+        cluster.controller.request(cluster.state, Drain("a", cluster.state.epoch), cluster.now)
+    cluster.append(cluster.controller.request(cluster.state, Drain("a", cluster.state.epoch, force=True), cluster.now))
+    assert "a" in cluster.state.forced_drains
+    cluster.settle()
+    assert not any("a" in copies for copies in cluster.state.copies.values())
+
+
+def test_a_drain_while_another_node_is_away_counts_the_away_node_as_gone() -> None:
+    cluster = Cluster(["a", "b", "c", "d"], shards=4, r=3)
+    cluster.settle()
+    cluster.up.discard("d")
+    cluster.round()
+    with pytest.raises(RequestRefused, match="drained or away nodes do not count"):
+        cluster.controller.request(cluster.state, Drain("a", cluster.state.epoch), cluster.now)
+
+
+def test_a_request_computed_from_an_older_epoch_is_refused_not_merged() -> None:
+    cluster = Cluster(["a", "b", "c"])
+    cluster.settle()
+    old = cluster.state.epoch
+    cluster.append(cluster.controller.request(cluster.state, Drain("a", old), cluster.now))
+    for request in (Drain("b", old), Move(1, old, to="a")):
+        with pytest.raises(RequestRefused, match="placement changed") as refused:
+            cluster.controller.request(cluster.state, request, cluster.now)
+        assert refused.value.stale
+
+
+def test_a_move_pins_the_shard_and_completes() -> None:
+    cluster = Cluster(["a", "b", "c"])
+    cluster.settle()
+    target = cluster.state.targets()[3]
+    to = next(n for n in "abc" if n not in target)
+    cluster.append(cluster.controller.request(cluster.state, Move(3, cluster.state.epoch, to=to), cluster.now))
+    cluster.settle()
+    cluster.assert_settled()
+    assert to in cluster.state.targets()[3]
+    with pytest.raises(RequestRefused, match="already holds"):
+        cluster.controller.request(cluster.state, Move(3, cluster.state.epoch, to=to), cluster.now)
+
+
+def test_a_copy_the_log_does_not_mention_is_kept_until_the_log_drops_it() -> None:
+    cluster = Cluster(["a", "b", "c"])
+    cluster.settle()
+    spare = next(s for s, copies in cluster.state.copies.items() if "a" not in copies)
+    cluster.disk["a"][spare] = Local(True, False, True, found_at_start=True)  # left by an unfinished drop
+    assert placement_follower.acts(cluster.state, "a", cluster.disk["a"]) == []
+    cluster.settle()
+    assert (spare, "a") in cluster.state.dropped and spare not in cluster.disk["a"]
+
+
+def test_shard_ranges_reads_well() -> None:
+    assert shard_ranges([0, 1, 2, 3, 7, 9, 10]) == "0-3, 7, 9-10" and shard_ranges([]) == ""
