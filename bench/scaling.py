@@ -174,8 +174,9 @@ def placed(addresses: list[str], timeout_s: float) -> dict[str, list[int]]:
         with grpc.insecure_channel(addresses[0]) as channel, contextlib.suppress(grpc.RpcError):
             stub: Any = cluster_pb2_grpc.ClusterServiceStub(channel)  # type: ignore[no-untyped-call]
             smap = stub.ShardMap(cluster_pb2.ShardMapRequest(), timeout=5)
-            if len(smap.nodes) == len(addresses) and all(s.placed_on and {(r.node_id, r.state) for r in s.replicas} ==
-                   {(n, cluster_pb2.REPLICA_STATE_REPLICA) for n in s.placed_on} for s in smap.shards):
+            if len(smap.nodes) == len(addresses) and all(
+                    s.placed_on and {(r.node_id, r.state, r.in_group) for r in s.replicas} ==
+                    {(n, cluster_pb2.REPLICA_STATE_REPLICA, True) for n in s.placed_on} for s in smap.shards):
                 held: dict[str, list[int]] = collections.defaultdict(list)
                 for s in smap.shards:
                     for node in s.placed_on:

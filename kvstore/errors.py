@@ -85,6 +85,9 @@ class Reason(enum.StrEnum):
     # An operator's drain or move computed from an older placement epoch: nothing was recorded;
     # look at the placement again (ShardMap's placement_epoch) and retry.
     PLACEMENT_CHANGED = "PLACEMENT_CHANGED"
+    # A drain the placement controller refuses as it stands (it would leave a shard fewer than R
+    # nodes able to hold it; the message names the shards): nothing was recorded. --force overrides.
+    PLACEMENT_REFUSED = "PLACEMENT_REFUSED"
 
 
 # RetryInfo.retry_delay: how long a client should wait before the same request can succeed. Short:
@@ -265,6 +268,13 @@ class PlacementChangedError(StoreError):
     reason = Reason.PLACEMENT_CHANGED
 
 
+class PlacementRefusedError(StoreError):
+    """A well-formed drain that the placement's state forbids (P4: below R); nothing recorded."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+    reason = Reason.PLACEMENT_REFUSED
+
+
 class CompactedError(StoreError):
     """History asked for below a shard's log start: `kvstore wal truncate` deleted those records
     (etcd's ErrCompacted). Nothing was done. The newest snapshot holds the state as of its cut;
@@ -364,6 +374,8 @@ def from_status(code: grpc.StatusCode, details: str, trailing: Trailers | None) 
         return RequestExpiredError(details)
     if reason == Reason.PLACEMENT_CHANGED:
         return PlacementChangedError(details)
+    if reason == Reason.PLACEMENT_REFUSED:
+        return PlacementRefusedError(details)
     if reason in (Reason.INVALID_ARGUMENT, Reason.LIMIT_EXCEEDED):
         return InvalidRequestError(details, limit=info.get(INFO_LIMIT, ""))
     if info.get(INFO_OUTCOME) == OUTCOME_NONE:

@@ -223,6 +223,11 @@ class PlacementChanged(KvError):
     recorded. Look at the shard map again and retry."""
 
 
+class PlacementRefused(KvError):
+    """A drain refused as the placement stands (it would leave a shard fewer than R nodes; the
+    message names the shards): nothing was recorded. `force=True` overrides."""
+
+
 class Compacted(KvError):
     """A Watch asked for history below a shard's log start: the WAL was truncated there (etcd's
     ErrCompacted). Nothing was started; read the current state, then watch from `log_start`."""
@@ -326,6 +331,8 @@ def error_from_status(
         return RequestExpired(_expired_message(details, request_id), **kwargs)
     if reason == Reason.PLACEMENT_CHANGED:
         return PlacementChanged(message, **kwargs)
+    if reason == Reason.PLACEMENT_REFUSED:
+        return PlacementRefused(message, **kwargs)
     if write and not write_attempt_is_definite(metadata, rich):
         return UnknownOutcome(message, **kwargs)
     if code == grpc.StatusCode.INVALID_ARGUMENT:

@@ -38,11 +38,14 @@ import dataclasses
 from collections.abc import Iterable, Mapping, Sequence
 
 from kvstore.core import placement
-from kvstore.core.placement_log import CopyState, PlacementState, Settings, Step
+from kvstore.core.placement_log import CopyState, PlacementState, Settings, Step, node_id_problem, zone_problem
 from kvstore.internal.v1 import placement_pb2
 
 CAUGHT_UP_LAG = 1_000  # WAL records a copy may be behind its partition's end and still count as caught up
 REPORT_MAX_AGE_MS = 3_000  # an older report of a node tells nothing about its copies
+# A retire, a drop or a drain's floor rests only on reports this young (rounds are 0.2 s): a copy
+# reported ready a while ago may have died since, and the decision lands later still.
+READY_REPORT_MAX_AGE_MS = 1_000
 STARTUP_QUIET_MS = 1_000  # a new cluster's members unchanged this long (two listings) before the first placement
 MAX_RECORDS_PER_ROUND = 256
 DEFAULT_MAX_LEARNERS_PER_NODE = 2
@@ -98,11 +101,12 @@ Request = Drain | Move
 
 class RequestRefused(ValueError):
     """An operator's request that is not recorded; the message says why. `stale`: computed from
-    an older placement (retry with the new one)."""
+    an older placement (retry with the new one); `below_r`: a drain the floor forbids (--force)."""
 
-    def __init__(self, message: str, *, stale: bool = False) -> None:
+    def __init__(self, message: str, *, stale: bool = False, below_r: bool = False) -> None:
         super().__init__(message)
         self.stale = stale
+        self.below_r = below_r
 
 
 def shard_ranges(shards: Iterable[int]) -> str:
@@ -122,7 +126,10 @@ def shard_ranges(shards: Iterable[int]) -> str:
 
 class PlacementController:
     def __init__(self, me: str, address: str, term: int, settings: Settings, now_ms: int, *,
-                 mutations: frozenset[str] = frozenset()) -> None:
+                 mutations: frozenset[str] = frozenset(), previous: PlacementController | None = None) -> None:
+        """`previous`: this node's own machine of an earlier term (the office given up after a
+        failed append and taken again): what it observed stays true, so the grace periods and the
+        reports carry over instead of starting again (each new start would postpone every death)."""
         assert settings.problem() is None, settings.problem()
         assert mutations <= MUTATIONS, mutations - MUTATIONS
         self.me = me
@@ -136,6 +143,12 @@ class PlacementController:
         self._listed_since_ms = now_ms  # when the listing last changed
         self._last_seen_ms: dict[str, int] = {}
         self._reports: dict[str, NodeReport] = {}
+        if previous is not None and previous.me == me:
+            self.started_ms = previous.started_ms
+            self._listed, self._listing_ms = previous._listed, previous._listing_ms
+            self._listed_since_ms = previous._listed_since_ms
+            self._last_seen_ms = dict(previous._last_seen_ms)
+            self._reports = dict(previous._reports)
 
     # ---- events ----------------------------------------------------------------------------
 
@@ -154,9 +167,9 @@ class PlacementController:
 
     # ---- what it knows ---------------------------------------------------------------------
 
-    def fresh_report(self, node: str, now_ms: int) -> NodeReport | None:
+    def fresh_report(self, node: str, now_ms: int, max_age_ms: int = REPORT_MAX_AGE_MS) -> NodeReport | None:
         report = self._reports.get(node)
-        if report is None or now_ms - report.at_ms > REPORT_MAX_AGE_MS:
+        if report is None or now_ms - report.at_ms > max_age_ms:
             return None
         return report
 
@@ -177,7 +190,7 @@ class PlacementController:
             if DROP_BEFORE_CAUGHT_UP in self.mutations and held is not CopyState.RETIRING:
                 ready.add(node)
                 continue
-            report = self.fresh_report(node, now_ms)
+            report = self.fresh_report(node, now_ms, READY_REPORT_MAX_AGE_MS)
             copy_ = report.copies.get(shard) if report is not None else None
             if held is CopyState.REPLICA and copy_ is not None and copy_.caught_up and copy_.in_group:
                 ready.add(node)
@@ -196,12 +209,9 @@ class PlacementController:
         another round's that were not applied yet."""
         if state.settings is None:
             return self._first_records(now_ms)
-        started = state.controller
-        if started is None or (started.node_id, started.term) != (self.me, self.term):
-            return [placement_pb2.PlacementRecord(
-                reason="took over as controller", at_ms=now_ms,
-                controller_started=placement_pb2.ControllerStarted(node_id=self.me, address=self.address,
-                                                                    term=self.term))]
+        started = self._controller_started(state, now_ms)
+        if started:
+            return started
         members = self._member_records(state, now_ms)
         if members:
             return members
@@ -212,6 +222,16 @@ class PlacementController:
             if len(records) >= MAX_RECORDS_PER_ROUND:
                 break
         return records[:MAX_RECORDS_PER_ROUND]
+
+    def _controller_started(self, state: PlacementState, now_ms: int) -> list[placement_pb2.PlacementRecord]:
+        """ControllerStarted, unless the log names this controller in this term already: every
+        record after it, a plan's or an operator's request's, is this controller's (P1)."""
+        started = state.controller
+        if started is not None and (started.node_id, started.term) == (self.me, self.term):
+            return []
+        return [placement_pb2.PlacementRecord(
+            reason="took over as controller", at_ms=now_ms,
+            controller_started=placement_pb2.ControllerStarted(node_id=self.me, address=self.address, term=self.term))]
 
     def _first_records(self, now_ms: int) -> list[placement_pb2.PlacementRecord]:
         """A new cluster: once its listing stayed the same for a while and every member listed
@@ -230,6 +250,8 @@ class PlacementController:
                                                                     term=self.term))]
         for node, report in reports.items():
             assert report is not None
+            if node_id_problem(node) is not None or zone_problem(report.zone) is not None:
+                continue
             records.append(placement_pb2.PlacementRecord(
                 reason="a member of the new cluster", at_ms=now_ms,
                 node_joined=placement_pb2.NodeJoined(node_id=node, zone=report.zone)))
@@ -240,7 +262,9 @@ class PlacementController:
         records = []
         for node in sorted(self._listed):
             report = self.fresh_report(node, now_ms)
-            if report is not None and state.nodes.get(node) != report.zone:
+            if report is None or node_id_problem(node) is not None or zone_problem(report.zone) is not None:
+                continue  # a record the fold would skip is never written (it would be written again each round)
+            if state.nodes.get(node) != report.zone:
                 why = "joined the membership group" if node not in state.nodes else "its zone changed"
                 records.append(placement_pb2.PlacementRecord(
                     reason=why, at_ms=now_ms, node_joined=placement_pb2.NodeJoined(node_id=node, zone=report.zone)))
@@ -290,7 +314,12 @@ class PlacementController:
                     ready.discard(node)
                     add(node, Step.COPY_STEP_KIND_RETIRE,
                         f"no longer placed there; {len(ready)} ready copies remain (needed {needed})")
-            elif len(ready) >= needed and not (reported is not None and reported.in_group):
+            elif len(ready) < needed:
+                # Below the floor (a kept replica died or is rebuilding): a retired copy that is
+                # still caught up serves again until the target's copies are ready.
+                if reported is not None and reported.caught_up:
+                    add(node, Step.COPY_STEP_KIND_REJOIN, f"the shard has {len(ready)} ready copies, needs {needed}")
+            elif not (reported is not None and reported.in_group):
                 add(node, Step.COPY_STEP_KIND_DROP, f"retired; {len(ready)} ready copies remain (needed {needed})")
         for node in sorted(self._listed):  # copies the log does not list: left by an unfinished drop
             report = self.fresh_report(node, now_ms)
@@ -305,7 +334,8 @@ class PlacementController:
 
     def request(self, state: PlacementState, request: Request, now_ms: int) -> list[placement_pb2.PlacementRecord]:
         """The records that carry out an operator's request, or RequestRefused. No records: it
-        is done already (a drain of a drained node), nothing to append."""
+        is done already (a drain of a drained node), nothing to append. A controller new in
+        office whose ControllerStarted is not in the log yet records it first (as `plan` would)."""
         settings = state.settings
         if settings is None:
             raise RequestRefused("the cluster has no placement yet (its controller is starting): retry")
@@ -313,8 +343,10 @@ class PlacementController:
             raise RequestRefused(f"placement changed: it is at epoch {state.epoch}, the request was computed at "
                                  f"epoch {request.epoch}; look again and retry", stale=True)
         if isinstance(request, Drain):
-            return self._drain(state, request, now_ms)
-        return self._move(state, request, now_ms)
+            records = self._drain(state, request, now_ms)
+        else:
+            records = self._move(state, request, now_ms)
+        return [*self._controller_started(state, now_ms), *records] if records else []
 
     def _drain(self, state: PlacementState, request: Drain, now_ms: int) -> list[placement_pb2.PlacementRecord]:
         assert state.settings is not None
@@ -329,14 +361,16 @@ class PlacementController:
                                  f"{', '.join(sorted(state.nodes)) or 'none'})")
         if node in state.drained:
             return []
-        able = (state.candidates & self._listed) - {node}
+        # Nodes able to hold copies now: candidates that reported a moment ago (a node SIGKILLed a
+        # second ago may still be listed; a listing can be old when describing fails).
+        able = {n for n in state.candidates if self.fresh_report(n, now_ms, READY_REPORT_MAX_AGE_MS)} - {node}
         r = settings_r = state.settings.replication_factor
         if len(able) < r and DRAIN_BELOW_R not in self.mutations and not request.force:
             below = [shard for shard, target in enumerate(state.targets()) if node in target or len(target) < r]
             raise RequestRefused(
                 f"draining {node} leaves {len(able)} node(s) able to hold copies ({', '.join(sorted(able)) or 'none'}; "
                 f"drained or away nodes do not count) for R = {settings_r}: shards {shard_ranges(below)} would keep "
-                f"fewer than R replicas; add nodes first, or use --force")
+                f"fewer than R replicas; add nodes first, or use --force", below_r=True)
         return [placement_pb2.PlacementRecord(
             reason="an operator drained it" + (" (forced below R)" if len(able) < r else ""), at_ms=now_ms,
             drain=placement_pb2.DrainNode(node_id=node, forced=len(able) < r))]

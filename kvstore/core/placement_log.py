@@ -38,6 +38,7 @@ MAX_REPLICATION_FACTOR = 64
 MAX_LEARNERS_PER_NODE = 64
 MAX_GRACE_MS = 3_600_000
 MAX_REASON_CHARS = 500
+MAX_TERM = 2**62  # a controller's term; a record at or above it is hostile (term + 1 must still fit)
 RECENT_RECORDS = 1_000  # the decisions `kvstore placement log` can list
 
 
@@ -115,12 +116,31 @@ def node_id_problem(node: str) -> str | None:
     if len(node.encode()) > MAX_NODE_ID_BYTES:
         return f"a node id over {MAX_NODE_ID_BYTES} bytes"
     if not node.isprintable():
-        return f"a node id with unprintable characters: {node!r}"
+        return f"a node id with unprintable characters: {_show(node)}"
     return None
 
 
 class Skipped(Exception):
-    """A record no reader takes; the message says why (internal to `apply`)."""
+    """A record no reader takes (internal to `apply`): a fixed `category` (what `skipped` counts:
+    a hostile writer cannot grow the counters) and a bounded detail."""
+
+    def __init__(self, category: str, detail: str = "") -> None:
+        super().__init__(f"{category}: {detail}" if detail else category)
+        self.category = category
+
+
+def _show(text: str) -> str:
+    """A name from the log for a message: bounded, whatever a hostile writer put there."""
+    return repr(text[:40] + ("..." if len(text) > 40 else ""))
+
+
+def zone_problem(zone: str) -> str | None:
+    """Why `zone` cannot be a node's zone (None: it can): the fold's rule, and `--zone`'s."""
+    if len(zone.encode()) > MAX_ZONE_BYTES:
+        return f"a zone over {MAX_ZONE_BYTES} bytes"
+    if zone and not zone.isprintable():
+        return "a zone with unprintable characters"
+    return None
 
 
 class PlacementState:
@@ -150,17 +170,16 @@ class PlacementState:
         self.position = offset + 1
         try:
             if len(payload) > MAX_RECORD_BYTES:
-                raise Skipped(f"a record of {len(payload)} bytes, over MAX_RECORD_BYTES ({MAX_RECORD_BYTES})")
+                raise Skipped("too large", f"{len(payload)} bytes, over MAX_RECORD_BYTES ({MAX_RECORD_BYTES})")
             record = placement_pb2.PlacementRecord()
             try:
                 record.ParseFromString(payload)
             except Exception as exc:  # DecodeError, too deep a nesting, anything odd: protobuf decides
-                raise Skipped(f"undecodable: {type(exc).__name__}: {exc}") from None
+                raise Skipped("undecodable", f"{type(exc).__name__}: {str(exc)[:100]}") from None
             summary = self._take(record)
         except Skipped as why:
-            reason = str(why)
-            self.skipped[reason.split(":")[0]] += 1
-            return reason
+            self.skipped[why.category] += 1
+            return str(why)
         self.applied += 1
         self.recent.append(Entry(offset, self.epoch, record.WhichOneof("kind") or "", summary,
                                  record.reason[:MAX_REASON_CHARS], record.at_ms))
@@ -169,30 +188,36 @@ class PlacementState:
     def _take(self, record: placement_pb2.PlacementRecord) -> str:
         kind = record.WhichOneof("kind")
         if kind is None:
-            raise Skipped("a record of no known kind")
+            raise Skipped("no known kind")
         if kind == "settings":
             return self._settings(record.settings)
         if self.settings is None:
-            raise Skipped(f"a {kind} record before the settings")
+            raise Skipped("before the settings", f"a {kind} record")
         if kind == "controller_started":
             started = record.controller_started
             _check_node(started.node_id)
-            self.controller = Controller(started.node_id, started.address[:MAX_NODE_ID_BYTES], started.term)
-            return f"controller {started.node_id} (term {started.term}) at {started.address}"
+            if started.term >= MAX_TERM or (self.controller is not None and started.term <= self.controller.term):
+                raise Skipped("invalid controller", f"term {started.term} after term "
+                                                    f"{self.controller.term if self.controller else 0}")
+            address = started.address[:MAX_NODE_ID_BYTES]
+            self.controller = Controller(started.node_id, address, started.term)
+            return f"controller {started.node_id} (term {started.term}) at {address}"
         if kind == "node_joined":
             node, zone = record.node_joined.node_id, record.node_joined.zone
             _check_node(node)
-            if len(zone.encode()) > MAX_ZONE_BYTES or not zone.isprintable():
-                raise Skipped(f"a zone over {MAX_ZONE_BYTES} bytes or unprintable")
+            problem = zone_problem(zone)
+            if problem is not None:
+                raise Skipped("invalid zone", problem)
             if node not in self.nodes and len(self.nodes) >= MAX_NODES:
-                raise Skipped(f"more than MAX_NODES ({MAX_NODES}) members")
+                raise Skipped("too many nodes", f"more than MAX_NODES ({MAX_NODES}) members")
             self.nodes[node] = zone
             self._changed()
             return f"{node} joined" + (f" (zone {zone})" if zone else "")
         if kind == "node_gone":
             node = record.node_gone.node_id
+            _check_node(node)
             if self.nodes.pop(node, None) is None:
-                raise Skipped(f"node {node!r} gone but not a member")
+                raise Skipped("not a member", f"node {_show(node)} gone")
             self._changed()
             return f"{node} gone"
         if kind == "drain":
@@ -203,7 +228,7 @@ class PlacementState:
                 self.forced_drains.discard(drain.node_id)
             else:
                 if drain.node_id not in self.drained and len(self.drained) >= MAX_NODES:
-                    raise Skipped(f"more than MAX_NODES ({MAX_NODES}) drained")
+                    raise Skipped("too many nodes", f"more than MAX_NODES ({MAX_NODES}) drained")
                 self.drained.add(drain.node_id)
                 if drain.forced:
                     self.forced_drains.add(drain.node_id)
@@ -218,10 +243,10 @@ class PlacementState:
         settings = Settings(proto.shard_count, proto.replication_factor, proto.grace_ms, proto.max_learners_per_node)
         problem = settings.problem()
         if problem is not None:
-            raise Skipped(f"settings: {problem}")
+            raise Skipped("invalid settings", problem)
         if self.settings is not None and self.settings.shard_count != settings.shard_count:
-            raise Skipped(f"settings: the shard count is fixed ({self.settings.shard_count}, "
-                          f"not {settings.shard_count})")
+            raise Skipped("invalid settings", f"the shard count is fixed ({self.settings.shard_count}, "
+                                              f"not {settings.shard_count})")
         self.settings = settings
         self._changed()
         return (f"settings: {settings.shard_count} shards, R = {settings.replication_factor}, "
@@ -230,10 +255,10 @@ class PlacementState:
     def _pin(self, pin: placement_pb2.PinShard) -> str:
         assert self.settings is not None
         if pin.shard >= self.settings.shard_count:
-            raise Skipped(f"a pin of shard {pin.shard}, which does not exist")
+            raise Skipped("invalid pin", f"shard {pin.shard} does not exist")
         nodes = tuple(pin.nodes)
         if len(nodes) > placement.MAX_PINNED or len(set(nodes)) != len(nodes):
-            raise Skipped(f"a pin of shard {pin.shard} to more than {placement.MAX_PINNED} nodes or to one twice")
+            raise Skipped("invalid pin", f"shard {pin.shard} to more than {placement.MAX_PINNED} nodes or to one twice")
         for node in nodes:
             _check_node(node)
         if nodes:
@@ -246,19 +271,19 @@ class PlacementState:
     def _step(self, step: placement_pb2.CopyStep) -> str:
         assert self.settings is not None
         if step.shard >= self.settings.shard_count:
-            raise Skipped(f"a step of shard {step.shard}, which does not exist")
+            raise Skipped("invalid step", f"shard {step.shard} does not exist")
         _check_node(step.node_id)
         rule = _STEPS.get(step.kind)
         if rule is None:
-            raise Skipped(f"a step of unknown kind {step.kind}")
+            raise Skipped("invalid step", f"unknown kind {step.kind}")
         sources, result = rule
         now = self.copies.get(step.shard, {}).get(step.node_id)
         name = STEP_NAMES[step.kind]
         if now not in sources:
-            raise Skipped(f"an invalid step: {name} of shard {step.shard} on {step.node_id}, "
-                          f"a {now.value if now else 'missing'} copy")
+            raise Skipped("invalid step", f"{name} of shard {step.shard} on {_show(step.node_id)}, "
+                                          f"a {now.value if now else 'missing'} copy")
         if result is CopyState.LEARNER and step.node_id not in self.nodes:
-            raise Skipped(f"an invalid step: {name} of shard {step.shard} on {step.node_id}, not a member")
+            raise Skipped("invalid step", f"{name} of shard {step.shard} on {_show(step.node_id)}, not a member")
         if result is None:
             self.copies.get(step.shard, {}).pop(step.node_id, None)
             self.dropped.add((step.shard, step.node_id))
@@ -275,8 +300,9 @@ class PlacementState:
 
     @property
     def candidates(self) -> frozenset[str]:
-        """The members that may be given copies: not drained."""
-        return frozenset(self.nodes) - self.drained
+        """The members that may be given copies: not drained (every member if all are: the rule,
+        `placement.place`, never places a shard nowhere while a member lives)."""
+        return frozenset(self.nodes) - self.drained or frozenset(self.nodes)
 
     def targets(self) -> tuple[tuple[str, ...], ...]:
         """Every shard's target replicas (the rule over the log's members, drains, pins, zones)."""
@@ -302,7 +328,7 @@ class PlacementState:
 def _check_node(node: str) -> None:
     problem = node_id_problem(node)
     if problem is not None:
-        raise Skipped(problem)
+        raise Skipped("invalid node id", problem)
 
 
 def step(shard: int, node: str, kind: placement_pb2.CopyStepKind, reason: str,

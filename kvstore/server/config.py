@@ -186,6 +186,14 @@ class NodeConfig(BaseSettings):
             raise ValueError("must be non-empty and contain no dot")
         return value
 
+    @field_validator("zone")
+    @classmethod
+    def _zone(cls, value: str) -> str:
+        problem = placement_log.zone_problem(value)
+        if problem is not None:  # the placement log's own rule: a zone it would skip is refused here
+            raise ValueError(f"--zone: {problem}")
+        return value
+
     @field_validator("node_id")
     @classmethod
     def _node_id(cls, value: str) -> str:

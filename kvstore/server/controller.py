@@ -44,13 +44,26 @@ from wal.topic import placement_topic
 log = logging.getLogger(__name__)
 
 READ_BACK_TIMEOUT_S = 10.0  # its own append read back, at most this long; else it starts over
+# A decision rests on reports of the last second (READY_REPORT_MAX_AGE_MS): its append must not
+# drag on. Each blocking call of the writer is bounded by this, retried this often at most.
+CALL_TIMEOUT_S = 3.0
+APPEND_RETRY_LIMIT = 2
+TRANSACTION_TIMEOUT_MS = 10_000
 RETRY_S = 0.5  # after a failed fence or append, before the office is taken again
+
+
+REQUEST_ATTEMPTS = 3  # an operator's request whose append definitely failed is tried again this often
+
+
+class NotRecordedError(errors.UnavailableError):
+    """The append definitely failed (W2: it missed its expected offset, or it was fenced or
+    aborted before its commit): nothing of it is in the log."""
 
 
 class ControllerShell:
     def __init__(self, *, node_id: str, address: str, settings: Settings, reader: PlacementLogReader,
                  bootstrap_servers: str, wal_topic: str, security: ClientSecurity | None, metrics: Metrics,
-                 call_timeout_s: float = 10.0) -> None:
+                 call_timeout_s: float = CALL_TIMEOUT_S) -> None:
         self.node_id = node_id
         self.address = address
         self.settings = settings
@@ -60,10 +73,13 @@ class ControllerShell:
             bootstrap_servers=bootstrap_servers, topic=placement_topic(wal_topic), partition=0,
             transactional_id=placement_transactional_id(wal_topic), writer=wal.WriterIdentity(node_id, 0),
             max_batch_records=MAX_RECORDS_PER_ROUND + 16, max_batch_bytes=4 * 1024 * 1024,
-            max_record_bytes=64 * 1024, call_timeout_s=call_timeout_s,
-            security=security or ClientSecurity())
+            max_record_bytes=64 * 1024, call_timeout_s=call_timeout_s, retry_limit=APPEND_RETRY_LIMIT,
+            # An append cut off by a crash holds the log's read_committed end until the broker
+            # aborts it: short, well inside a starting node's wait for the log's end.
+            transaction_timeout_ms=TRANSACTION_TIMEOUT_MS, security=security or ClientSecurity())
         self._writer: wal.ShardWriter | None = None
         self.machine: PlacementController | None = None
+        self._previous: PlacementController | None = None  # this node's machine of an earlier term
         self._lock = asyncio.Lock()  # one append at a time: rounds and operators' requests
         self._failed_at = 0.0
         self._owns = False  # the group gave this node the office, as of the last round
@@ -100,7 +116,13 @@ class ControllerShell:
                 machine.members_listed(listing, now_ms)
             for report in reports:
                 machine.report(report)
-            records = machine.plan(self.reader.state, now_ms)
+            try:
+                records = machine.plan(self.reader.state, now_ms)
+            except Exception:  # a bug, or a log no rule foresaw: give the office up, say so loudly
+                log.exception("placement controller: planning failed: giving the office up")
+                self._failed_at = time.monotonic()
+                await self._give_up()
+                return
             if records:
                 await self._append(records)
 
@@ -122,7 +144,8 @@ class ControllerShell:
         state = self.reader.state
         term = state.controller.term + 1 if state.controller is not None else 1
         writer.identity = wal.WriterIdentity(self.node_id, term)
-        self.machine = PlacementController(self.node_id, self.address, term, self.settings, _now_ms())
+        self.machine = PlacementController(self.node_id, self.address, term, self.settings, _now_ms(),
+                                           previous=self._previous)
         if self._last_listing is not None:  # this node's last listing: a new machine needs one before it decides
             self.machine.members_listed(*self._last_listing)
         self.metrics.controller_term.set(term)
@@ -130,6 +153,8 @@ class ControllerShell:
         return True
 
     async def _give_up(self) -> None:
+        if self.machine is not None:
+            self._previous = self.machine
         self.machine = None
         writer, self._writer = self._writer, None
         self.metrics.controller_term.set(0)
@@ -142,6 +167,9 @@ class ControllerShell:
         a fresh read, nothing assumed about the failed append)."""
         writer = self._writer
         assert writer is not None
+        records = self._takeable(records)
+        if not records:
+            return
         expected = writer.upcoming_offset
         wall_ms = int(time.time() * 1000)
         for record in records:
@@ -152,8 +180,11 @@ class ControllerShell:
             log.warning("placement controller: appending %d records failed (%s): starting over", len(records), exc)
             self._failed_at = time.monotonic()
             await self._give_up()
-            raise errors.UnknownOutcomeError(f"recording the placement decision failed: {exc}; it may or may not "
-                                          "have been recorded: look at `kvstore placement log`") from exc
+            if isinstance(exc, wal.UnknownOutcomeError):
+                raise errors.UnknownOutcomeError(f"recording the placement decision failed: {exc}; it may or may "
+                                                 "not have been recorded: look at `kvstore placement log`") from exc
+            # Anything else failed before the commit: the transaction was aborted or never sent.
+            raise NotRecordedError(f"recording the placement decision failed, nothing was recorded: {exc}") from exc
         for record in records:
             kind = record.WhichOneof("kind") or ""
             step = record.step.kind if kind == "step" else 0
@@ -162,11 +193,34 @@ class ControllerShell:
             log.warning("placement controller: its append was not read back in time: starting over")
             await self._give_up()
 
+    def _takeable(self, records: Sequence[placement_pb2.PlacementRecord]) -> list[placement_pb2.PlacementRecord]:
+        """`records` without those the log's readers would skip (a bug of the machine, or an
+        input no rule foresaw): never appended, so never appended again every round."""
+        state = preview(self.reader.state, [])
+        takeable = []
+        for record in records:
+            why = state.apply(state.position, record.SerializeToString())
+            if why is None:
+                takeable.append(record)
+            else:
+                log.error("placement controller: not appending a record the log's readers would skip (%s): %s",
+                          why, record)
+        return takeable
+
     # ---- operators -------------------------------------------------------------------------
 
     async def request(self, request: Request) -> tuple[list[tuple[int, tuple[str, ...], tuple[str, ...]]], int]:
         """Record an operator's request: (the target changes, the epoch after). Raises
         RequestRefused (the operator's mistake, or a stale epoch) or UnavailableError."""
+        for attempt in range(1, REQUEST_ATTEMPTS + 1):
+            try:
+                return await self._request(request)
+            except NotRecordedError:  # someone wrote at our offset (another controller, or not the store)
+                if attempt == REQUEST_ATTEMPTS:
+                    raise
+        raise AssertionError("unreachable")
+
+    async def _request(self, request: Request) -> tuple[list[tuple[int, tuple[str, ...], tuple[str, ...]]], int]:
         async with self._lock:
             if self.machine is None and self._owns:  # it gave the office up after a failed append: take it again
                 await self._take()

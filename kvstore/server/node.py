@@ -55,11 +55,13 @@ log = logging.getLogger(__name__)
 _CLOCK = process_clock()
 
 ENDS_REFRESH_S = 1.0
+ENDS_FRESH_S = 2.5  # a copy's lag counts for "caught up" only against an end read this recently
 RESIGN_TIMEOUT_S = 15.0  # a batch in flight gets this long to finish when a shard is handed over
 SHARD_DIR_PREFIX = "shard-"
 _REPLICA_STATES = {CopyState.LEARNER: cluster_pb2.REPLICA_STATE_LEARNER,
                    CopyState.REPLICA: cluster_pb2.REPLICA_STATE_REPLICA,
                    CopyState.RETIRING: cluster_pb2.REPLICA_STATE_RETIRING}
+COLD_START_REFRESH_S = 0.25  # the members are listed this often until the placement log has its settings
 PEER_TIMEOUT_S = 0.5  # a peer's report of itself: a node that does not answer within this is left out
 
 
@@ -99,7 +101,10 @@ class Node:
                                       on_change=self._stale_set)
         self.controller: ControllerShell | None = None
         self._found_at_start: set[int] = set()  # copies on disk when the node started
+        self._following: asyncio.Task[None] | None = None
+        self._misconfigured = False  # its settings disagree with the log's, recorded after it started
         self._unable: dict[int, str] = {}  # shard -> why its replica cannot lead now
+        self._ends_read_at: dict[int, float] = {}  # shard -> when its partition end was last read (monotonic)
         self._membership: GroupMember | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._stale = asyncio.Event()  # a rebalance happened: describe again at once
@@ -154,6 +159,8 @@ class Node:
         leadership over (batches in flight finish, the groups reassign at once), then leave the
         membership group and stop the replicas."""
         await self.txns.stop()
+        if self._following is not None:
+            self._tasks.append(self._following)
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -185,7 +192,10 @@ class Node:
             members = dict(self.view.members)
             described = bool(self.view.at_s)
             listing: list[str] | None = None  # the members, if the group was listed this round
-            if time.monotonic() - described_at >= cluster_view.MEMBERS_REFRESH_S:
+            # A new cluster's controller waits for the members to stay the same for a moment before
+            # its first placement: list them more often until the log has its settings.
+            every_s = cluster_view.MEMBERS_REFRESH_S if self.log.state.settings else COLD_START_REFRESH_S
+            if time.monotonic() - described_at >= every_s:
                 try:
                     found = await asyncio.to_thread(membership.describe, cluster_view.DESCRIBE_TIMEOUT_S)
                     members = {m.member_id: m.address for m in found}
@@ -207,11 +217,10 @@ class Node:
                 log.debug("placement controller: %s", exc)
             except Exception:  # a bug: say so loudly, keep the node up, try again next round
                 log.exception("the placement controller's round failed")
-            try:
-                if self.log.reached_end:
-                    await self._follow()
-            except Exception:  # a bug: say so loudly, keep the node up, try again next round
-                log.exception("following the placement log failed")
+            # Following runs on its own (a leave waits for a batch to finish, a drop removes a
+            # directory): the controller's rounds on this node must not wait for it.
+            if self.log.reached_end and (self._following is None or self._following.done()):
+                self._following = asyncio.create_task(self._follow_once(), name="placement-follow")
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._stale.wait(), cluster_view.REFRESH_S)
             self._stale.clear()
@@ -237,16 +246,32 @@ class Node:
     def _local(self) -> dict[int, Local]:
         """This node's copies as it has them now (the follower's input)."""
         local = {}
+        now = time.monotonic()
         for shard, replica in self.replicas.items():
             lag = max(0, replica.end_offset - replica.store.applied_offset)
+            # A lag against an end read long ago says nothing (a node just back from a pause):
+            # not caught up until the end was read again.
+            fresh = now - self._ends_read_at.get(shard, 0.0) <= ENDS_FRESH_S or replica.role is Role.LEADING
             local[shard] = Local(open=True, in_group=shard in self.leaderships,
-                                 caught_up=is_caught_up(replica.caught_up, lag, shard in self._unable),
+                                 caught_up=fresh and is_caught_up(replica.caught_up, lag, shard in self._unable),
                                  found_at_start=shard in self._found_at_start)
         return local
+
+    async def _follow_once(self) -> None:
+        try:
+            await self._follow()
+        except Exception:  # a bug: say so loudly, keep the node up, try again next round
+            log.exception("following the placement log failed")
 
     async def _follow(self) -> None:
         """Take every step the placement log asks of this node now."""
         state = self.log.state
+        problem = settings_problem(self.settings, state.settings) if state.settings is not None else None
+        if problem is not None:  # recorded after this node started (a cold start with another node first)
+            if not self._misconfigured:
+                log.error("placement: %s; this node follows no placement and is not serving", problem)
+            self._misconfigured = True
+            return
         for shard, act in placement_follower.acts(state, self.config.node_id, self._local()):
             said = state.copy_state(shard, self.config.node_id)
             log.info("shard %d: %s (the placement log has %s; targets %s)", shard, act.value,
@@ -275,6 +300,8 @@ class Node:
             except RequestRefused as exc:
                 if exc.stale:
                     raise errors.PlacementChangedError(str(exc)) from exc
+                if exc.below_r:
+                    raise errors.PlacementRefusedError(str(exc)) from exc
                 raise errors.InvalidRequestError(str(exc)) from exc
         known = self.log.state.controller
         if not forward:
@@ -324,6 +351,7 @@ class Node:
             await asyncio.to_thread(shutil.rmtree, path, True)
             self._unable.pop(shard, None)
             self.metrics.forget_shard(shard)
+            self._ends_read_at.pop(shard, None)
             log.info("shard %d: dropped its replica (%s removed)", shard, path)
 
     def _resolve_now(self, txn_ids: tuple[str, ...]) -> None:
@@ -382,6 +410,7 @@ class Node:
                     log.debug("shard %d: high watermark: %s", shard, exc)
                     continue
                 replica.end_offset = max(replica.end_offset, end)
+                self._ends_read_at[shard] = time.monotonic()
             await asyncio.sleep(ENDS_REFRESH_S)
 
     # ---- what the API asks ---------------------------------------------------------------------
@@ -412,7 +441,7 @@ class Node:
         if not self.config.lead:
             return bool(self.replicas) and all(r.caught_up for r in self.replicas.values())
         targets = self.log.state.targets()
-        if self._membership is None or not self._membership.joined or not targets:
+        if self._membership is None or not self._membership.joined or not targets or self._misconfigured:
             return False
         if not self._ready_once:
             me = self.config.node_id

@@ -55,14 +55,16 @@ class PlacementLogReader:
         self._security = security
         self._on_change = on_change
         self._replayer: wal.Replayer | None = None
+        self._position = 0  # everything below it is folded into `state`
         self._moved = asyncio.Event()
         self._io = threading.Lock()  # the replayer: closed only while no poll runs on it
 
     @property
     def position(self) -> int:
-        """The next offset not read yet (past commit markers too: comparable with a writer's
-        upcoming offset)."""
-        return self._replayer.position if self._replayer is not None else 0
+        """The next offset not folded yet (past commit markers too: comparable with a writer's
+        upcoming offset). Moved only once the records below it are in `state`: the replayer's own
+        position runs ahead while its thread hands records over."""
+        return self._position
 
     async def run(self) -> None:
         while True:
@@ -75,6 +77,7 @@ class PlacementLogReader:
                 start = await asyncio.to_thread(self._replayer.log_start)
                 log.warning("placement log %s: records below %d were deleted; reading from there", self.topic, start)
                 await asyncio.to_thread(self._replayer.seek, max(start, self._replayer.position))
+                self._position = max(self._position, start)
             except Exception as exc:  # a broker away: keep the last state, try again
                 log.debug("placement log %s: %s", self.topic, exc)
                 await asyncio.sleep(RETRY_S)
@@ -84,15 +87,16 @@ class PlacementLogReader:
             self._replayer = await asyncio.to_thread(lambda: wal.Replayer(
                 self._bootstrap, self.topic, 0, 0, security=self._security))
         replayer = self._replayer
-        records = await asyncio.to_thread(self._locked, replayer.poll_once, POLL_S)
+        records, position = await asyncio.to_thread(self._locked, self._poll_once, replayer)
         for record in records:
             why = self.state.apply(record.offset, record.payload)
             if why is not None:
                 log.warning("placement log %s: skipped the record at offset %d: %s", self.topic, record.offset, why)
+        self._position = max(self._position, position)
         changed = bool(records)
         if not self.reached_end:
             end = await asyncio.to_thread(self._locked, replayer.end_offset)
-            if replayer.position >= end:
+            if self._position >= end:
                 self.reached_end = changed = True
         self._moved.set()
         self._moved.clear()
@@ -119,6 +123,10 @@ class PlacementLogReader:
                                            "(are the brokers reachable?)")
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._moved.wait(), POLL_S * 2)
+
+    @staticmethod
+    def _poll_once(replayer: wal.Replayer) -> tuple[list[wal.AcceptedRecord], int]:
+        return replayer.poll_once(POLL_S), replayer.position
 
     def _locked(self, call: Callable[..., T], *args: object) -> T:
         with self._io:

@@ -301,3 +301,68 @@ def test_drain_empties_a_node_and_move_places_a_shard(placed: Placed) -> None:
     acks_grow(workload)
     time.sleep(0.5)
     verify(placed, workload, registers)
+
+
+def test_a_drain_below_r_is_refused_unless_forced_and_a_late_node_at_cold_start_drops_no_copy(
+        kafka: LocalKafka, tmp_path: Path) -> None:
+    """Issue 33's review, with real processes: a drain that would leave a shard fewer than R nodes
+    is refused naming the shards, and accepted with --force; then a cold start of the whole cluster
+    with one node late past the grace period: its shards are re-placed on the others, and no shard
+    that had a ready copy (caught up, in its group) is ever left without one meanwhile (the old
+    per-node placement deleted a copy because the new placement named two empty learners)."""
+    cluster = Placed(kafka.bootstrap_servers, tmp_path, 4)
+    try:
+        cluster.start()
+        with cluster.client() as client:
+            keys = [f"late/{i}".encode() for i in range(40)]
+            for key in keys:
+                client.put(key, key)
+        cli = [sys.executable, "-m", "kvstore.cli", "--endpoints", ",".join(cluster.endpoints)]
+        env = {**os.environ, "PYTHONPATH": str(REPO)}
+
+        def run(*args: str) -> subprocess.CompletedProcess[str]:
+            return subprocess.run([*cli, *args], cwd=REPO, capture_output=True, text=True, timeout=180, env=env)
+
+        assert run("drain", "n1", "--wait-timeout", "120").returncode == 0
+        assert run("drain", "n2", "--wait-timeout", "120").returncode == 0  # 2 left: R = 2 still holds
+        refused = run("drain", "n3")
+        assert refused.returncode == 1 and "fewer than R replicas" in refused.stderr, \
+            (refused.returncode, refused.stderr)
+        assert "shards 0-9" in refused.stderr and "--force" in refused.stderr, refused.stderr
+        forced = run("drain", "n3", "--force", "--wait-timeout", "120")
+        assert forced.returncode == 0, forced.stderr
+        for node in ("n1", "n2", "n3"):
+            assert run("drain", node, "--undo", "--no-wait").returncode == 0
+        cluster.wait_placed(timeout_s=120)
+
+        # A cold start with n4 late past the grace period.
+        for node in cluster.nodes:
+            node.stop()
+        late = cluster.node("n4")
+        early = [n for n in cluster.nodes if n is not late]
+        ready_once: set[int] = set()
+        violations: list[str] = []
+
+        def watch_ready(smap: ShardMap) -> None:
+            for info in smap.shards:
+                ready = {r.node_id for r in info.replicas if r.state == "replica" and r.in_group and r.caught_up}
+                if ready:
+                    ready_once.add(info.shard)
+                elif info.shard in ready_once:
+                    violations.append(f"shard {info.shard}: no ready copy ({info.replicas})")
+
+        for node in early:
+            node.start(timeout_s=90)
+        deadline = time.monotonic() + (GRACE_MS / 1000) * 2 + 5
+        while time.monotonic() < deadline:
+            with cluster.client() as client:
+                watch_ready(client.shard_map(timeout_s=10))
+            time.sleep(0.2)
+        late.start(timeout_s=90)
+        smap = cluster.wait_placed(timeout_s=120)
+        watch_ready(smap)
+        assert not violations, violations[:5]
+        with cluster.client() as client:
+            assert [client.get(key).value for key in keys] == keys
+    finally:
+        cluster.stop()

@@ -1271,13 +1271,15 @@ def test_move_progress_is_judged_from_the_copies_the_map_lists() -> None:
         return ShardMap(2, "wal", "a:1", (ShardInfo(1, "a:1", 1, 5, 5, 0, 0, "a", True, copies, ("a", "c")),))
 
     change = PlacementChange(1, ("a", "b"), ("a", "c"))
-    moving = progress(smap(ReplicaInfo("a", "a:1", "replica", 5, 0, True, True), ReplicaInfo("b", "b:1", "retiring", 5, 0),
+    moving = progress(smap(ReplicaInfo("a", "a:1", "replica", 5, 0, True, True),
+                           ReplicaInfo("b", "b:1", "retiring", 5, 0),
                            ReplicaInfo("c", "c:1", "learner", 2, 3)), [change])
     assert not moving.done and describe(moving.left[0]) == \
         "shard 1 -> a,c: c learning (lag 3); b still holds a copy"
     unstarted = progress(smap(ReplicaInfo("a", "a:1", "replica", 5, 0, True, True)), [change])
     assert describe(unstarted.left[0]) == "shard 1 -> a,c: c not started"
-    done = progress(smap(ReplicaInfo("a", "a:1", "replica", 5, 0, True, True), ReplicaInfo("c", "c:1", "replica", 5, 0, True, True),
+    done = progress(smap(ReplicaInfo("a", "a:1", "replica", 5, 0, True, True),
+                         ReplicaInfo("c", "c:1", "replica", 5, 0, True, True),
                          ReplicaInfo("f", "f:1", "follower", 5, 0)), [change])
     assert done.done and describe(done.moves[0]) == "shard 1 -> a,c: done"
     assert not progress(ShardMap(2, "wal", "a:1", ()), [change]).done  # a map without the shard: not done

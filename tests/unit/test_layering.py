@@ -17,7 +17,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 # What the pure core may import from the standard library: nothing that does I/O, reads a clock,
 # draws random numbers or schedules anything. Add a module here only if that stays true.
-CORE_STDLIB = {"__future__", "abc", "bisect", "collections", "copy", "dataclasses", "enum", "functools", "hashlib", "json",
+CORE_STDLIB = {"__future__", "abc", "bisect", "collections", "copy", "dataclasses", "enum", "functools", "hashlib",
+               "json",
                "heapq", "itertools", "math", "operator", "re", "struct", "typing", "zlib"}
 CORE_KVSTORE = ("kvstore.core", "kvstore.v1", "kvstore.internal.v1", "kvstore.errors", "kvstore.limits")
 # The log's pure rules the core shares instead of restating them (each checked pure below).

@@ -188,8 +188,11 @@ def test_a_drain_below_r_is_refused_naming_the_shards_unless_forced() -> None:
 def test_a_drain_while_another_node_is_away_counts_the_away_node_as_gone() -> None:
     cluster = Cluster(["a", "b", "c", "d"], shards=4, r=3)
     cluster.settle()
-    cluster.up.discard("d")
-    cluster.round()
+    cluster.up.discard("d")  # SIGKILLed: still listed until its session times out, but silent
+    cluster.controller.members_listed(["a", "b", "c", "d"], cluster.now)
+    for _ in range(3):
+        cluster.round()
+        cluster.controller.members_listed(["a", "b", "c", "d"], cluster.now)
     with pytest.raises(RequestRefused, match="drained or away nodes do not count"):
         cluster.controller.request(cluster.state, Drain("a", cluster.state.epoch), cluster.now)
 
@@ -228,5 +231,92 @@ def test_a_copy_the_log_does_not_mention_is_kept_until_the_log_drops_it() -> Non
     assert (spare, "a") in cluster.state.dropped and spare not in cluster.disk["a"]
 
 
+def test_a_request_right_after_taking_office_is_recorded_after_the_controllers_start() -> None:
+    """P1: every record after ControllerStarted(node, t) is that controller's. A controller new in
+    office (fenced, the log read) asked before its first plan records its ControllerStarted first,
+    or the request's record would be read as the previous controller's decision (the simulation
+    found it: a drain landed after ControllerStarted of term 1, written by term 19)."""
+    cluster = Cluster(["a", "b", "c"])
+    cluster.settle()
+    new = PlacementController("d", "d:1", 2, cluster.settings, cluster.now)
+    new.members_listed(sorted(cluster.up), cluster.now)
+    for node in sorted(cluster.up):
+        copies = {s: CopyReport(local.in_group, local.caught_up) for s, local in cluster.disk[node].items()}
+        new.report(NodeReport(node, "", copies, cluster.now))
+    records = new.request(cluster.state, Drain("a", cluster.state.epoch), cluster.now)
+    assert [r.WhichOneof("kind") for r in records] == ["controller_started", "drain"]
+    assert (records[0].controller_started.node_id, records[0].controller_started.term) == ("d", 2)
+    cluster.append(records)
+    assert cluster.state.controller is not None and cluster.state.controller.node_id == "d"
+    records = new.request(cluster.state, Drain("a", cluster.state.epoch, undo=True), cluster.now)
+    assert [r.WhichOneof("kind") for r in records] == ["drain"]  # the log names it now
+
+
 def test_shard_ranges_reads_well() -> None:
     assert shard_ranges([0, 1, 2, 3, 7, 9, 10]) == "0-3, 7, 9-10" and shard_ranges([]) == ""
+
+
+def test_a_retired_copy_serves_again_when_the_shard_falls_below_the_floor() -> None:
+    """Review finding: a move retired the giver, then a kept replica dropped out of the group (a
+    rebuild) and the new one died: the caught-up retired copy rejoins instead of idling."""
+    cluster = Cluster(["a", "b", "c"], shards=3, r=2)
+    cluster.settle()
+    shard = 0
+    target = cluster.state.targets()[shard]
+    to = next(n for n in "abc" if n not in target)
+    cluster.append(cluster.controller.request(cluster.state, Move(shard, cluster.state.epoch, to=to), cluster.now))
+    for _ in range(40):
+        cluster.round()
+        if CopyState.RETIRING in cluster.state.copies_of(shard).values():
+            break
+    retiring = next(n for n, c in cluster.state.copies_of(shard).items() if c is CopyState.RETIRING)
+    kept = [n for n, c in cluster.state.copies_of(shard).items() if c is CopyState.REPLICA]
+    for node in kept:  # both replicas drop out of the group (rebuilding)
+        cluster.disk[node][shard] = Local(True, False, False)
+    cluster.now += ROUND_MS
+    cluster.controller.members_listed(sorted(cluster.up), cluster.now)
+    for node in sorted(cluster.up):
+        copies = {s: CopyReport(local.in_group, local.caught_up and not (node in kept and s == shard))
+                  for s, local in cluster.disk[node].items()}
+        cluster.controller.report(NodeReport(node, "", copies, cluster.now))
+    records = cluster.controller.plan(cluster.state, cluster.now)
+    assert any(r.step.kind == placement_pb2.COPY_STEP_KIND_REJOIN and r.step.node_id == retiring for r in records)
+
+
+def test_draining_every_candidate_keeps_the_floor() -> None:
+    """Review finding: with every node drained (forced) the floor fell to zero while the rule
+    still placed the shards on the drained nodes."""
+    cluster = Cluster(["a", "b", "c"], shards=4, r=2)
+    cluster.settle()
+    for node in "abc":
+        cluster.append(cluster.controller.request(cluster.state, Drain(node, cluster.state.epoch, force=True),
+                                                  cluster.now))
+        cluster.settle()  # the P2 check of every append holds throughout
+    cluster.assert_settled()
+
+
+def test_a_zone_the_log_would_refuse_is_never_written() -> None:
+    """Review finding: a zone `--zone` accepted but the fold skips was appended again every round,
+    and the early return for member records starved every shard step."""
+    cluster = Cluster(["a", "b"], shards=2, r=2)
+    cluster.settle()
+    cluster.now += ROUND_MS
+    cluster.controller.members_listed(["a", "b", "c"], cluster.now)
+    cluster.controller.report(NodeReport("c", "rack\t1", {}, cluster.now))
+    for node in "ab":
+        copies = {s: CopyReport(local.in_group, local.caught_up) for s, local in cluster.disk[node].items()}
+        cluster.controller.report(NodeReport(node, "", copies, cluster.now))
+    assert all(r.WhichOneof("kind") != "node_joined" for r in cluster.controller.plan(cluster.state, cluster.now))
+
+
+def test_a_controller_taking_office_again_keeps_what_it_observed() -> None:
+    """Review finding: every re-take of the office restarted the grace periods."""
+    cluster = Cluster(["a", "b", "c"])
+    cluster.settle()
+    cluster.up.discard("b")
+    for _ in range(10):  # 5 s away, grace 4 s, the office taken again each round
+        cluster.controller = PlacementController("c", "c:1", cluster.controller.term + 1, cluster.settings,
+                                                 cluster.now, previous=cluster.controller)
+        cluster.round()
+    cluster.settle()
+    assert "b" not in cluster.state.nodes

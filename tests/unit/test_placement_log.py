@@ -59,21 +59,24 @@ def test_a_copy_moves_through_its_steps_and_the_epoch_counts_only_target_changes
     (b"\xff\xff\xff", "undecodable"),
     (b"[" * 2400, "undecodable"),  # the nesting that raised RecursionError out of the old reader
     (b"\x0a" + b"\x80" * 20, "undecodable"),
-    (b"", "a record of no known kind"),
-    (rec(step=placement_pb2.CopyStep(shard=99, node_id="a", kind=Step.COPY_STEP_KIND_ADD_LEARNER)), "a step of shard"),
-    (rec(step=placement_pb2.CopyStep(shard=0, node_id="zz", kind=Step.COPY_STEP_KIND_ADD_LEARNER)), "an invalid step"),
-    (rec(step=placement_pb2.CopyStep(shard=0, node_id="a", kind=Step.COPY_STEP_KIND_PROMOTE)), "an invalid step"),
-    (rec(step=placement_pb2.CopyStep(shard=0, node_id="a", kind=77)), "a step of unknown kind"),  # type: ignore[arg-type]
+    (b"", "no known kind"),
+    (rec(step=placement_pb2.CopyStep(shard=99, node_id="a", kind=Step.COPY_STEP_KIND_ADD_LEARNER)),
+     "invalid step: shard 99 does not exist"),
+    (rec(step=placement_pb2.CopyStep(shard=0, node_id="zz", kind=Step.COPY_STEP_KIND_ADD_LEARNER)), "not a member"),
+    (rec(step=placement_pb2.CopyStep(shard=0, node_id="a", kind=Step.COPY_STEP_KIND_PROMOTE)), "invalid step: promote"),
+    (rec(step=placement_pb2.CopyStep(shard=0, node_id="a", kind=77)), "invalid step: unknown kind"),  # type: ignore[arg-type]
     (rec(node_joined=placement_pb2.NodeJoined(node_id="")), "an empty node id"),
     (rec(node_joined=placement_pb2.NodeJoined(node_id="x" * 300)), "a node id over"),
     (rec(node_joined=placement_pb2.NodeJoined(node_id="a\x00b")), "unprintable"),
     (rec(node_gone=placement_pb2.NodeGone(node_id="nobody")), "not a member"),
-    (rec(pin=placement_pb2.PinShard(shard=4, nodes=["a"])), "a pin of shard 4"),
+    (rec(pin=placement_pb2.PinShard(shard=4, nodes=["a"])), "invalid pin: shard 4"),
     (rec(pin=placement_pb2.PinShard(shard=0, nodes=["a", "a"])), "to one twice"),
     (rec(settings=placement_pb2.PlacementSettings(shard_count=8, replication_factor=2, grace_ms=1,
-                                                  max_learners_per_node=1)), "settings: the shard count is fixed"),
-    (rec(settings=placement_pb2.PlacementSettings(shard_count=4)), "settings: replication factor"),
-    (b"\x00" * (MAX_RECORD_BYTES + 1), "a record of"),
+                                                  max_learners_per_node=1)),
+     "invalid settings: the shard count is fixed"),
+    (rec(settings=placement_pb2.PlacementSettings(shard_count=4)), "invalid settings: replication factor"),
+    (b"\x00" * (MAX_RECORD_BYTES + 1), "too large"),
+    (rec(controller_started=placement_pb2.ControllerStarted(node_id="a", term=2**64 - 1)), "invalid controller"),
 ])
 def test_a_record_no_reader_takes_is_skipped_counted_and_changes_nothing(payload: bytes, why: str) -> None:
     state = started("a", "b")
@@ -129,3 +132,19 @@ def test_zones_spread_each_shards_replicas() -> None:
         state.apply(offset, rec(node_joined=placement_pb2.NodeJoined(node_id=node, zone=zone)))
     for target in state.targets():
         assert len(target) == 2 and {state.nodes[n] for n in target} == {"east", "west"}, target
+
+
+def test_a_controller_term_only_grows_and_hostile_names_cannot_grow_the_counters() -> None:
+    state = started("a")
+    assert state.apply(state.position, rec(controller_started=placement_pb2.ControllerStarted(
+        node_id="a", address="a:1", term=3))) is None
+    for term in (3, 2):
+        started_again = placement_pb2.ControllerStarted(node_id="b", term=term)
+        why = state.apply(state.position, rec(controller_started=started_again))
+        assert why is not None and why.startswith("invalid controller")
+    assert state.controller is not None and state.controller.term == 3
+    for i in range(500):  # every record a new name: the counters stay a fixed set of categories
+        state.apply(state.position, rec(node_gone=placement_pb2.NodeGone(node_id=f"nobody-{i}" * 10)))
+        state.apply(state.position, step(i % 4, f"x{i}", Step.COPY_STEP_KIND_PROMOTE))
+    assert set(state.skipped) == {"invalid controller", "not a member", "invalid step"}
+    assert all(len(e.summary) < 400 for e in state.recent)
