@@ -84,21 +84,26 @@ def event_record(event: WatchEvent) -> dict[str, Any]:
 
 def shard_map_record(smap: ShardMap) -> dict[str, Any]:
     return {"shard_count": smap.shard_count, "topic": smap.topic, "served_by": smap.served_by,
+            "placement_epoch": smap.placement_epoch, "controller": smap.controller,
             "shards": [{"shard": s.shard, "leader": s.leader, "leader_id": s.leader_id, "leader_ready": s.leader_ready,
                         "term": s.term, "applied_offset": s.applied_offset, "end_offset": s.end_offset, "lag": s.lag,
                         "open_txn_age_ms": s.open_txn_age_ms, "placed_on": list(s.placed_on),
                         "replicas": [{"node_id": r.node_id, "address": r.address, "state": r.state,
-                                      "applied_offset": r.applied_offset, "lag": r.lag} for r in s.replicas]}
+                                      "applied_offset": r.applied_offset, "lag": r.lag, "caught_up": r.caught_up,
+                                      "in_group": r.in_group} for r in s.replicas]}
                        for s in smap.shards],
-            "nodes": [{"node_id": n.node_id, "address": n.address, "leads": list(n.leads), "can_lead": n.can_lead}
-                      for n in smap.nodes]}
+            "nodes": [{"node_id": n.node_id, "address": n.address, "leads": list(n.leads), "can_lead": n.can_lead,
+                       "zone": n.zone} for n in smap.nodes]}
 
 
 def _replicas(shard: ShardInfo) -> str:
-    """Each copy as node:state (lag), replicas first: "n1:replica n3:learner(lag 120)"."""
-    order = {"replica": 0, "follower": 1, "learner": 2, "retiring": 3}
-    copies = sorted(shard.replicas, key=lambda r: (order.get(r.state, 4), r.node_id))
-    return " ".join(f"{r.node_id}:{r.state}" + (f"(lag {r.lag})" if r.lag else "") for r in copies) or "-"
+    """Each copy as node:state (lag), replicas first: "n1:replica n3:learner(lag 120)"; a replica
+    that is not in its shard's group yet (catching up after a restart) is "replica-", a stray copy
+    (on a disk, not in the placement log) "stray"."""
+    order = {"replica": 0, "follower": 1, "learner": 2, "retiring": 3, "stray": 4}
+    copies = sorted(shard.replicas, key=lambda r: (order.get(r.state, 5), r.node_id))
+    return " ".join(f"{r.node_id}:{r.state}" + ("-" if r.state == "replica" and not r.in_group else "")
+                    + (f"(lag {r.lag})" if r.lag else "") for r in copies) or "-"
 
 
 class ResultPrinter(Printer):
@@ -179,17 +184,18 @@ class ResultPrinter(Printer):
         if self.json:
             self.record(shard_map_record(smap))
             return
-        self.line(f"topic: {smap.topic}  shards: {smap.shard_count}  served by: {smap.served_by}")
+        self.line(f"topic: {smap.topic}  shards: {smap.shard_count}  served by: {smap.served_by}  "
+                  f"placement epoch: {smap.placement_epoch}  controller: {smap.controller or '-'}")
         self.line(format_table(
-            ["SHARD", "LEADER", "NODE", "TERM", "APPLIED", "END", "LAG", "OPEN_TXN_MS", "REPLICAS"],
+            ["SHARD", "LEADER", "NODE", "TERM", "APPLIED", "END", "LAG", "OPEN_TXN_MS", "TARGET", "REPLICAS"],
             [[s.shard, s.leader or "-", _leader_node(s.leader_id, s.leader_ready), s.term, s.applied_offset,
-              s.end_offset, s.lag, s.open_txn_age_ms, _replicas(s)]
+              s.end_offset, s.lag, s.open_txn_age_ms, ",".join(s.placed_on) or "-", _replicas(s)]
              for s in smap.shards]))
         if smap.nodes:
             self.line("")
             self.line(format_table(
-                ["NODE", "ADDRESS", "LEADS", "ROLE"],
-                [[n.node_id, n.address, ",".join(map(str, n.leads)) or "-",
+                ["NODE", "ADDRESS", "ZONE", "LEADS", "ROLE"],
+                [[n.node_id, n.address, n.zone or "-", ",".join(map(str, n.leads)) or "-",
                   "leader-capable" if n.can_lead else "read replica"] for n in smap.nodes]))
 
     def transactions(self, txns: list[TransactionInfo]) -> None:

@@ -31,6 +31,8 @@ from kvstore.client import (
     NodeInfo,
     Op,
     PlacementChange,
+    PlacementLog,
+    PlacementLogEntry,
     PreparedTxn,
     PutResult,
     ReadHeader,
@@ -299,6 +301,12 @@ class FakeClient:
         self._record("fence", shard)
         return FenceResult(shard, 12, "n1")
 
+    def placement_log(self, limit: int = 50) -> PlacementLog:
+        self._record("placement_log", limit)
+        return PlacementLog((PlacementLogEntry(7, 3, "drain", "n2 drained", "an operator drained it", 0),
+                             PlacementLogEntry(8, 3, "step", "shard 1: add-learner on n3", "placed there by the rule",
+                                               1795000000000)), 3, "n1", 2, {"undecodable": 1})
+
     def drain(self, node_id: str, *, undo: bool = False, force: bool = False,
               epoch: int | None = None) -> list[PlacementChange]:
         self._record("drain", node_id, undo=undo)
@@ -527,21 +535,23 @@ def test_watch_needs_key_or_prefix(argv: list[str], fake: FakeClient, capsys: py
 def test_shards(fake: FakeClient, capsys: pytest.CaptureFixture[str]) -> None:
     rc, out, _ = run(["shards"], capsys)
     lines = out.splitlines()
-    assert rc == 0 and lines[0] == "topic: wal  shards: 2  served by: n1:1"
+    assert rc == 0 and lines[0] == "topic: wal  shards: 2  served by: n1:1  placement epoch: 0  controller: -"
     assert lines[1].split() == ["SHARD", "LEADER", "NODE", "TERM", "APPLIED", "END", "LAG", "OPEN_TXN_MS",
-                                "REPLICAS"]
-    assert lines[2].split() == ["0", "n1:1", "n1", "3", "10", "12", "2", "0", "n1:replica", "n2:learner(lag", "7)"]
-    assert lines[3].split() == ["1", "n2:1", "n2", "(taking", "over)", "0", "5", "5", "0", "0", "-"]
-    assert lines[5].split() == ["NODE", "ADDRESS", "LEADS", "ROLE"]  # no pid: the API carries none
-    assert lines[6].split() == ["n1", "n1:1", "0", "leader-capable"]
-    assert lines[7].split() == ["n2", "n2:1", "-", "read", "replica"]
+                                "TARGET", "REPLICAS"]
+    assert lines[2].split() == ["0", "n1:1", "n1", "3", "10", "12", "2", "0", "n1,n2", "n1:replica-", "n2:learner(lag",
+                                "7)"]
+    assert lines[3].split() == ["1", "n2:1", "n2", "(taking", "over)", "0", "5", "5", "0", "0", "-", "-"]
+    assert lines[5].split() == ["NODE", "ADDRESS", "ZONE", "LEADS", "ROLE"]  # no pid: the API carries none
+    assert lines[6].split() == ["n1", "n1:1", "-", "0", "leader-capable"]
+    assert lines[7].split() == ["n2", "n2:1", "-", "-", "read", "replica"]
     (record,) = json_lines(run(["shards", "-o", "json"], capsys)[1])
     assert record["shard_count"] == 2 and record["shards"][0]["leader"] == "n1:1"
     assert record["shards"][1]["leader_ready"] is False
     assert record["shards"][0]["replicas"][0] == {"node_id": "n2", "address": "n2:1", "state": "learner",
-                                                  "applied_offset": 5, "lag": 7}
+                                                  "applied_offset": 5, "lag": 7, "caught_up": False,
+                                                  "in_group": False}
     assert record["shards"][0]["placed_on"] == ["n1", "n2"]
-    assert record["nodes"][1] == {"node_id": "n2", "address": "n2:1", "leads": [], "can_lead": False}
+    assert record["nodes"][1] == {"node_id": "n2", "address": "n2:1", "leads": [], "can_lead": False, "zone": ""}
 
 
 @pytest.mark.parametrize(("text", "ms"), [("500ms", 500), ("30s", 30_000), ("2m", 120_000), ("1h", 3_600_000),
@@ -786,3 +796,16 @@ def test_options_are_never_abbreviated(fake: FakeClient, capsys: pytest.CaptureF
     rc, _, err = run(["get", "k", "--out", "json"], capsys)
     assert rc == 2 and "--out" in err
     assert cli.build_parser().parse_args(["changes", "--to", "dir"]).to == "dir"
+
+
+def test_placement_log(fake: FakeClient, capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, _ = run(["placement", "log", "--limit", "2"], capsys)
+    lines = out.splitlines()
+    assert rc == 0 and fake.calls[-1] == ("placement_log", (2,), {})
+    assert lines[0] == "placement epoch 3, controller n1 (term 2)"
+    assert lines[1] == "records skipped (hostile or broken): undecodable: 1"
+    assert lines[2].split() == ["OFFSET", "EPOCH", "AT", "DECISION", "REASON"]
+    assert lines[4].split()[:3] == ["8", "3", "2026-11-18"] and "add-learner on n3" in lines[4]
+    (record,) = json_lines(run(["placement", "log", "-o", "json"], capsys)[1])
+    assert record["epoch"] == 3 and record["skipped"] == {"undecodable": 1}
+    assert record["entries"][0]["summary"] == "n2 drained"
