@@ -115,6 +115,7 @@ def wal_grants(topic: str, group: str, store: str, pipeline: str) -> list[Grant]
         (store, placement_txn, ("WRITE", "DESCRIBE")),
         (store, readers, ("DESCRIBE",)),
         (pipeline, topic_, ("READ", "DESCRIBE")),
+        (pipeline, placement, ("READ", "DESCRIBE")),  # the audit folds the placement log
         (pipeline, registry, ("READ", "WRITE", "DESCRIBE", "CREATE")),
         (pipeline, readers, ("DESCRIBE",)),
     ]

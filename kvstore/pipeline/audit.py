@@ -31,6 +31,10 @@ What counts as an anomaly, and why a healthy cluster has none:
   that replica's checkpoint. Both sides run the same `ShardStore` code (`kvstore.pipeline.fold`),
   so a difference means a snapshot or a replica was altered or lost a write.
 
+- *The placement log* (`<wal topic>.placement`, docs/design.md §9) is read and folded with the
+  one apply every node uses (`kvstore.core.placement_log`): its epoch, controller, members and the
+  records it skipped are reported (`placement`). Skipped records are a note, not an anomaly: any
+  byte there may be hostile, and every node skipped them alike.
 Not anomalies, but said (`notes`): a snapshot that cannot be recomputed because the WAL was
 truncated above its base; a replica below the audit's start (the WAL before it is not folded) or
 above its cut; a node that did not answer.
@@ -54,10 +58,12 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
+from confluent_kafka import KafkaException
 from pyspark import StorageLevel
 from pyspark.sql import DataFrame, SparkSession, Window
 from pyspark.sql import functions as F
 
+import wal
 from kvstore.output import Printer, format_table
 from kvstore.pipeline import wal_source
 from kvstore.pipeline.commands import spark_for
@@ -686,9 +692,38 @@ def audit(spark: SparkSession, target: WalTarget, root: str, endpoints: Sequence
     prepared_at_start = ({s: {p.txn_id for p in snapshot.prepared(root, start.manifest.name, s)}
                           for s in range(target.shards)} if start.manifest is not None else {})
     report = build_report(target.shards, newest, start, cuts, folds, stats, nodes, notes, prepared_at_start)
+    report["placement"], placement_notes = placement_summary(target, timeout_s)
+    report["notes"] += placement_notes
     log.info("audit of %s: %s in %.1fs", target.topic, "ok" if report["ok"] else "ANOMALIES",
              time.monotonic() - started)
     return report
+
+
+def placement_summary(target: WalTarget, timeout_s: float) -> tuple[dict[str, Any] | None, list[str]]:
+    """The placement log folded as every node folds it: a summary, and notes (None and a note if
+    it cannot be read: a cluster of a release before the log, or no rights to read it)."""
+    from kvstore.core.placement_log import PlacementState
+    from wal.topic import placement_topic
+
+    topic = placement_topic(target.topic)
+    state = PlacementState()
+    try:
+        with wal.Replayer(target.bootstrap_servers, topic, 0, 0, security=target.security) as replayer:
+            for record in replayer.read_to_end(timeout_s):
+                state.apply(record.offset, record.payload)
+    except (wal.WalError, KafkaException) as exc:
+        return None, [f"placement log {topic} not read: {exc}"]
+    notes = []
+    if state.skipped:
+        notes.append(f"placement log {topic}: {sum(state.skipped.values())} records skipped by every reader "
+                     f"({', '.join(f'{why}: {n}' for why, n in sorted(state.skipped.items()))})")
+    copies = {str(shard): {node: held.value for node, held in sorted(held_by.items())}
+              for shard, held_by in sorted(state.copies.items()) if held_by}
+    return {"topic": topic, "records": state.applied, "epoch": state.epoch,
+            "controller": state.controller.node_id if state.controller else None,
+            "members": sorted(state.nodes), "drained": sorted(state.drained), "copies": copies,
+            "targets": {str(s): list(t) for s, t in enumerate(state.targets())},
+            "skipped": dict(state.skipped)}, notes
 
 
 def command(args: argparse.Namespace, target: WalTarget, printer: Printer) -> int:
@@ -746,6 +781,11 @@ def render(report: Mapping[str, Any]) -> str:
         lines.append(f"cross-shard transactions decided: {txns['decided']} ({txns['committed']} committed, "
                      f"{txns['aborted']} aborted, {txns['in_doubt']} in doubt at the cut, "
                      f"{txns.get('forgotten', 0)} forgotten by their coordinator)")
+    placement = report.get("placement")
+    if placement is not None:
+        lines.append(f"placement log: {placement['records']} records, epoch {placement['epoch']}, controller "
+                     f"{placement['controller'] or '-'}, members {', '.join(placement['members']) or '-'}"
+                     + (f", drained {', '.join(placement['drained'])}" if placement["drained"] else ""))
     lines += [f"note: {n}" for n in report["notes"]]
     lines += [f"ANOMALY: {a}" for a in report["anomalies"]]
     count = len(report["anomalies"])

@@ -96,6 +96,11 @@ def test_healthy_cluster_with_a_snapshot_passes(node: StoreProcess, kafka: Local
     code, report = audit_cli(capsys, node, kafka, root)
     assert code == 0 and report["ok"] is True, report["anomalies"]
     assert report["snapshot"] == name
+    # The placement log, folded by the same apply the nodes use: one member, every shard's copy on it.
+    placement = report["placement"]
+    assert placement["members"] == [node.node_id] and placement["controller"] == node.node_id
+    assert placement["skipped"] == {} and placement["epoch"] >= 2
+    assert placement["copies"] == {str(s): {node.node_id: "replica"} for s in range(SHARDS)}
     # The snapshot has no base: it is recomputed from the empty state at offset 0.
     assert report["start"] == {"from": None, "offsets": {str(s): 0 for s in range(SHARDS)}}
     for shard in shards_of(report):

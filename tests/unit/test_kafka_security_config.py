@@ -31,6 +31,8 @@ EXPECTED = {
     ("User:p", G, "wal-reader-", PRE, "DESCRIBE"),
     ("User:p", T, "c.wal", LIT, "DESCRIBE"),
     ("User:p", T, "c.wal", LIT, "READ"),
+    ("User:p", T, "c.wal.placement", LIT, "DESCRIBE"),
+    ("User:p", T, "c.wal.placement", LIT, "READ"),
     ("User:p", T, "c.wal.readers", LIT, "CREATE"),
     ("User:p", T, "c.wal.readers", LIT, "DESCRIBE"),
     ("User:p", T, "c.wal.readers", LIT, "READ"),
