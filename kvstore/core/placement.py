@@ -1,45 +1,31 @@
-"""Which nodes hold which shards (P1, P2; docs/design.md §9): pure, the same on every node.
+"""Which nodes a shard's replicas belong on (P1; docs/design.md §9): the rule, pure.
 
-**The rule (P1).** Shard s is placed on the R live candidates with the highest rendezvous weight
+**The rule.** Shard s is placed on the R candidates with the highest rendezvous weight
 `weight(s, node)` (highest random weight hashing, Thaler and Ravishankar 1998: a hash of the
 shard and the node's id, nothing else) among those not yet holding their share of replicas
-(`place`: bounded loads, so that every node holds about R·S/N shards). Every node that sees the
-same members computes the same placement, and a node joining or leaving moves little more than
-the replicas it takes or gives up (a join takes about R·S/N replicas, one from each shard it
-enters). `Overrides` are the operator's word on top (`kvstore drain`, `kvstore move`): a drained
-node is no candidate, a pinned node comes first in its shard's list. R is capped by the number
-of candidates.
+(`place`: bounded loads, so that every node holds about R·S/N shards), spread over zones. A node
+joining or leaving moves little more than the replicas it takes or gives up (a join takes about
+R·S/N replicas, one from each shard it enters). `Overrides` are the operator's word on top
+(`kvstore drain`, `kvstore move`): a drained node is no candidate, a pinned node comes first in
+its shard's list. R is capped by the number of candidates.
 
-**Live members, with a grace period.** A node that stops being listed (it crashed, it is
-restarting) still counts for `grace_ms` (30 s by default) after it was last seen, so a restart
-moves nothing; only a node gone for longer has its shards placed elsewhere (`Liveness`).
-
-**A node's own decisions (P2)**, per shard (`decide`, `ShardHold`): a shard placed here and not
-held is opened as a *learner*: it loads the newest usable snapshot, replays the tail, and only
-once caught up joins the shard's leadership group, where it counts as a replica and may be
-chosen to lead. A shard held here but no longer placed here is given up in two steps: first the
-node leaves the leadership group (still holding the data) once every placed replica is caught up
-(in the group), then, after `settle_ms` during which they stayed so, it drops the data. If any
-placed replica drops out of the group meanwhile, it joins again instead. So a planned move never
-leaves fewer caught-up replicas than the placement asks for; a learner that is no longer needed is
-dropped at once (nobody counted on it). Safety does not rest on any of this (P3): two nodes that
-both lead a shard are harmless (W2, W4).
+Who the members are, the drains and the pins come from the placement log
+(kvstore.core.placement_log), where one controller recorded them; every reader computes the same
+targets from them with this rule. What happens to the copies (learners, promotions, retirements,
+drops) is the controller's (kvstore.core.placement_controller) and the nodes' following
+(kvstore.core.placement_follower).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import enum
 import hashlib
-import json
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
 DEFAULT_REPLICATION_FACTOR = 3
 DEFAULT_GRACE_MS = 30_000
-# A replica that left the leadership group waits this long, seeing every placed replica caught up
-# throughout, before it drops its data: long enough for two refreshes of the cluster's view.
-DEFAULT_SETTLE_MS = 2_000
+MAX_PINNED = 64  # nodes a pin may list
 
 
 def weight(shard: int, node: str) -> int:
@@ -64,65 +50,6 @@ class Overrides:
 
 
 NO_OVERRIDES = Overrides()
-
-# How the overrides are kept in the WAL's control topic (wal.control): one entry per drained node
-# and per pinned shard, so that two operators changing different ones never overwrite each other.
-DRAIN_PREFIX = "placement/drain/"
-PIN_PREFIX = "placement/pin/"
-MAX_PINNED = 64  # nodes a pin may list
-
-
-def drain_entry(node: str, *, undo: bool = False) -> tuple[str, bytes | None]:
-    """The control entry that drains `node` (or, `undo`, stops draining it: a tombstone)."""
-    assert node, "a node id"
-    return f"{DRAIN_PREFIX}{node}", None if undo else b"1"
-
-
-def pin_entry(shard: int, nodes: Sequence[str] | None) -> tuple[str, bytes | None]:
-    """The control entry that pins `shard` to `nodes` (None: unpin, back to the rule)."""
-    assert shard >= 0, shard
-    if nodes is None:
-        return f"{PIN_PREFIX}{shard}", None
-    assert 0 < len(nodes) <= MAX_PINNED and all(nodes), nodes
-    return f"{PIN_PREFIX}{shard}", json.dumps(list(nodes)).encode()
-
-
-def overrides_from(entries: Mapping[str, bytes], shard_count: int) -> tuple[Overrides, list[str]]:
-    """The overrides the control entries say, and the keys of the entries that could not be used
-    (named so that an operator can fix them; any byte in the topic may be hostile). Entries that
-    are not about placement are not looked at."""
-    drained: set[str] = set()
-    pinned: dict[int, tuple[str, ...]] = {}
-    unusable: list[str] = []
-    for key, value in sorted(entries.items()):
-        if key.startswith(DRAIN_PREFIX):
-            node = key[len(DRAIN_PREFIX):]
-            if node and value == b"1":
-                drained.add(node)
-            else:
-                unusable.append(key)
-        elif key.startswith(PIN_PREFIX):
-            nodes = _pinned_nodes(key[len(PIN_PREFIX):], value, shard_count)
-            if nodes is None:
-                unusable.append(key)
-            else:
-                pinned[int(key[len(PIN_PREFIX):])] = nodes
-    return Overrides(frozenset(drained), pinned), unusable
-
-
-def _pinned_nodes(shard: str, value: bytes, shard_count: int) -> tuple[str, ...] | None:
-    if not shard.isdigit() or int(shard) >= shard_count:
-        return None
-    try:
-        nodes = json.loads(value)
-    except (ValueError, UnicodeDecodeError):
-        return None
-    if not isinstance(nodes, list) or not 0 < len(nodes) <= MAX_PINNED:
-        return None
-    if not all(isinstance(node, str) and node for node in nodes):
-        return None
-    return tuple(nodes)
-
 
 class MoveRefused(ValueError):
     """A move that cannot be done as asked; the message says why."""
@@ -252,110 +179,3 @@ def _spread(chosen: Sequence[str], giver: str, taker: str, zone_of: Callable[[st
 
 def shards_of(node: str, placement: Sequence[Sequence[str]]) -> frozenset[int]:
     return frozenset(shard for shard, replicas in enumerate(placement) if node in replicas)
-
-
-class Liveness:
-    """The members placement counts: those listed now, and those last listed less than
-    `grace_ms` ago (a restart moves nothing). Pure: time comes with each observation."""
-
-    def __init__(self, grace_ms: int = DEFAULT_GRACE_MS) -> None:
-        assert grace_ms >= 0, grace_ms
-        self.grace_ms = grace_ms
-        self._last_seen_ms: dict[str, int] = {}
-
-    def observe(self, listed: Iterable[str], now_ms: int) -> None:
-        """The members the group listed at `now_ms`."""
-        for node in listed:
-            self._last_seen_ms[node] = max(now_ms, self._last_seen_ms.get(node, now_ms))
-
-    def members(self, now_ms: int) -> frozenset[str]:
-        """Who counts at `now_ms`; forgets those gone for longer than the grace period."""
-        gone = [node for node, seen in self._last_seen_ms.items() if now_ms - seen > self.grace_ms]
-        for node in gone:
-            del self._last_seen_ms[node]
-        return frozenset(self._last_seen_ms)
-
-    def absent(self, listed: Iterable[str], now_ms: int) -> dict[str, int]:
-        """Members counted though not listed now -> how long until their grace ends (ms)."""
-        now_listed = set(listed)
-        return {node: max(0, seen + self.grace_ms - now_ms) for node, seen in sorted(self._last_seen_ms.items())
-                if node not in now_listed}
-
-
-class Hold(enum.Enum):
-    """What a node does with one shard it holds (absent: it holds nothing of it)."""
-
-    LEARNING = "learning"  # loading and replaying; not in the leadership group, counts for nothing
-    SERVING = "serving"  # caught up and in the leadership group: a replica, may lead
-    RETIRING = "retiring"  # no longer placed here: out of the group, data kept until it may drop
-
-
-@dataclasses.dataclass(frozen=True)
-class ShardHold:
-    hold: Hold
-    since_ms: int  # when it entered `hold`
-
-
-class Act(enum.Enum):
-    NOTHING = "nothing"
-    OPEN = "open"  # start a learner: load the newest snapshot, replay the tail
-    JOIN = "join"  # caught up (or needed again): join the shard's leadership group
-    LEAVE = "leave"  # no longer placed, every placed replica caught up: leave the group, keep the data
-    DROP = "drop"  # close the replica and remove its data
-
-
-@dataclasses.dataclass(frozen=True)
-class ShardFacts:
-    """What a node knows of one shard when it decides (`decide`)."""
-
-    placed_here: bool
-    placed: tuple[str, ...]  # every node it is placed on, this one included if placed_here
-    caught_up: bool  # this node's replica has reached the partition's end at least once
-    in_group: frozenset[str]  # the shard's leadership group as last described: its caught-up replicas
-    # This node has watched the members for a whole grace period: its view counts the nodes that
-    # are away but not gone, as every other node's does. Until then a shard not placed here may be
-    # placed here after all (on a node that is only restarting), so nothing is dropped.
-    view_settled: bool = True
-
-
-def decide(me: str, held: ShardHold | None, facts: ShardFacts, now_ms: int, *, settle_ms: int = DEFAULT_SETTLE_MS,
-           skip_caught_up: bool = False) -> Act:
-    """The one next step for one shard on node `me` (module docstring). `skip_caught_up` is a
-    mutation (tests only): a learner joins the group before it caught up, so that a giver may
-    drop its copy while fewer than R replicas can serve; the simulation must catch it."""
-    others_ready = sum(1 for node in facts.placed if node != me and node in facts.in_group)
-    others_placed = sum(1 for node in facts.placed if node != me)
-    all_others_ready = others_ready >= others_placed
-    if held is None:
-        return Act.OPEN if facts.placed_here else Act.NOTHING
-    if held.hold is Hold.LEARNING:
-        if not facts.placed_here:
-            return Act.DROP if facts.view_settled else Act.NOTHING  # nobody counted on a learner
-        return Act.JOIN if facts.caught_up or skip_caught_up else Act.NOTHING
-    if held.hold is Hold.SERVING:
-        if facts.placed_here or not all_others_ready or not facts.placed:
-            return Act.NOTHING
-        return Act.LEAVE
-    # RETIRING: out of the group, data kept
-    if facts.placed_here or not all_others_ready or not facts.placed:
-        return Act.JOIN
-    settled = facts.view_settled and now_ms - held.since_ms >= settle_ms
-    return Act.DROP if settled else Act.NOTHING
-
-
-def after(held: ShardHold | None, act: Act, now_ms: int) -> ShardHold | None:
-    """The hold once `act` was done (the node calls it after doing it)."""
-    if act is Act.NOTHING:
-        return held
-    if act is Act.OPEN:
-        assert held is None, held
-        return ShardHold(Hold.LEARNING, now_ms)
-    assert held is not None, f"{act} on a shard not held"
-    if act is Act.JOIN:
-        assert held.hold is not Hold.SERVING, held
-        return ShardHold(Hold.SERVING, now_ms)
-    if act is Act.LEAVE:
-        assert held.hold is Hold.SERVING, held
-        return ShardHold(Hold.RETIRING, now_ms)
-    assert act is Act.DROP and held.hold in (Hold.LEARNING, Hold.RETIRING), (act, held)
-    return None

@@ -1,28 +1,18 @@
-"""The placement rule and a node's per-shard decisions (kvstore.core.placement), without Kafka."""
+"""The placement rule (kvstore.core.placement), without Kafka. The controller's decisions and the
+nodes' following: tests/unit/test_placement_controller.py."""
 
 from __future__ import annotations
 
-import json
 import math
 import random
 
 import pytest
 
 from kvstore.core.placement import (
-    Act,
-    Hold,
-    Liveness,
     MoveRefused,
     Overrides,
-    ShardFacts,
-    ShardHold,
-    after,
     changes,
-    decide,
-    drain_entry,
     move,
-    overrides_from,
-    pin_entry,
     place,
     ranked,
     shards_of,
@@ -106,116 +96,6 @@ def test_drained_nodes_hold_nothing_and_pins_come_first() -> None:
     assert one(0, nodes, 2, Overrides(drained=frozenset({outsider}), pinned={0: (outsider,)})) == \
         one(0, [n for n in nodes if n != outsider], 2)
     assert one(0, nodes, 1, Overrides(pinned={0: ("n3", "n2")})) == ("n3",)
-
-
-def test_a_member_counts_until_its_grace_period_ends() -> None:
-    live = Liveness(grace_ms=30_000)
-    live.observe(["a", "b", "c"], 0)
-    live.observe(["a", "b"], 10_000)
-    assert live.members(10_000) == {"a", "b", "c"}
-    assert live.absent(["a", "b"], 10_000) == {"c": 20_000}
-    assert live.members(30_000) == {"a", "b", "c"}  # exactly the grace period: still counted
-    live.observe(["a", "b", "c"], 29_000)  # back in time: a restart moves nothing
-    assert live.members(59_000) == {"a", "b", "c"}
-    assert live.members(59_001) == set()
-    live.observe(["d"], 60_000)
-    live.observe(["d"], 50_000)  # an older listing does not move "last seen" back
-    assert live.members(90_000) == {"d"}
-
-
-PLACED = ("me", "b")
-ELSEWHERE = ("b", "c")
-
-
-def facts(placed: tuple[str, ...] = PLACED, *, caught_up: bool = False, in_group: tuple[str, ...] = (),
-          settled: bool = True) -> ShardFacts:
-    return ShardFacts(placed_here="me" in placed, placed=placed, caught_up=caught_up, in_group=frozenset(in_group),
-                      view_settled=settled)
-
-
-def held(hold: Hold, since_ms: int = 0) -> ShardHold:
-    return ShardHold(hold, since_ms)
-
-
-DECISIONS = [
-    # (why, hold, facts, now_ms, act)
-    ("placed here, not held: open a learner", None, facts(), 0, Act.OPEN),
-    ("not placed, not held: nothing", None, facts(ELSEWHERE), 0, Act.NOTHING),
-    ("a learner waits until caught up", held(Hold.LEARNING), facts(), 0, Act.NOTHING),
-    ("a caught-up learner joins the group", held(Hold.LEARNING), facts(caught_up=True), 0, Act.JOIN),
-    ("a learner no longer placed is dropped at once", held(Hold.LEARNING), facts(ELSEWHERE), 0, Act.DROP),
-    ("...but not before this node's view settled (a restart elsewhere may place it back)",
-     held(Hold.LEARNING), facts(ELSEWHERE, settled=False), 0, Act.NOTHING),
-    ("a placed replica keeps serving", held(Hold.SERVING), facts(caught_up=True, in_group=("me", "b")), 0,
-     Act.NOTHING),
-    ("not placed: it serves on until every placed replica is caught up", held(Hold.SERVING),
-     facts(ELSEWHERE, caught_up=True, in_group=("me", "b")), 0, Act.NOTHING),
-    ("...then leaves the group, keeping its data", held(Hold.SERVING),
-     facts(ELSEWHERE, caught_up=True, in_group=("me", "b", "c")), 0, Act.LEAVE),
-    ("a placement with nobody (no members) never retires the last copy", held(Hold.SERVING),
-     facts((), caught_up=True, in_group=("me",)), 0, Act.NOTHING),
-    ("retiring: it waits for the replicas to stay caught up", held(Hold.RETIRING, 1000),
-     facts(ELSEWHERE, caught_up=True, in_group=("b", "c")), 2999, Act.NOTHING),
-    ("...and drops once they did for the settle time", held(Hold.RETIRING, 1000),
-     facts(ELSEWHERE, caught_up=True, in_group=("b", "c")), 3000, Act.DROP),
-    ("...unless its view has not settled yet", held(Hold.RETIRING, 1000),
-     facts(ELSEWHERE, caught_up=True, in_group=("b", "c"), settled=False), 3000, Act.NOTHING),
-    ("a placed replica dropped out meanwhile: join again", held(Hold.RETIRING, 1000),
-     facts(ELSEWHERE, caught_up=True, in_group=("b",)), 3000, Act.JOIN),
-    ("placed here again: join again", held(Hold.RETIRING, 1000), facts(caught_up=True, in_group=("b",)), 3000,
-     Act.JOIN),
-]
-
-
-@pytest.mark.parametrize(("why", "hold", "shard", "now_ms", "act"), DECISIONS, ids=[d[0] for d in DECISIONS])
-def test_decide(why: str, hold: ShardHold | None, shard: ShardFacts, now_ms: int, act: Act) -> None:
-    assert decide("me", hold, shard, now_ms) is act, why
-
-
-def test_the_skip_caught_up_mutation_lets_a_learner_join_early() -> None:
-    assert decide("me", held(Hold.LEARNING), facts(), 0, skip_caught_up=True) is Act.JOIN
-
-
-def test_after_follows_the_act_and_refuses_impossible_steps() -> None:
-    hold = after(None, Act.OPEN, 5)
-    assert hold == ShardHold(Hold.LEARNING, 5)
-    assert after(hold, Act.NOTHING, 6) is hold
-    hold = after(hold, Act.JOIN, 7)
-    assert hold == ShardHold(Hold.SERVING, 7)
-    hold = after(hold, Act.LEAVE, 8)
-    assert hold == ShardHold(Hold.RETIRING, 8)
-    assert after(hold, Act.JOIN, 9) == ShardHold(Hold.SERVING, 9)
-    assert after(hold, Act.DROP, 9) is None
-    with pytest.raises(AssertionError):
-        after(ShardHold(Hold.SERVING, 0), Act.DROP, 1)  # a serving replica leaves the group first
-    with pytest.raises(AssertionError):
-        after(ShardHold(Hold.SERVING, 0), Act.OPEN, 1)
-    with pytest.raises(AssertionError):
-        after(None, Act.JOIN, 1)
-    with pytest.raises(AssertionError):
-        after(ShardHold(Hold.SERVING, 0), Act.JOIN, 1)
-    with pytest.raises(AssertionError):
-        after(ShardHold(Hold.LEARNING, 0), Act.LEAVE, 1)
-
-
-def test_overrides_round_trip_through_control_entries() -> None:
-    entries = dict([drain_entry("n1"), pin_entry(3, ["n2", "n0"]), ("other/setting", b"x")])
-    overrides, unusable = overrides_from(entries, 8)
-    assert overrides == Overrides(frozenset({"n1"}), {3: ("n2", "n0")}) and unusable == []
-    assert drain_entry("n1", undo=True) == ("placement/drain/n1", None)
-    assert pin_entry(3, None) == ("placement/pin/3", None)
-
-
-@pytest.mark.parametrize(("key", "value"), [
-    ("placement/drain/", b"1"), ("placement/drain/n1", b"yes"),
-    ("placement/pin/x", b'["n1"]'), ("placement/pin/9", b'["n1"]'), ("placement/pin/1", b"\xff"),
-    ("placement/pin/1", b"{}"), ("placement/pin/1", b"[]"), ("placement/pin/1", b'["n1", 3]'),
-    ("placement/pin/1", b'[""]'), ("placement/pin/1", json.dumps(["n"] * 65).encode()),
-])
-def test_hostile_control_entries_are_named_and_skipped(key: str, value: bytes) -> None:
-    overrides, unusable = overrides_from({key: value, **dict([drain_entry("n2")])}, 8)
-    assert unusable == [key]
-    assert overrides == Overrides(frozenset({"n2"}), {})
 
 
 def test_move_replaces_one_replica_and_refuses_what_cannot_be() -> None:
