@@ -5,6 +5,9 @@ The real pure cores (`wal.guard`, `wal.record`, `kvstore.core.role`, `kvstore.co
 models of everything around them: a Kafka broker with transactions (`kafka`), a consumer group
 (`group`), a network (`network`), nodes that crash and pause (`node`, `replica`, `writer`),
 clients with request ids (`client`), faults (`faults`), all on one seeded scheduler
-(`scheduler`). `checker` and `linearizability` judge each run; `harness` ties a run together.
+(`scheduler`). With placement, the placement controller's machine (`kvstore.core.placement_controller`)
+runs in the elected node's shell (`controller`), every node follows the placement log
+(`following`, around `kvstore.core.placement_follower`), and operators drain and move (`operator`).
+`checker`, `placement_checker` and `linearizability` judge each run; `harness` ties a run together.
 See README, "Deterministic simulation".
 """

@@ -288,7 +288,8 @@ class Client(Sequential):
         assert op is not None
         op.outcome = outcome
         if outcome is Outcome.OK:
-            assert answer is not None and not isinstance(answer, errors.StoreError)
+            assert isinstance(answer, (kv_pb2.PutResponse, kv_pb2.DeleteResponse, kv_pb2.TxnResponse,
+                                       kv_pb2.GetResponse)), answer
             op.complete = self.world.sched.steps
             op.output, op.revision = _output(op, answer)
         elif outcome is Outcome.FAILED:

@@ -32,6 +32,11 @@ Why these faults: each is one the protocol claims to survive (docs/design.md §4
   longer than the request-id horizon, while the others go on: a cross-shard transaction's
   participant comes back after its coordinator forgot the decision's request ids (T3 must not
   depend on them);
+* **placement** (runs with placement only): an **operator**'s drain (sometimes forced, sometimes
+  undone) or move, computed from the placement one node shows, sometimes at a stale epoch
+  (`tests.sim.operator`); the **controller's node paused** (past its session, so another takes
+  office and it wakes up a zombie) or **crashed**, often in the middle of a move; a node whose
+  **listings of the members keep failing** for a while (a controller there sees no one come or go);
 * **fast clock at start-up**: a node restarts with its wall clock ahead by more than the skew
   bound (the clock guard has no earlier reading to hold it to): its prepares look old to others
   and its request-id horizon judges every retry expired. Ahead only: a clock behind by more than
@@ -45,14 +50,38 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
+from typing import cast
 
 from kvstore.core.evaluate import evaluate_put
+from kvstore.internal.v1 import placement_pb2 as pb
 from kvstore.v1 import kv_pb2
 from tests.sim.checker import FOREIGN_WRITER
 from tests.sim.network import CALM, Conditions
 from tests.sim.node import Node
+from tests.sim.operator import Operator
 from tests.sim.world import World
 from wal import record
+
+
+def _hostile_placement_payloads() -> tuple[bytes, ...]:
+    """Placement records no reader may take: they do not decode, or break a rule of the apply."""
+    return (
+        b"\x0a\xff\xff\xff\xff\x0f garbage",  # a length past the end
+        b"\x0b" * 3_000,  # groups nested past the parser's recursion limit
+        b"\x00" * (70 * 1024),  # over the record bound
+        pb.PlacementRecord(reason="no kind").SerializeToString(),
+        pb.PlacementRecord(step=pb.CopyStep(shard=1_000_000, node_id="n0", kind=pb.COPY_STEP_KIND_DROP))
+        .SerializeToString(),
+        pb.PlacementRecord(step=pb.CopyStep(shard=0, node_id="n0", kind=cast(pb.CopyStepKind, 99)))
+        .SerializeToString(),
+        pb.PlacementRecord(node_gone=pb.NodeGone(node_id="nobody")).SerializeToString(),
+        pb.PlacementRecord(node_joined=pb.NodeJoined(node_id="")).SerializeToString(),
+        pb.PlacementRecord(pin=pb.PinShard(shard=0, nodes=["n0", "n0"])).SerializeToString(),
+        pb.PlacementRecord(settings=pb.PlacementSettings(shard_count=0, replication_factor=2)).SerializeToString(),
+    )
+
+
+HOSTILE_PLACEMENT_PAYLOADS = _hostile_placement_payloads()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,15 +101,23 @@ class FaultPlan:
     broker_crash: int = 1
     truncate: int = 2
     outage: int = 1
+    # Placement's, in runs with placement only (weight 0 otherwise, so the others' draws stay as they were).
+    operator: int = 3
+    controller_pause: int = 1
+    controller_crash: int = 1
+    listing_failure: int = 1
     disk_loss: float = 0.15  # share of crashes that also lose the disk
     fast_clock_start: float = 0.2  # share of restarts with the wall clock ahead past the skew bound
 
 
 class FaultInjector:
-    def __init__(self, world: World, nodes: Sequence[Node], plan: FaultPlan) -> None:
+    def __init__(self, world: World, nodes: Sequence[Node], plan: FaultPlan, operator: Operator | None = None) -> None:
         self.world = world
         self.nodes = list(nodes)
         self.plan = plan
+        self.operator = operator
+        if operator is not None:
+            operator.on_accepted = self._mid_move
         self.active = False
         self._network_token = 0
         self._refusal_token = 0
@@ -99,6 +136,7 @@ class FaultInjector:
         self.world.net.cut_off.clear()
         self.world.net.brokers_down = False
         self.world.broker.refuse_rate = 0.0
+        self.world.listing_fails.clear()
         for node in self.nodes:
             if node.paused:
                 self._resume(node)
@@ -114,9 +152,13 @@ class FaultInjector:
             return
         p = self.plan
         kinds = ("crash", "pause", "freeze", "storm", "late_end_txn", "foreign_write", "refusals", "cut_off",
-                 "clock_jump", "broker_crash", "truncate", "outage")
+                 "clock_jump", "broker_crash", "truncate", "outage", "operator", "controller_pause", "controller_crash",
+                 "listing_failure", "foreign_placement_record")
+        placing = self.world.replication_factor is not None
         weights = (p.crash, p.pause, p.freeze, p.storm, p.late_end_txn, p.foreign_write, p.refusals, p.cut_off,
-                   p.clock_jump, p.broker_crash, p.truncate, p.outage)
+                   p.clock_jump, p.broker_crash, p.truncate, p.outage,
+                   *((p.operator, p.controller_pause, p.controller_crash, p.listing_failure, p.foreign_write)
+                     if placing else (0, 0, 0, 0, 0)))
         kind = self.world.sched.rng.choices(kinds, weights)[0]
         getattr(self, f"_{kind}")()
         self._schedule()
@@ -279,6 +321,81 @@ class FaultInjector:
         if node.alive and node.paused:
             self.world.trace.log(f"FAULT resume {node.name}")
             self.world.sched.resume(node)
+
+    # ---- placement ---------------------------------------------------------------------------------------
+
+    def _operator(self) -> None:
+        if self.operator is not None:
+            self.operator.act()
+
+    def _mid_move(self) -> None:
+        """An operator's drain or move was just recorded: sometimes the controller's node is paused
+        or killed a moment later, in the middle of the move."""
+        sched = self.world.sched
+        if not self.active or not sched.chance(0.4):
+            return
+        then = self._controller_pause if sched.chance(0.5) else self._controller_crash
+        self.world.audit.counters["fault_controller_mid_move"] += 1
+        sched.at(sched.between(20, 600), lambda: then() if self.active else None)
+
+    def _controller(self) -> Node | None:
+        """The node in the controller's office now (running, or still taking office)."""
+        holders = [n for n in self.nodes if n.alive and not n.paused and n.controller.tenure is not None]
+        return holders[0] if holders else None
+
+    def _controller_pause(self) -> None:
+        """The controller's node stops past its session (often mid-move): another takes office;
+        it wakes up believing it still decides, until its next append is refused as fenced."""
+        node = self._controller()
+        if node is None:
+            return
+        sched, session = self.world.sched, self.world.timing.session_timeout_ms
+        duration = sched.between(session, 4 * session)
+        self.world.audit.counters["fault_controller_pause"] += 1
+        self.world.trace.log(f"FAULT pause the controller {node.name} for {duration}ms")
+        sched.pause(node)
+        sched.at(duration, self._resumer(node))
+
+    def _controller_crash(self) -> None:
+        node = self._controller()
+        if node is None:
+            return
+        self.world.audit.counters["fault_controller_crash"] += 1
+        self.world.trace.log(f"FAULT crash the controller {node.name}")
+        node.crash()
+        self.world.sched.at(self.world.sched.between(100, 3_000), lambda: self._restart(node))
+
+    def _listing_failure(self) -> None:
+        """One node's listings of the membership group fail for a while (mostly the controller's)."""
+        sched = self.world.sched
+        controller = self._controller()
+        node = controller if controller is not None and sched.chance(0.7) else sched.rng.choice(self.nodes)
+        grace = self.world.timing.placement_grace_ms
+        until = sched.now + sched.between(grace, 5 * grace)
+        self.world.listing_fails[node.name] = until
+        self.world.audit.counters["fault_listing_failure"] += 1
+        self.world.trace.log(f"FAULT listings of the members fail on {node.name} for {until - sched.now}ms")
+
+    def _foreign_placement_record(self) -> None:
+        """A record from outside the store in the placement log, at the end a naive writer reads:
+        garbage, or a hostile one in a well-formed envelope that every reader must skip (P1: any
+        byte of the log may be hostile)."""
+        world = self.world
+        partition = world.placement_partition
+        _, guess = world.broker.ends(partition)
+        payload = world.sched.rng.choice(HOSTILE_PLACEMENT_PAYLOADS)
+        world.audit.counters["fault_foreign_placement_record"] += 1
+        if world.sched.chance(0.2):
+            value, headers = b"\xff not a WAL record", cast(record.Headers, [])
+        else:
+            value, headers = record.encode(guess, record.WriterIdentity(FOREIGN_WRITER, 0), payload)
+
+        def land() -> None:
+            if self.active:
+                offset = world.broker.produce_foreign(partition, value, headers)
+                world.trace.log(f"FAULT foreign record in the placement log at {offset} (expects {guess})")
+
+        world.net.send(land, None)
 
     # ---- network and broker faults ----------------------------------------------------------------------
 

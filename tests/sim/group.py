@@ -15,9 +15,10 @@ make harmless. The model keeps exactly those properties:
   (its replica stopped leading) or after `revoke_timeout_ms` (the owner is presumed stuck);
 * members learn everything from heartbeat answers, which travel over the simulated network;
 * per-shard leadership groups (kvstore.server.leadership) are modelled as one group in which each
-  member says which shards' groups it is in (`eligible`: its caught-up replicas,
-  kvstore.core.placement): a shard is only ever given to a member eligible for it, and a member
-  that leaves a shard's group has the shard revoked as in a rebalance.
+  member says which shards' groups it is in (`eligible`: the replicas the placement log lets it
+  join with, caught up: kvstore.core.placement_follower): a shard is only ever given to a member
+  eligible for it, and a member that leaves a shard's group has the shard revoked as in a
+  rebalance. The controller's role is a group of its own with one partition (the same model).
 """
 
 from __future__ import annotations
@@ -47,8 +48,6 @@ class GroupAnswer:
     known: bool
     assigned: frozenset[int]
     owners: tuple[str | None, ...]  # the group's view of who leads each shard (leader hints)
-    members: tuple[str, ...] = ()  # every member: the membership group's listing
-    in_group: tuple[frozenset[str], ...] = ()  # per shard, the members in its leadership group
 
 
 @dataclasses.dataclass
@@ -89,9 +88,7 @@ class GroupCoordinator:
         return self._answer(True, self.assigned(name))
 
     def _answer(self, known: bool, assigned: frozenset[int]) -> GroupAnswer:
-        members = tuple(sorted(self.members))
-        in_group = tuple(frozenset(n for n in members if self.members[n].may_lead(s)) for s in range(len(self.owner)))
-        return GroupAnswer(known, assigned, tuple(self.owner), members, in_group)
+        return GroupAnswer(known, assigned, tuple(self.owner))
 
     def assigned(self, name: str) -> frozenset[int]:
         return frozenset(s for s, owner in enumerate(self.owner) if owner == name and s not in self.moving)

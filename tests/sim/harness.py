@@ -20,18 +20,22 @@ import random
 import time
 import traceback
 
-from kvstore.core import placement
-from kvstore.core.placement import Hold
+from kvstore.core import placement_follower
+from kvstore.core.placement_controller import DRAIN_BELOW_R, DROP_BEFORE_CAUGHT_UP, MERGE_STALE_REQUEST
+from kvstore.core.placement_log import CopyState
 from kvstore.core.replica import Mutation
 from kvstore.core.txn_driver import TxnMutation
 from tests.sim.bank import BankClient, BankOp, accounts
 from tests.sim.checker import check_run
 from tests.sim.client import Client, Operation
+from tests.sim.controller import UNFENCED_CONTROLLER
 from tests.sim.faults import FaultInjector, FaultPlan
 from tests.sim.group import GroupCoordinator
 from tests.sim.kafka import Broker, KafkaVariant
 from tests.sim.network import Network
 from tests.sim.node import Node
+from tests.sim.operator import Operator
+from tests.sim.placement_checker import PlacementOracle, check_placement
 from tests.sim.scheduler import START_UNIX_MS, Scheduler
 from tests.sim.world import Audit, Timing, Trace, World, spread_keys
 
@@ -54,7 +58,10 @@ class SimConfig:
     timing: Timing = dataclasses.field(default_factory=Timing)
     mutations: frozenset[Mutation] = frozenset()  # the replica machine's broken variants
     replication_factor: int | None = None  # placement: each shard on this many nodes (None: on every node)
-    skip_caught_up: bool = False  # the placement mutation: a learner joins its shard's group at once
+    skip_caught_up: bool = False  # the placement mutation: a node judges a copy caught up once it is open
+    placement_mutations: frozenset[str] = frozenset()  # PLACEMENT_MUTATIONS
+    late_start_ms: int = 0  # with placement: one node starts this much later than the others (cold start)
+    zones: int = 0  # with placement: nodes spread over this many zones (0: none)
     bank_clients: int = 1  # transfers and sums over accounts in every shard (cross-shard Txns)
     bank_accounts: int = 4
     txn_mutations: frozenset[TxnMutation] = frozenset()  # the transaction protocol's broken variants
@@ -68,6 +75,7 @@ class SimConfig:
         parts += sorted(m.value for m in self.mutations)
         parts += sorted(m.value for m in self.txn_mutations)
         parts += [SKIP_CAUGHT_UP] if self.skip_caught_up else []
+        parts += sorted(self.placement_mutations)
         parts += [f"rf{self.replication_factor}"] if self.replication_factor is not None else []
         return ",".join(parts) or "correct"
 
@@ -79,16 +87,27 @@ class SimConfig:
 W2_SKIPPED = "skip-w2-check"
 FENCING_SKIPPED = "skip-fencing"
 NO_KIP890 = "no-kip890"
-SKIP_CAUGHT_UP = "skip-caught-up"  # placement: a learner joins its shard's leadership group before it caught up
+SKIP_CAUGHT_UP = "skip-caught-up"  # placement: a node judges a copy caught up once it is open ("joined once")
+# Placement's (docs/design.md §8): the controller machine's and the follower's own
+# (kvstore.core.placement_controller.MUTATIONS, placement_follower.DROP_REOPENED_COPY), and the
+# controller shell's (tests.sim.controller.UNFENCED_CONTROLLER).
+PLACEMENT_MUTATIONS = (DROP_BEFORE_CAUGHT_UP, placement_follower.DROP_REOPENED_COPY, DRAIN_BELOW_R,
+                       UNFENCED_CONTROLLER, MERGE_STALE_REQUEST)
 # The log's and the replica machine's mutations run without the bank's transactions, as they were
 # written: the bank's traffic and the resolvers' rounds take steps from the hazards they are about
-# (no-kip890 went uncaught in its 16 seeds with them).
-_LOG_ONLY: dict[str, object] = {"bank_clients": 0}
+# (no-kip890 went uncaught in its 16 seeds with them). And without placement, for the same reason:
+# a placed cluster serves nothing until its first placement (a quiet membership, every member's
+# report, the learners caught up), and its controller's traffic takes steps too (skip-fencing went
+# from seed 0 to seed 7 with the placement log). Placement's own mutations run without the bank.
+_LOG_ONLY: dict[str, object] = {"bank_clients": 0, "replication_factor": None}
+_PLACED: dict[str, object] = {"bank_clients": 0, "replication_factor": 2}
 MUTATIONS: dict[str, dict[str, object]] = {
     W2_SKIPPED: {"check_w2": False, **_LOG_ONLY},
     FENCING_SKIPPED: {"kafka": KafkaVariant(fencing=False), **_LOG_ONLY},
     NO_KIP890: {"kafka": KafkaVariant(kip890=False), **_LOG_ONLY},
-    SKIP_CAUGHT_UP: {"skip_caught_up": True, "replication_factor": 2, **_LOG_ONLY},
+    SKIP_CAUGHT_UP: {"skip_caught_up": True, **_PLACED},
+    **{m: {"placement_mutations": frozenset({m}), **_PLACED} for m in PLACEMENT_MUTATIONS},
+    DRAIN_BELOW_R: {"placement_mutations": frozenset({DRAIN_BELOW_R}), **_PLACED, "replication_factor": 3},
     **{m.value: {"mutations": frozenset({m}), **_LOG_ONLY} for m in Mutation},
     # The transaction protocol's (`kvstore.core.txn_driver.TxnMutation`): on clusters whose bank
     # clients' transfers span shards.
@@ -148,17 +167,28 @@ class Simulation:
         self.config = config
         sched = self.sched = Scheduler(config.seed)
         timing = config.timing
+        placing = config.replication_factor is not None
         self.world = World(
             sched=sched, net=Network(sched),
-            broker=Broker(sched, config.shards, config.kafka, txn_timeout_ms=timing.txn_timeout_ms),
+            # With placement, one partition more: the placement log's (World.placement_partition).
+            broker=Broker(sched, config.shards + (1 if placing else 0), config.kafka,
+                          txn_timeout_ms=timing.txn_timeout_ms),
             group=GroupCoordinator(sched, config.shards, session_timeout_ms=timing.session_timeout_ms,
                                    revoke_timeout_ms=timing.revoke_timeout_ms),
             timing=timing, audit=Audit(), trace=Trace(sched), shards=config.shards, check_w2=config.check_w2,
             late_requests=config.late_requests, mutations=config.mutations,
             replication_factor=config.replication_factor, skip_caught_up=config.skip_caught_up,
+            placement_mutations=config.placement_mutations,
+            controller_group=GroupCoordinator(sched, 1, session_timeout_ms=timing.session_timeout_ms,
+                                              revoke_timeout_ms=timing.revoke_timeout_ms) if placing else None,
             txn_mutations=config.txn_mutations)
         self.nodes = [Node(f"n{i}", self.world) for i in range(config.nodes)]
+        for index, node in enumerate(self.nodes):
+            node.zone = f"z{index % config.zones}" if config.zones else ""
         self.world.peers.update({node.name: node for node in self.nodes})
+        self.operator = Operator(self.world, self.nodes) if placing else None
+        self.placement_oracle = (PlacementOracle(self.world.broker.partitions[self.world.placement_partition])
+                                 if placing else None)
         keys = client_keys(config.keys, config.shards)
         self.clients = [Client(i, self.world, self.nodes, keys) for i in range(config.clients)]
         self.accounts = accounts(config.bank_accounts, config.shards)
@@ -167,13 +197,14 @@ class Simulation:
         half = timing.clock_skew_ms // 2
         for actor in (*self.nodes, *self.clients, *self.bank):
             actor.clock_skew_ms = sched.between(-half, half)
-        self.faults = FaultInjector(self.world, self.nodes, config.faults) if config.faults else None
+        self.faults = FaultInjector(self.world, self.nodes, config.faults, self.operator) if config.faults else None
 
     def run(self) -> SimResult:
         started = time.perf_counter()
         sched, world = self.sched, self.world
-        for node in self.nodes:
-            sched.at(sched.between(0, 50), node.restart)
+        for index, node in enumerate(self.nodes):
+            late = self.config.late_start_ms if index == len(self.nodes) - 1 and self.world.replication_factor else 0
+            sched.at(sched.between(0, 50) + late, node.restart)
         for client in (*self.clients, *self.bank):
             client.start()
         if self.faults is not None:
@@ -199,7 +230,11 @@ class Simulation:
             violations = list(world.audit.violations)
             violations += check_run(world.broker, self.nodes, self.history(), world.audit, world.new_disk,
                                     converged=converged, bank=self.bank_history(), accounts=self.accounts,
-                                    keeps_decisions=self.keeps_decisions)
+                                    keeps_decisions=self.keeps_decisions, shards=world.shards)
+            if self.operator is not None:
+                violations += check_placement(world.broker.partitions[world.placement_partition], self.nodes,
+                                              world.audit, self.operator.history, world.placement_partition,
+                                              converged=converged)
         except Exception as exc:  # a core's assertion or a simulation bug: report it with the seed
             tb = "".join(traceback.format_exception(exc)[-6:])
             violations = [*world.audit.violations,
@@ -234,20 +269,47 @@ class Simulation:
                 if store.decisions and self.keeps_decisions:
                     return f"{node.name} shard {shard} holds decisions not resolved everywhere"
         broker = self.world.broker
-        for shard, partition in enumerate(broker.partitions):
+        for shard, partition in enumerate(broker.partitions[:self.world.shards]):
             if partition.last_stable_offset != partition.high_watermark:
                 return f"shard {shard} has an open transaction"
             end = partition.high_watermark
             for node in self.nodes:
-                store = node.stores.get(shard)
-                if store is not None and store.applied_offset != end:
-                    return f"{node.name} shard {shard} at {store.applied_offset}, end {end}"
-        if self.config.replication_factor is not None:
-            for node in self.nodes:  # placement settled: every node holds exactly its placed shards, serving
-                placed = placement.shards_of(node.name, node.placement)
-                if set(node.holds) != placed or any(h.hold is not Hold.SERVING for h in node.holds.values()):
-                    return (f"{node.name} holds {sorted((s, h.hold.value) for s, h in node.holds.items())}, placed "
-                            f"{sorted(placed)}")
+                held = node.stores.get(shard)
+                if held is not None and held.applied_offset != end:
+                    return f"{node.name} shard {shard} at {held.applied_offset}, end {end}"
+        if self.placement_oracle is not None:
+            return self.placement_unsettled()
+        return ""
+
+    def placement_unsettled(self) -> str:
+        """Placement settled: every node a member and at the log's end, every shard's copies its
+        target, each a replica, open, caught up and in its shard's group, no other copy anywhere."""
+        assert self.placement_oracle is not None
+        partition = self.placement_oracle.partition
+        if partition.last_stable_offset != partition.high_watermark:
+            return "the placement log has an open transaction"
+        state = self.placement_oracle.catch_up()
+        if state.settings is None:
+            return "the placement log has no settings yet"
+        if set(state.nodes) != {node.name for node in self.nodes}:
+            return f"members in the log {sorted(state.nodes)}"
+        targets = state.targets()
+        for node in self.nodes:
+            following = node.following
+            if following.position < self.placement_oracle.position:
+                return f"{node.name} read the placement log to {following.position} of {self.placement_oracle.position}"
+            placed = {shard for shard, target in enumerate(targets) if node.name in target}
+            if set(node.stores) != placed:
+                return f"{node.name} holds copies of {sorted(node.stores)}, its target is {sorted(placed)}"
+            for shard in sorted(placed):
+                if (state.copy_state(shard, node.name) is not CopyState.REPLICA or shard not in node.replicas
+                        or shard not in following.in_group or not following.really_caught_up(shard)):
+                    return (f"{node.name} shard {shard}: {state.copy_state(shard, node.name)} in the log, "
+                            f"{'open' if shard in node.replicas else 'closed'}, "
+                            f"{'in' if shard in following.in_group else 'out of'} its group")
+        for shard, target in enumerate(targets):
+            if set(state.copies_of(shard)) != set(target):
+                return f"shard {shard}: copies {dict(state.copies_of(shard))}, target {list(target)}"
         return ""
 
     def stats(self) -> dict[str, int]:
@@ -304,5 +366,6 @@ def config_for(seed: int, steps: int, **overrides: object) -> SimConfig:
     config = SimConfig(seed=seed, steps=steps, nodes=shape.choice((3, 3, 4, 5)), shards=shape.choice((1, 2, 2, 3)),
                        clients=shape.randint(2, 6), keys=shape.randint(3, 8),
                        replication_factor=shape.choice((None, 1, 2, 2, 3)), bank_clients=shape.choice((0, 1, 2, 2)),
-                       bank_accounts=shape.randint(3, 6))
+                       bank_accounts=shape.randint(3, 6), late_start_ms=shape.choice((0, 0, 3_000, 5_000)),
+                       zones=shape.choice((0, 0, 2)))
     return dataclasses.replace(config, **overrides)  # type: ignore[arg-type]

@@ -1,5 +1,5 @@
-"""A simulated store node: a replica of every shard (or, with placement, of the shards placed on
-it), a group member, a request handler.
+"""A simulated store node: a replica of every shard (or, with placement, of the shards the
+placement log gives it), a group member, a request handler.
 
 Why this split from the replica: a node is the unit that crashes, restarts and pauses. Its
 disk (one `kvstore.core.request_window.MemoryShard` per shard: keys, request-id window,
@@ -9,12 +9,13 @@ group view, queued writes) is rebuilt from the disk and the WAL when it restarts
 node process is. A paused node keeps all of it and, when it wakes up, acts on what it knew
 before it slept until a heartbeat answer tells it otherwise.
 
-With placement (`World.replication_factor`), the node takes the same steps as a real node
-(`kvstore.core.placement.decide`, the pure function `kvstore.server.node.Node._place` runs): at
-every heartbeat answer it counts the members (with the grace period), places every shard, opens
-learners, joins a shard's leadership group (`eligible` in its heartbeats) once caught up, leaves
-it and drops the data when the shard is placed elsewhere. It checks P2 as it goes: a shard's
-group never lists it with a replica that has not caught up.
+With placement (`World.replication_factor`), the node only follows the placement log
+(`tests.sim.following`, around `kvstore.core.placement_follower.acts`): it opens a copy, joins a
+shard's leadership group (`eligible` in its heartbeats), leaves it or deletes a copy only because
+the log says so, and reopens the copies on its disk once it read the log after a start. It is
+also a member of the controller's group (`World.controller_group`, in the same heartbeat): the
+member that group assigns its one partition runs the controller (`tests.sim.controller`). It
+checks P2 as it goes: a shard's group never lists it with a replica that has not caught up.
 """
 
 from __future__ import annotations
@@ -22,13 +23,14 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from kvstore import errors
-from kvstore.core import placement, txn
+from kvstore.core import txn
 from kvstore.core.batch import Answer
-from kvstore.core.placement import Act, Hold, ShardFacts, ShardHold
 from kvstore.core.replica.writes import ClientRequest, WriteRequest
 from kvstore.core.request_window import MemoryShard
 from kvstore.core.sharding import shard_of
 from kvstore.v1 import kv_pb2
+from tests.sim.controller import ControllerShell
+from tests.sim.following import Following
 from tests.sim.group import GroupAnswer
 from tests.sim.replica import Replica
 from tests.sim.scan import ScanShell
@@ -49,9 +51,9 @@ class Node(Actor):
         self.stores: dict[int, MemoryShard] = ({} if world.replication_factor is not None
                                                else {s: world.new_disk() for s in range(world.shards)})
         self.replicas: dict[int, Replica] = {}
-        self.holds: dict[int, ShardHold] = {}
-        self.liveness = placement.Liveness(world.timing.placement_grace_ms)
-        self.placement: tuple[tuple[str, ...], ...] = ()
+        self.zone = ""  # its --zone (the harness sets it)
+        self.following = Following(self)
+        self.controller = ControllerShell(self)
         self.started_ms = 0
         self.joined = False
         self.assigned: frozenset[int] = frozenset()
@@ -68,8 +70,6 @@ class Node(Actor):
     def _boot(self) -> None:
         """Start (or restart after a crash) from what is on disk."""
         self.replicas = {}
-        self.holds = {}
-        self.liveness = placement.Liveness(self.world.timing.placement_grace_ms)
         self.started_ms = self.world.sched.now
         self.joined = False
         self.assigned = frozenset()
@@ -77,19 +77,31 @@ class Node(Actor):
         self.txns = TxnShell(self)  # the drivers died with the process
         for store in self.stores.values():
             store.restarted()
-        for shard in sorted(self.stores):  # with placement: learners, until they caught up
-            self._open(shard)
+        # With placement, the copies on its disk are opened once the log said so (`Following`).
+        self.following = Following(self)
+        self.controller = ControllerShell(self)
+        if self.placing:
+            self.following.start()
+        else:
+            for shard in sorted(self.stores):
+                self.open_copy(shard)
         self._heartbeat()
         self.txns.start()
 
-    def _open(self, shard: int) -> None:
+    def open_copy(self, shard: int) -> None:
+        """Open a replica of `shard` on its store (a new, empty one if it has none)."""
         if shard not in self.stores:
             self.stores[shard] = self.world.new_disk()
         replica = self.replicas[shard] = Replica(self.world, self, shard, self.stores[shard], self.leader_hint)
         replica.resolve_now = self.txns.kick
-        if self.placing:
-            self.holds[shard] = ShardHold(Hold.LEARNING, self.world.sched.now)
         replica.start()
+
+    def drop_copy(self, shard: int) -> None:
+        """Close the replica of `shard` and delete its store (placement's DROP)."""
+        replica = self.replicas.pop(shard, None)
+        if replica is not None:
+            replica.close()
+        del self.stores[shard]
 
     def crash(self, *, lose_disk: bool = False) -> None:
         self.world.sched.crash(self)
@@ -109,27 +121,41 @@ class Node(Actor):
     # ---- the group -------------------------------------------------------------------------------------
 
     def _eligible(self) -> frozenset[int] | None:
-        """The shards whose leadership group it is in: those it serves (every shard without placement)."""
+        """The shards whose leadership group it is in (every shard's without placement)."""
         if not self.placing:
             return None
-        serving = frozenset(s for s, hold in self.holds.items() if hold.hold is Hold.SERVING)
-        for shard in sorted(serving):  # P2: only a caught-up replica counts
-            if not self.replicas[shard].caught_up_once:
+        in_group = frozenset(self.following.in_group)
+        for shard in sorted(in_group):  # P2: only a caught-up replica counts
+            replica = self.replicas.get(shard)
+            if replica is None or not replica.caught_up_once:
                 self.world.violation(f"P2: {self.name} is in shard {shard}'s leadership group with a replica that "
                                      "has not caught up")
-        return serving
+        return in_group
 
     def _heartbeat(self) -> None:
+        """One heartbeat to the group coordinator, and, with placement, to the controller's group
+        (one message: both coordinators are the brokers')."""
         world = self.world
         holding = frozenset(s for s, r in self.replicas.items() if r.holding)
         join = not self.joined
         name = self.name
         eligible = self._eligible()
         back = world.net.answer_to(self)
+        controller_group, shell = world.controller_group, self.controller
+        controller_holding, controller_join = shell.holding, not shell.joined
 
         def at_coordinator() -> None:
             answer = world.group.heartbeat(name, holding, join, eligible)
-            back(lambda: self._on_group(answer))
+            if controller_group is None:
+                back(lambda: self._on_group(answer))
+                return
+            role = controller_group.heartbeat(name, controller_holding, controller_join)
+
+            def both() -> None:
+                self._on_group(answer)
+                shell.on_group(role)
+
+            back(both)
 
         world.net.send(at_coordinator, None, sender=self)
         world.sched.at(world.timing.heartbeat_ms, self._heartbeat, self)
@@ -156,40 +182,7 @@ class Node(Actor):
                 self.world.trace.log(f"{self.name} s{shard}: assigned without a replica (a late answer)")
         self.assigned = answer.assigned
         if self.placing:
-            self._place(answer)
-
-    def _place(self, answer: GroupAnswer) -> None:
-        """One round of placement, as `kvstore.server.node.Node._place` takes it."""
-        world = self.world
-        assert world.replication_factor is not None
-        now = world.sched.now
-        self.liveness.observe([*answer.members, self.name], now)
-        self.placement = placement.place(world.shards, self.liveness.members(now), world.replication_factor)
-        settled = now - self.started_ms >= world.timing.placement_grace_ms
-        for shard, placed in enumerate(self.placement):
-            replica = self.replicas.get(shard)
-            facts = ShardFacts(placed_here=self.name in placed, placed=placed,
-                               caught_up=replica is not None and replica.caught_up,
-                               in_group=answer.in_group[shard] if answer.in_group else frozenset(),
-                               view_settled=settled)
-            held = self.holds.get(shard)
-            act = placement.decide(self.name, held, facts, now, settle_ms=world.timing.placement_settle_ms,
-                                   skip_caught_up=world.skip_caught_up)
-            if act is Act.NOTHING:
-                continue
-            world.trace.log(f"{self.name} s{shard} placement {act.value} (placed on {','.join(placed)})")
-            world.audit.counters[f"placement_{act.value}"] += 1
-            if act is Act.OPEN:
-                self._open(shard)
-                continue
-            hold = placement.after(held, act, now)
-            if act is Act.DROP:
-                self.replicas.pop(shard).close()
-                del self.stores[shard]
-                self.holds.pop(shard, None)
-            else:
-                assert hold is not None
-                self.holds[shard] = hold
+            self.following.follow()  # a copy that caught up joins its group (re-evaluated continuously)
 
     # ---- requests ----------------------------------------------------------------------------------
 

@@ -17,6 +17,7 @@ is recorded as a violation and ends this replica, as an assertion ends a node's 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 
 from kvstore import errors
@@ -104,11 +105,32 @@ class Replica:
             world.replica_traces.append(self.recording)
 
     def close(self) -> None:
-        """Dropped by placement: it takes no more events (its pending calls' answers are ignored)."""
+        """Dropped by placement: it takes no more events (its pending calls' answers are ignored).
+        Whatever still waits on it is told "unknown outcome" (a write may be in a batch that
+        commits), as the real replica's callers are when it is stopped under them: nothing that
+        waits on a closed replica waits for good (a transaction's forget record did, sim seed 4)."""
         self._dead = True
+        waiting, self._requests = self._requests, {}
+        error = errors.UnknownOutcomeError(f"shard {self.shard}: the replica was closed (placement dropped it)")
+        for ticket in sorted(waiting):
+            self.world.sched.at(0, functools.partial(self._refuse, waiting[ticket], error), self.actor)
+
+    @staticmethod
+    def _refuse(request: _Request, error: errors.StoreError) -> None:
+        if request.barrier_reply is not None:
+            request.barrier_reply(error)
+        elif request.read_reply is not None:
+            request.read_reply(error)
+        elif request.reply is not None:
+            request.reply(error)
 
     def start(self) -> None:
         self._step(machine_events.Started())
+
+    @property
+    def dead(self) -> bool:
+        """Closed by placement, or ended by a failed machine check: it takes no more events."""
+        return self._dead
 
     @property
     def role(self) -> Role:

@@ -11,6 +11,7 @@ decides anything: the cut does.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -51,12 +52,12 @@ class ScanShell:
                 state["round"] = action.round
                 rows.clear()
                 for shard in range(world.shards):
-                    self._ask(shard, span, read_part, lambda answer, s=shard, r=action.round: read(r, s, answer))
+                    self._ask(shard, span, read_part, functools.partial(read, action.round, shard))
             elif isinstance(action, ValidateParts):
                 checks.clear()
                 for shard, revision in sorted(action.revisions.items()):
-                    self._ask(shard, span, lambda store, at=revision: store.recent.unchanged_since(at, span=span),
-                              lambda answer, s=shard, r=state["round"]: validated(r, s, answer))
+                    self._ask(shard, span, functools.partial(_unchanged_since, revision, span),
+                              functools.partial(validated, state["round"], shard))
             elif isinstance(action, Answer):
                 state["over"] = True
                 merged = sorted((kv for part, _ in rows.values() for kv in part), key=lambda kv: kv.key)
@@ -122,3 +123,8 @@ class ScanShell:
 
         world.net.send(at_target, target, once=True)
         world.sched.at(world.timing.txn_call_timeout_ms, expire, node)
+
+
+def _unchanged_since(revision: int, span: Span, store: MemoryShard) -> object:
+    """A validation's read: whether nothing in `span` changed at `store` since `revision`."""
+    return store.recent.unchanged_since(revision, span=span)

@@ -16,8 +16,11 @@ from pathlib import Path
 
 import pytest
 
+from kvstore.core.placement_controller import DRAIN_BELOW_R, DROP_BEFORE_CAUGHT_UP, MERGE_STALE_REQUEST
+from kvstore.core.placement_follower import DROP_REOPENED_COPY
 from kvstore.core.replica import Mutation
 from kvstore.core.txn_driver import TxnMutation
+from tests.sim.controller import UNFENCED_CONTROLLER
 from tests.sim.faults import FaultPlan
 from tests.sim.harness import (
     FENCING_SKIPPED,
@@ -59,7 +62,12 @@ TEETH_SEEDS = 16
 # The late-EndTxn hazard needs late EndTxns: this plan makes them the common fault.
 LATE_END_TXNS = FaultPlan(late_end_txn=8, storm=4, freeze=0, crash=1)
 # A decision forgotten by the request-id table needs a participant away past its horizon: outages common.
-OUTAGES = FaultPlan(outage=6)
+OUTAGES = FaultPlan(outage=6, operator=0, controller_pause=0, controller_crash=0, listing_failure=0)
+# Placement's hazards need operators and a controller that stops: both common.
+PLACEMENT = FaultPlan(operator=8, controller_pause=3, controller_crash=2)
+OPERATORS = FaultPlan(operator=20)
+# A learner judged caught up too early shows while it still loads: moves while messages are late.
+SLOW_MOVES = FaultPlan(operator=12, storm=6, crash=5)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,8 +102,23 @@ TEETH = [
     Teeth(Mutation.SKIP_REQUEST_DEDUPE.value, ("applied twice", "accepted", "not linearizable"),
           "every attempt is admitted as new: a retry after an unknown outcome is written a second time"),
     Teeth(SKIP_CAUGHT_UP, ("P2:",),
-          "placement: a learner joins its shard's leadership group before it caught up, so it counts as a "
-          "replica (and may be chosen to lead, and a giver may drop its copy) while it still loads"),
+          "placement: a node judges its copy caught up as soon as it is open (the old \"joined once\"): a learner "
+          "joins its shard's leadership group, is promoted and counted while it still loads", SLOW_MOVES),
+    Teeth(DROP_BEFORE_CAUGHT_UP, ("P2:",),
+          "the controller counts every replica and learner as ready: it retires and drops a shard's copies while "
+          "the copies taking over still load", PLACEMENT),
+    Teeth(DROP_REOPENED_COPY, ("P2:",),
+          "a node deletes every copy found on its disk at start-up, whatever the log says of it: a restarted "
+          "node loses copies the log still counts as replicas"),
+    Teeth(DRAIN_BELOW_R, ("P4:",),
+          "the controller accepts a drain that leaves fewer than R nodes able to hold copies without --force",
+          PLACEMENT),
+    Teeth(UNFENCED_CONTROLLER, ("P1:", "W4:"),
+          "controllers append without fencing each other, at the end as they read it: a deposed controller "
+          "(paused past its session) keeps deciding from its old view after another took office", PLACEMENT),
+    Teeth(MERGE_STALE_REQUEST, ("P4:",),
+          "the controller merges an operator's request computed at an older epoch instead of refusing it",
+          OPERATORS),
     Teeth(Mutation.ANSWER_BEFORE_COMMIT.value, ("lost write", "W7", "not linearizable"),
           "a batch's writers are answered when it is appended: one that then aborts leaves acknowledged writes "
           "that are not in the WAL"),
@@ -171,13 +194,14 @@ def test_participants_away_past_the_request_id_horizon(record_run: list[SimResul
 
 def test_a_seed_replays_exactly_in_another_process(record_run: list[SimResult]) -> None:
     """Same seed, same run: here twice, and in a fresh interpreter with another hash seed (no
-    iteration order may depend on PYTHONHASHSEED)."""
-    config = config_for(3, 8_000)
+    iteration order may depend on PYTHONHASHSEED). With placement (its controller, its log and
+    the nodes' following) and zones."""
+    config = config_for(3, 8_000, replication_factor=2, zones=2)
     first, second = run(config), run(config)
     record_run += [first, second]
     assert first.digest == second.digest
     code = ("from tests.sim.harness import config_for, run; "
-            "print(run(config_for(3, 8_000)).digest)")
+            "print(run(config_for(3, 8_000, replication_factor=2, zones=2)).digest)")
     env = {**os.environ, "PYTHONHASHSEED": "4242"}
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == first.digest
@@ -186,14 +210,20 @@ def test_a_seed_replays_exactly_in_another_process(record_run: list[SimResult]) 
 def test_the_faults_reach_the_protocol(record_run: list[SimResult]) -> None:
     """Guard against a vacuous simulation: over a few seeds, every hazard the checks are about
     actually happens (fencings, unknown outcomes, W2 aborts, W3 rejections, late EndTxns
-    refused, duplicate produces, expired members, crashes with disk loss)."""
+    refused, duplicate produces, expired members, crashes with disk loss, and placement's:
+    controllers deposed and fenced, operators' stale requests refused, hostile records skipped)."""
     counters = ("append_fenced", "append_aborted", "append_unknown_fenced", "w3_mismatch", "w3_malformed",
                 "broker_late_end_txn_refused", "broker_duplicate_produces", "broker_init_aborts",
                 "group_expirations", "fault_crash", "fault_pause", "fault_cut_off", "fault_clock_jump",
                 "fault_broker_crash", "fault_truncate", "snapshot_loads", "net_cut_off_dropped",
                 "net_brokers_down_dropped", "leaderships", "op_ok",
                 "replicas_forgetting_ids", "placement_open", "placement_join", "placement_leave", "placement_drop",
-                "fault_outage", "fault_fast_clock_start", "txn_finishes", "txn_forgets", "scan_read_again")
+                "fault_outage", "fault_fast_clock_start", "txn_finishes", "txn_forgets", "scan_read_again",
+                # placement: controllers taking office, fenced, failing appends, failing listings; operators'
+                # requests accepted, refused as stale and refused; hostile records in the log skipped
+                "controller_elections", "controller_append_fenced", "controller_append_failed",
+                "controller_listing_failed", "operator_accepted", "placement_refused_stale", "placement_refused",
+                "placement_skipped", "fault_controller_pause", "fault_controller_crash", "fault_listing_failure")
     totals: dict[str, int] = {}
     for seed in range(12):  # bounded: some hazards are rare per seed, each shows within a few
         result = run(config_for(seed, 40_000))

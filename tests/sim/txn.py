@@ -13,6 +13,7 @@ about.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -232,12 +233,12 @@ class TxnShell:
 
             keys = txn.part_keys(txn.part_of(action.request, action.shard, world.shards))
             self._read(txn_id, driver, action.shard, keys, read_part,
-                       lambda answer, s=action.shard: ReadAnswered(s, answer))
+                       functools.partial(ReadAnswered, action.shard))
         elif isinstance(action, SendValidate):
             since, checked = action.revision, action.keys
             self._read(txn_id, driver, action.shard, checked,
                        lambda store: store.recent.unchanged_since(since, keys=checked),
-                       lambda answer, s=action.shard: ValidateAnswered(s, answer))
+                       functools.partial(ValidateAnswered, action.shard))
         elif isinstance(action, Reply):
             assert reply is not None, "a resolver's driver has no client"
             reply(action.answer)

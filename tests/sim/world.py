@@ -55,10 +55,15 @@ class Timing:
     request_ids: int = 2_048
     request_horizon_ms: int = 15_000
     clock_skew_ms: int = 2_000
-    # Placement (kvstore.core.placement): how long a node that stopped heartbeating still counts, and
-    # how long a retiring replica waits, seeing the placed replicas caught up, before it drops.
+    # Placement (docs/design.md §8; tests/sim/controller.py, tests/sim/following.py): how long a node
+    # that left the membership group still counts (the log's settings), how often the controller
+    # lists the members and asks every node for its report, how often it plans when nothing else
+    # woke it, and how long a node's reader of the placement log waits in one fetch.
     placement_grace_ms: int = 2_000
-    placement_settle_ms: int = 300
+    report_every_ms: int = 300
+    controller_tick_ms: int = 100
+    placement_fetch_wait_ms: int = 500
+    max_learners_per_node: int = 2
     # Cross-shard transactions (kvstore.core.txn_driver): a peer call's timeout, a driver's budget
     # for its prepares, when a prepare is in doubt and when a decision the coordinator still holds
     # is resolved again (its resolvers and finishers look every `txn_resolve_every_ms`, and it
@@ -91,6 +96,11 @@ class Audit:
     applied: dict[tuple[str, int], list[tuple[int, bytes]]] = dataclasses.field(default_factory=dict)
     violations: list[str] = dataclasses.field(default_factory=list)
     counters: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
+    # Placement (tests.sim.placement_checker): when each (node, shard) copy was seen really caught
+    # up (the simulated replica against the broker's end, never a report), in sim ms, ascending;
+    # every deletion of a copy's data (node, shard, the node's position in the placement log, ms).
+    caught_up_seen: dict[tuple[str, int], list[int]] = dataclasses.field(default_factory=dict)
+    copy_deletes: list[tuple[str, int, int, int]] = dataclasses.field(default_factory=list)
 
 
 class Trace:
@@ -123,7 +133,15 @@ class World:
     mutations: frozenset[Mutation] = frozenset()  # the replica machine's broken variants (teeth)
     # Placement: each shard on this many nodes (None: every node holds every shard, no placement).
     replication_factor: int | None = None
-    skip_caught_up: bool = False  # the placement mutation: learners join their shard's group at once
+    skip_caught_up: bool = False  # the placement mutation: a node judges a copy caught up once it is open
+    # Placement's broken variants (tests.sim.harness.PLACEMENT_MUTATIONS): the core machines' own
+    # (kvstore.core.placement_controller.MUTATIONS, placement_follower.DROP_REOPENED_COPY) and the
+    # controller shell's (tests.sim.controller.UNFENCED_CONTROLLER).
+    placement_mutations: frozenset[str] = frozenset()
+    # The group whose one "partition" is the controller's role (None: no placement).
+    controller_group: GroupCoordinator | None = None
+    # Nodes whose listings of the membership group fail, until when (sim ms): the faults' stale view.
+    listing_fails: dict[str, int] = dataclasses.field(default_factory=dict)
     # Per shard, the snapshots taken (cut, state), oldest first: what `kvstore snapshot create`
     # leaves in a node's --snapshot-dir, built from the WAL, never from a replica.
     snapshots: dict[int, list[tuple[int, MemoryShard]]] = dataclasses.field(default_factory=dict)
@@ -138,6 +156,11 @@ class World:
         """A number unique in this run (producer instances, request sequences, attempts)."""
         self._ids += 1
         return self._ids
+
+    @property
+    def placement_partition(self) -> int:
+        """The placement log's partition in the simulated Kafka: the one after the shards'."""
+        return self.shards
 
     def new_disk(self) -> MemoryShard:
         """An empty replica of one shard: what a node keeps across crashes (its LevelDB)."""

@@ -52,6 +52,7 @@ from wal.guard import (
 from wal.record import Headers
 
 TOPIC = "sim.wal"
+PLACEMENT_TXN_ID = f"{TOPIC}.placement"  # the one controller's transactional id (W4 for the placement log)
 
 Result = int | AppendResult | WalError
 Reply = Callable[[Callable[[], Event]], None]
@@ -68,13 +69,14 @@ class _Producer:
 
 
 class SimWriter:
-    """One leadership's writer for one shard (the real replica also opens one per leadership)."""
+    """One leadership's writer for one shard (the real replica also opens one per leadership), or
+    for the placement log (`shard`: its partition, `txn_id`: the controller's transactional id)."""
 
-    def __init__(self, world: World, node: Actor, shard: int) -> None:
+    def __init__(self, world: World, node: Actor, shard: int, txn_id: str | None = None) -> None:
         self.world = world
         self.node = node
         self.shard = shard
-        self.txn_id = shard_transactional_id(TOPIC, shard)
+        self.txn_id = txn_id if txn_id is not None else shard_transactional_id(TOPIC, shard)
         self.guard = Guard(retry_limit=world.timing.retry_limit)
         self.identity = record.WriterIdentity(node.name, 0)
         self.closed = False
