@@ -54,7 +54,8 @@ buf_class = --config '{"version":"v2","modules":[{"path":"proto"}],"breaking":{"
 .PHONY: up up-secure test test-setup jvm-jars test-core unit fuzz soak lint proto kafka spark venv bench-quick profile clean
 
 # `make up NODES=5 SHARDS=10 RF=2`: five nodes, ten shards, each on two of them (docs/design.md §9).
-# SHARDS is fixed when the WAL topic is created: a different count needs a fresh .data.
+# SHARDS and RF are fixed when the cluster is created (its placement log records them: a node
+# started with others refuses to start, naming both): different ones need a fresh .data.
 NODES  ?= 3
 SHARDS ?= 4
 RF     ?= 3
