@@ -476,7 +476,7 @@ class Client:
               timeout_s: float | None = None) -> list[PlacementChange]:
         """Move every shard off `node_id` before it is removed (`undo`: let it hold shards again).
         Returns once the placement controller recorded it, with the changes to expect;
-        `wait_moves` follows them. Refused (InvalidArgument, naming the shards) if it would leave
+        `wait_moves` follows them. Refused (PlacementRefused, naming the shards) if it would leave
         a shard fewer than R nodes able to hold it, unless `force`. `epoch`: the placement epoch
         the decision was made from (default: the shard map's now); PlacementChanged if the
         placement moved since."""

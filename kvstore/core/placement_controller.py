@@ -103,10 +103,11 @@ class RequestRefused(ValueError):
     """An operator's request that is not recorded; the message says why. `stale`: computed from
     an older placement (retry with the new one); `below_r`: a drain the floor forbids (--force)."""
 
-    def __init__(self, message: str, *, stale: bool = False, below_r: bool = False) -> None:
+    def __init__(self, message: str, *, stale: bool = False, below_r: bool = False, retry: bool = False) -> None:
         super().__init__(message)
         self.stale = stale
         self.below_r = below_r
+        self.retry = retry  # the controller cannot judge it now (its reports are old): ask again
 
 
 def shard_ranges(shards: Iterable[int]) -> str:
@@ -183,14 +184,16 @@ class PlacementController:
         return {node: self._listing_ms - self._last_seen_ms.get(node, self.started_ms)
                 for node in sorted(state.nodes) if node not in self._listed}
 
-    def ready(self, state: PlacementState, shard: int, now_ms: int) -> frozenset[str]:
-        """The shard's copies that count for P2: replicas reported caught up and in the group."""
+    def ready(self, state: PlacementState, shard: int, now_ms: int,
+              max_age_ms: int = READY_REPORT_MAX_AGE_MS) -> frozenset[str]:
+        """The shard's copies that count for P2: replicas reported caught up and in the group, in
+        a report younger than `max_age_ms`."""
         ready = set()
         for node, held in state.copies_of(shard).items():
             if DROP_BEFORE_CAUGHT_UP in self.mutations and held is not CopyState.RETIRING:
                 ready.add(node)
                 continue
-            report = self.fresh_report(node, now_ms, READY_REPORT_MAX_AGE_MS)
+            report = self.fresh_report(node, now_ms, max_age_ms)
             copy_ = report.copies.get(shard) if report is not None else None
             if held is CopyState.REPLICA and copy_ is not None and copy_.caught_up and copy_.in_group:
                 ready.add(node)
@@ -316,8 +319,10 @@ class PlacementController:
                         f"no longer placed there; {len(ready)} ready copies remain (needed {needed})")
             elif len(ready) < needed:
                 # Below the floor (a kept replica died or is rebuilding): a retired copy that is
-                # still caught up serves again until the target's copies are ready.
-                if reported is not None and reported.caught_up:
+                # still caught up serves again until the target's copies are ready. Judged on the
+                # looser window of REPORT_MAX_AGE_MS, so that one late report does not make it flap.
+                if len(self.ready(state, shard, now_ms, REPORT_MAX_AGE_MS)) < needed and reported is not None \
+                        and reported.caught_up:
                     add(node, Step.COPY_STEP_KIND_REJOIN, f"the shard has {len(ready)} ready copies, needs {needed}")
             elif not (reported is not None and reported.in_group):
                 add(node, Step.COPY_STEP_KIND_DROP, f"retired; {len(ready)} ready copies remain (needed {needed})")
@@ -354,6 +359,15 @@ class PlacementController:
         if request.undo:
             if node not in state.drained:
                 return []
+            after = (frozenset(state.nodes) - (state.drained - {node})) or frozenset(state.nodes)
+            r = state.settings.replication_factor
+            if len(after) < min(r, len(state.candidates)) and not request.force:
+                # Every member was drained (the rule then used them all): undoing one drain would
+                # put every shard on that one node and drop the other copies.
+                raise RequestRefused(f"undoing the drain of {node} leaves {len(after)} node(s) to hold copies where "
+                                     f"{len(state.candidates)} hold them now (every member is drained): every shard "
+                                     "would keep fewer replicas; undo the other drains too, or use --force",
+                                     below_r=True)
             return [placement_pb2.PlacementRecord(reason="an operator undid the drain", at_ms=now_ms,
                                                   drain=placement_pb2.DrainNode(node_id=node, undo=True))]
         if node not in state.nodes:
@@ -365,6 +379,11 @@ class PlacementController:
         # second ago may still be listed; a listing can be old when describing fails).
         able = {n for n in state.candidates if self.fresh_report(n, now_ms, READY_REPORT_MAX_AGE_MS)} - {node}
         r = settings_r = state.settings.replication_factor
+        newest_ms = max((report.at_ms for report in self._reports.values()), default=None)
+        if len(able) < r and not request.force and (newest_ms is None or now_ms - newest_ms > READY_REPORT_MAX_AGE_MS):
+            # Every report is old: the controller's own rounds are slow, not the nodes away.
+            raise RequestRefused("the placement controller's reports are a moment old (its rounds are slow): it "
+                                 "cannot judge the drain's floor now; retry", retry=True)
         if len(able) < r and DRAIN_BELOW_R not in self.mutations and not request.force:
             below = [shard for shard, target in enumerate(state.targets()) if node in target or len(target) < r]
             raise RequestRefused(

@@ -79,7 +79,9 @@ class ControllerShell:
             transaction_timeout_ms=TRANSACTION_TIMEOUT_MS, security=security or ClientSecurity())
         self._writer: wal.ShardWriter | None = None
         self.machine: PlacementController | None = None
-        self._previous: PlacementController | None = None  # this node's machine of an earlier term
+        # This node's machine of an earlier term, and when it gave the office up after a failure: a
+        # re-take soon after inherits what it observed (the role moving away forgets it).
+        self._previous: tuple[PlacementController, float] | None = None
         self._lock = asyncio.Lock()  # one append at a time: rounds and operators' requests
         self._failed_at = 0.0
         self._owns = False  # the group gave this node the office, as of the last round
@@ -104,13 +106,22 @@ class ControllerShell:
         if not owns:
             if self.machine is not None or self._writer is not None:
                 log.info("placement controller: the role moved to another node")
-                await self._give_up()
+                await self._give_up(failed=False)
             return
         async with self._lock:
             if self.machine is None and (time.monotonic() - self._failed_at < RETRY_S or not await self._take()):
                 return
             machine = self.machine
             assert machine is not None
+            logged = self.reader.state.controller
+            if logged is not None and logged.term >= machine.term and logged.node_id != self.node_id:
+                # Another node took the office (a split brain the group has not settled): it fenced
+                # this writer already; take the office again over it only through a fresh fence.
+                log.warning("placement controller: %s took office at term %d: starting over", logged.node_id,
+                            logged.term)
+                self._failed_at = time.monotonic()
+                await self._give_up()
+                return
             now_ms = _now_ms()
             if listing is not None:
                 machine.members_listed(listing, now_ms)
@@ -144,17 +155,22 @@ class ControllerShell:
         state = self.reader.state
         term = state.controller.term + 1 if state.controller is not None else 1
         writer.identity = wal.WriterIdentity(self.node_id, term)
+        previous = None
+        if self._previous is not None and time.monotonic() - self._previous[1] < self.settings.grace_ms / 1000:
+            previous = self._previous[0]
         self.machine = PlacementController(self.node_id, self.address, term, self.settings, _now_ms(),
-                                           previous=self._previous)
+                                           previous=previous)
         if self._last_listing is not None:  # this node's last listing: a new machine needs one before it decides
             self.machine.members_listed(*self._last_listing)
         self.metrics.controller_term.set(term)
         log.warning("placement controller: took over (term %d, log at epoch %d)", term, state.epoch)
         return True
 
-    async def _give_up(self) -> None:
-        if self.machine is not None:
-            self._previous = self.machine
+    async def _give_up(self, *, failed: bool = True) -> None:
+        """Leave the office. `failed`: a failed fence, append or plan (the next re-take inherits
+        this machine's observations); else the role moved to another node (forgotten: what it
+        observed would be stale by the time the role came back)."""
+        self._previous = (self.machine, time.monotonic()) if failed and self.machine is not None else None
         self.machine = None
         writer, self._writer = self._writer, None
         self.metrics.controller_term.set(0)
@@ -167,10 +183,16 @@ class ControllerShell:
         a fresh read, nothing assumed about the failed append)."""
         writer = self._writer
         assert writer is not None
-        records = self._takeable(records)
-        if not records:
-            return
+        takeable = self._takeable(records)
+        if len(takeable) < len(records):
+            # The machine planned from a log it does not understand as the readers do (a record of
+            # another controller, a hostile one): start over from a fresh fence and read.
+            self._failed_at = time.monotonic()
+            await self._give_up()
+            raise NotRecordedError("the placement controller's decision does not fit the log as read: it takes the "
+                                   "office again; retry")
         expected = writer.upcoming_offset
+        assert expected is not None, "a writer's upcoming offset is known between successful appends"
         wall_ms = int(time.time() * 1000)
         for record in records:
             record.at_ms = wall_ms
@@ -210,6 +232,12 @@ class ControllerShell:
     # ---- operators -------------------------------------------------------------------------
 
     async def request(self, request: Request) -> tuple[list[tuple[int, tuple[str, ...], tuple[str, ...]]], int]:
+        """Record an operator's request (see `_request`). Shielded: a caller that gives up (its
+        deadline) must not cut an append off without the lock, with the office kept."""
+        return await asyncio.shield(self._request_retried(request))
+
+    async def _request_retried(self, request: Request,
+                               ) -> tuple[list[tuple[int, tuple[str, ...], tuple[str, ...]]], int]:
         """Record an operator's request: (the target changes, the epoch after). Raises
         RequestRefused (the operator's mistake, or a stale epoch) or UnavailableError."""
         for attempt in range(1, REQUEST_ATTEMPTS + 1):
@@ -242,7 +270,7 @@ class ControllerShell:
             return placement.changes(before, after), self.reader.state.epoch
 
     async def close(self) -> None:
-        await self._give_up()
+        await self._give_up(failed=False)
 
 
 def node_report(view: cluster_pb2.ShardMapResponse, at_ms: int) -> NodeReport:

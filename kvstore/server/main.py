@@ -43,6 +43,7 @@ from kvstore.server.kv_service import KVService
 from kvstore.server.node import Node
 from kvstore.server.peer_service import PeerService
 from kvstore.server.peers import Peers
+from kvstore.server.placement_log import PlacementSettingsError
 from kvstore.server.scan import Scans
 from kvstore.server.watch import Watches
 from kvstore.v1 import cluster_pb2, cluster_pb2_grpc, kv_pb2, kv_pb2_grpc
@@ -118,6 +119,13 @@ async def serve(config: NodeConfig, ready: Callable[[str], None] | None = None) 
     loop.set_default_executor(concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="kvstore-io"))
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    fatal: list[str] = []  # why the node stops by itself (its settings are not the cluster's)
+
+    def stop_fatally(why: str) -> None:
+        fatal.append(why)
+        stop.set()
+
+    node.on_fatal = stop_fatally
     host = config.listen.rsplit(":", 1)[0]
     address = f"{host}:{port}"
     warning = security.warning(address)
@@ -126,7 +134,8 @@ async def serve(config: NodeConfig, ready: Callable[[str], None] | None = None) 
     await server.start()
     try:
         await node.start(address)
-    except wal.WalError:  # the WAL topic is wrong or the brokers unreachable: nothing to serve
+    except (wal.WalError, PlacementSettingsError):  # the WAL topic is wrong, the brokers unreachable, or
+        await node.stop()                            # this node's settings are not the cluster's
         await server.stop(grace=None)
         raise
     health_task = asyncio.create_task(_health_loop(node, health_servicer, stop))
@@ -143,6 +152,8 @@ async def serve(config: NodeConfig, ready: Callable[[str], None] | None = None) 
     await stopping
     await health_task
     await peers.close()
+    if fatal:
+        raise PlacementSettingsError(fatal[0])
 
 
 # The young generation's threshold: CPython collects it every 700 net allocations by default; a node
@@ -186,6 +197,9 @@ def main(argv: list[str] | None = None) -> int:
     except wal.WalError as exc:
         print(f"kvstore serve: {exc}", file=sys.stderr)
         return 1
+    except PlacementSettingsError as exc:
+        print(f"kvstore serve: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -21,6 +21,7 @@ import functools
 import logging
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -103,8 +104,11 @@ class Node:
         self._found_at_start: set[int] = set()  # copies on disk when the node started
         self._following: asyncio.Task[None] | None = None
         self._misconfigured = False  # its settings disagree with the log's, recorded after it started
+        # Called once when the node must stop by itself (the process stops it: main.py).
+        self.on_fatal: Callable[[str], None] = lambda why: None
         self._unable: dict[int, str] = {}  # shard -> why its replica cannot lead now
         self._ends_read_at: dict[int, float] = {}  # shard -> when its partition end was last read (monotonic)
+        self._ends_pass_s = 0.0  # how long the last pass over every copy's partition end took
         self._membership: GroupMember | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._stale = asyncio.Event()  # a rebalance happened: describe again at once
@@ -251,7 +255,9 @@ class Node:
             lag = max(0, replica.end_offset - replica.store.applied_offset)
             # A lag against an end read long ago says nothing (a node just back from a pause):
             # not caught up until the end was read again.
-            fresh = now - self._ends_read_at.get(shard, 0.0) <= ENDS_FRESH_S or replica.role is Role.LEADING
+            # A slow pass (many copies, a partition without a leader) stretches the window with it.
+            window_s = max(ENDS_FRESH_S, 2 * (self._ends_pass_s + ENDS_REFRESH_S))
+            fresh = now - self._ends_read_at.get(shard, 0.0) <= window_s or replica.role is Role.LEADING
             local[shard] = Local(open=True, in_group=shard in self.leaderships,
                                  caught_up=fresh and is_caught_up(replica.caught_up, lag, shard in self._unable),
                                  found_at_start=shard in self._found_at_start)
@@ -269,8 +275,9 @@ class Node:
         problem = settings_problem(self.settings, state.settings) if state.settings is not None else None
         if problem is not None:  # recorded after this node started (a cold start with another node first)
             if not self._misconfigured:
-                log.error("placement: %s; this node follows no placement and is not serving", problem)
-            self._misconfigured = True
+                log.error("placement: %s; this node stops", problem)
+                self._misconfigured = True
+                self.on_fatal(problem)
             return
         for shard, act in placement_follower.acts(state, self.config.node_id, self._local()):
             said = state.copy_state(shard, self.config.node_id)
@@ -302,6 +309,8 @@ class Node:
                     raise errors.PlacementChangedError(str(exc)) from exc
                 if exc.below_r:
                     raise errors.PlacementRefusedError(str(exc)) from exc
+                if exc.retry:
+                    raise errors.UnavailableError(str(exc)) from exc
                 raise errors.InvalidRequestError(str(exc)) from exc
         known = self.log.state.controller
         if not forward:
@@ -403,6 +412,7 @@ class Node:
         """Keep every replica's last known high watermark fresh (for lag, metrics and the shard
         map), one query at a time so a slow broker cannot tie up the worker threads."""
         while True:
+            started = time.monotonic()
             for shard, replica in list(self.replicas.items()):
                 try:
                     end = await asyncio.to_thread(replica.ends.high_watermark, self.config.wal_topic, shard)
@@ -411,6 +421,7 @@ class Node:
                     continue
                 replica.end_offset = max(replica.end_offset, end)
                 self._ends_read_at[shard] = time.monotonic()
+            self._ends_pass_s = time.monotonic() - started
             await asyncio.sleep(ENDS_REFRESH_S)
 
     # ---- what the API asks ---------------------------------------------------------------------
@@ -505,7 +516,10 @@ class Node:
                 replicas=[cluster_pb2.ReplicaInfo(node_id=config.node_id, address=self.address, state=state,
                                                   applied_offset=applied, lag=max(0, end - applied),
                                                   caught_up=local[shard].caught_up,
-                                                  in_group=local[shard].in_group)]))
+                                                  # Joined, not joining: a copy counts for the
+                                                  # controller's floor only once it can be elected.
+                                                  in_group=shard in self.leaderships
+                                                  and self.leaderships[shard].joined)]))
         response.nodes.append(me)
         response.placement_epoch = self.log.state.epoch
         if self.log.state.controller is not None:

@@ -364,5 +364,13 @@ def test_a_drain_below_r_is_refused_unless_forced_and_a_late_node_at_cold_start_
         assert not violations, violations[:5]
         with cluster.client() as client:
             assert [client.get(key).value for key in keys] == keys
+        # One configuration: a node whose R disagrees with the cluster's refuses to start, naming both.
+        odd = subprocess.run(
+            [sys.executable, "-m", "kvstore.server", "--kafka", cluster.kafka, "--cluster", cluster.name,
+             "--shards", str(SHARDS), "--replication-factor", "3", "--node-id", "n9", "--data-dir",
+             str(tmp_path / "n9"), "--listen", "127.0.0.1:0", "--log-format", "text"],
+            cwd=REPO, capture_output=True, text=True, timeout=90, env={**os.environ, "PYTHONPATH": str(REPO)})
+        assert odd.returncode == 2, odd.stderr[-2000:]
+        assert "replication factor 3 here, 2 in the placement log" in odd.stderr, odd.stderr[-2000:]
     finally:
         cluster.stop()

@@ -320,3 +320,32 @@ def test_a_controller_taking_office_again_keeps_what_it_observed() -> None:
         cluster.round()
     cluster.settle()
     assert "b" not in cluster.state.nodes
+
+
+def test_a_drain_judged_on_old_reports_is_retried_not_refused() -> None:
+    """Second review: a controller whose rounds were held up (every report a moment old) refused a
+    healthy drain as below R; it asks for a retry instead."""
+    cluster = Cluster(["a", "b", "c", "d"], shards=4, r=3)
+    cluster.settle()
+    with pytest.raises(RequestRefused) as refused:
+        cluster.controller.request(cluster.state, Drain("a", cluster.state.epoch), cluster.now + 1500)
+    assert refused.value.retry and not refused.value.below_r
+    cluster.append(cluster.controller.request(cluster.state, Drain("a", cluster.state.epoch), cluster.now))
+
+
+def test_undoing_one_drain_of_an_all_drained_cluster_is_refused_unless_forced() -> None:
+    """Second review: with every member drained the rule uses them all; undoing one drain would
+    have put every shard on that one node and dropped the other copies."""
+    cluster = Cluster(["a", "b", "c"], shards=4, r=2)
+    cluster.settle()
+    for node in "abc":
+        cluster.append(cluster.controller.request(cluster.state, Drain(node, cluster.state.epoch, force=True),
+                                                  cluster.now))
+    cluster.settle()
+    with pytest.raises(RequestRefused, match="every member is drained"):
+        cluster.controller.request(cluster.state, Drain("a", cluster.state.epoch, undo=True), cluster.now)
+    for node in "ab":
+        cluster.append(cluster.controller.request(cluster.state, Drain(node, cluster.state.epoch, undo=True,
+                                                                       force=node == "a"), cluster.now))
+        cluster.settle()
+    cluster.assert_settled()
