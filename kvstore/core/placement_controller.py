@@ -375,12 +375,12 @@ class PlacementController:
                                  f"{', '.join(sorted(state.nodes)) or 'none'})")
         if node in state.drained:
             return []
-        # Nodes able to hold copies now: candidates that reported a moment ago (a node SIGKILLed a
-        # second ago may still be listed; a listing can be old when describing fails).
-        able = {n for n in state.candidates if self.fresh_report(n, now_ms, READY_REPORT_MAX_AGE_MS)} - {node}
+        # Nodes able to hold copies now: candidates that reported lately (a node SIGKILLed a moment
+        # ago may still be listed; a listing can be old when describing fails).
+        able = {n for n in state.candidates if self.fresh_report(n, now_ms)} - {node}
         r = settings_r = state.settings.replication_factor
         newest_ms = max((report.at_ms for report in self._reports.values()), default=None)
-        if len(able) < r and not request.force and (newest_ms is None or now_ms - newest_ms > READY_REPORT_MAX_AGE_MS):
+        if len(able) < r and not request.force and (newest_ms is None or now_ms - newest_ms > REPORT_MAX_AGE_MS):
             # Every report is old: the controller's own rounds are slow, not the nodes away.
             raise RequestRefused("the placement controller's reports are a moment old (its rounds are slow): it "
                                  "cannot judge the drain's floor now; retry", retry=True)

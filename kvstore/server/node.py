@@ -454,6 +454,8 @@ class Node:
         targets = self.log.state.targets()
         if self._membership is None or not self._membership.joined or not targets or self._misconfigured:
             return False
+        if not self._ready_once and self.config.node_id not in self.log.state.nodes:
+            return False  # not a member in the log yet: the targets do not count it (its copies to come)
         if not self._ready_once:
             me = self.config.node_id
             for shard, target in enumerate(targets):

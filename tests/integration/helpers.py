@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from kvstore import limits
+from kvstore.client import ShardMap
 from tests.waiting import wait_until
 from wal import Replayer, ShardWriter, WriterConfig, WriterIdentity, shard_transactional_id
 from wal.record import AcceptedRecord
@@ -129,3 +130,14 @@ class ZombieProcess:
             self.proc.kill()
             self.proc.wait(10)
 
+
+def placement_settled(smap: ShardMap, live: set[str]) -> bool:
+    """Every shard led and held by exactly its targets in the placement log, each a replica in its
+    leadership group; every live node listed (docs/design.md §9: the moves a join starts are done)."""
+    if {n.node_id for n in smap.nodes} != live:
+        return False
+    for info in smap.shards:
+        copies = {(r.node_id, r.state, r.in_group) for r in info.replicas}
+        if not info.leader_ready or not info.placed_on or copies != {(n, "replica", True) for n in info.placed_on}:
+            return False
+    return True

@@ -16,7 +16,7 @@ from kvstore.client import Client, ClientSecurity, ShardMap
 from kvstore.core.sharding import shard_of
 from kvstore.dev.ca import DevCA, DevPki
 from tests.conftest import unique
-from tests.integration.helpers import REPO
+from tests.integration.helpers import REPO, placement_settled
 from tests.integration.store_process import StoreProcess
 from tests.waiting import wait_until
 
@@ -81,12 +81,12 @@ class SecureCluster:
         return self.security(role).channel(address)
 
     def wait_settled(self, timeout_s: float = 60.0) -> ShardMap:
-        """Every shard led and every node in the map: the nodes' peer calls are authenticated."""
+        """Every shard led by its targets and every node in the map: the nodes' peer calls are
+        authenticated."""
         with self.client("read") as client:
             def settled() -> ShardMap | None:
                 smap = client.shard_map(timeout_s=10)
-                return smap if all(s.leader_ready for s in smap.shards) and len(smap.nodes) == len(self.nodes) \
-                    else None
+                return smap if placement_settled(smap, {n.node_id for n in self.nodes}) else None
 
             return wait_until(settled, timeout_s, interval_s=0.2, what="every shard led and every node listed")
 

@@ -22,6 +22,7 @@ from kvstore.core.sharding import shard_of
 from kvstore.dev import demo
 from kvstore.v1 import kv_pb2, kv_pb2_grpc
 from tests.conftest import unique
+from tests.integration.helpers import placement_settled
 from tests.integration.store_process import StoreProcess
 from tests.waiting import wait_until
 from wal.broker import LocalKafka
@@ -63,14 +64,15 @@ class Cluster:
         return next(n for n in self.nodes if n.node_id == node_id)
 
     def wait_settled(self, timeout_s: float = 60.0) -> ShardMap:
-        """Every shard has a ready leader, every live node answered."""
+        """Every shard has a ready leader and exactly its target copies, every live node answered."""
         live = [n for n in self.nodes if n.proc is not None and n.proc.poll() is None]
         with self.client() as client:
             def settled() -> ShardMap | None:
                 smap = client.shard_map(timeout_s=10)
-                return smap if all(s.leader_ready for s in smap.shards) and len(smap.nodes) == len(live) else None
+                return smap if placement_settled(smap, {n.node_id for n in live}) else None
 
-            return wait_until(settled, timeout_s, interval_s=0.2, what="every shard led and every node listed")
+            return wait_until(settled, timeout_s, interval_s=0.2,
+                              what="every shard led, held by its targets, every node listed")
 
     def leader_of(self, shard: int) -> StoreProcess:
         smap = self.wait_settled()
@@ -255,3 +257,4 @@ def test_failed_apply_after_commit_hands_the_node_shards_over(kafka: LocalKafka,
         assert n1.metric("kvstore_rebuilds_total") >= 1
     finally:
         cluster.stop()
+

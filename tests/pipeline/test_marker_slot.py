@@ -26,6 +26,7 @@ from pyspark.sql import SparkSession
 from kvstore.client import Client, ShardMap
 from kvstore.core.sharding import shard_of
 from tests.conftest import unique
+from tests.integration.helpers import placement_settled
 from tests.integration.store_process import StoreProcess
 from tests.pipeline.conftest import cli_json
 from tests.waiting import NotYet, wait_until
@@ -58,7 +59,7 @@ class Pair:
         with self.client() as client:
             def settled() -> ShardMap:
                 smap = client.shard_map(timeout_s=10)
-                if not all(s.leader_ready for s in smap.shards) or len(smap.nodes) != expected_nodes:
+                if len(smap.nodes) != expected_nodes or not placement_settled(smap, {n.node_id for n in smap.nodes}):
                     raise NotYet(smap)
                 return smap
 
