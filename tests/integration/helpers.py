@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import queue
@@ -9,11 +10,15 @@ import signal
 import subprocess
 import sys
 import threading
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvstore import limits
 from kvstore.client import ShardMap
+
+if TYPE_CHECKING:
+    from tests.integration.store_process import StoreProcess
 from tests.waiting import wait_until
 from wal import Replayer, ShardWriter, WriterConfig, WriterIdentity, shard_transactional_id
 from wal.record import AcceptedRecord
@@ -141,3 +146,12 @@ def placement_settled(smap: ShardMap, live: set[str]) -> bool:
         if not info.leader_ready or not info.placed_on or copies != {(n, "replica", True) for n in info.placed_on}:
             return False
     return True
+
+
+def start_all(nodes: Sequence[StoreProcess], timeout_s: float = 90.0) -> None:
+    """Start `nodes` together, as after a power cut or a deploy, and wait until each serves: the
+    placement controller then places a new cluster's shards once, with every node a member, and
+    no test waits for one node after another."""
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, len(nodes))) as pool:
+        for started in [pool.submit(node.start, timeout_s) for node in nodes]:
+            started.result()

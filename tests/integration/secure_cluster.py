@@ -16,7 +16,7 @@ from kvstore.client import Client, ClientSecurity, ShardMap
 from kvstore.core.sharding import shard_of
 from kvstore.dev.ca import DevCA, DevPki
 from tests.conftest import unique
-from tests.integration.helpers import REPO, placement_settled
+from tests.integration.helpers import REPO, placement_settled, start_all
 from tests.integration.store_process import StoreProcess
 from tests.waiting import wait_until
 
@@ -60,8 +60,7 @@ class SecureCluster:
         return {"KVSTORE_CA": str(self.pki.ca), "KVSTORE_TOKEN_FILE": str(self.pki.tokens[role])}
 
     def start(self) -> SecureCluster:
-        for node in self.nodes:
-            node.start(timeout_s=90)
+        start_all(self.nodes)
         self.wait_settled()
         return self
 

@@ -30,6 +30,7 @@ from kvstore.core.sharding import shard_of
 from kvstore.dev import demo
 from kvstore.v1 import kv_pb2
 from tests.conftest import unique
+from tests.integration.helpers import start_all
 from tests.integration.registers import Registers
 from tests.integration.store_process import REPO, StoreProcess
 from tests.integration.test_cluster import acks_grow
@@ -59,8 +60,7 @@ class Placed:
                                         "--session-timeout-ms", str(SESSION_TIMEOUT_MS)))
 
     def start(self) -> Placed:
-        for node in self.nodes:
-            node.start(timeout_s=90)
+        start_all(self.nodes)
         self.wait_placed()
         return self
 
@@ -351,9 +351,8 @@ def test_a_drain_below_r_is_refused_unless_forced_and_a_late_node_at_cold_start_
                 elif info.shard in ready_once:
                     violations.append(f"shard {info.shard}: no ready copy ({info.replicas})")
 
-        for node in early:
-            node.start(timeout_s=90)
-        deadline = time.monotonic() + (GRACE_MS / 1000) * 2 + 5
+        start_all(early)
+        deadline = time.monotonic() + GRACE_MS / 1000 + 4  # past the grace period: n4 is gone
         while time.monotonic() < deadline:
             with cluster.client() as client:
                 watch_ready(client.shard_map(timeout_s=10))
