@@ -7,7 +7,8 @@ Two principals, and nobody else anything (the broker denies what no ACL allows):
   ids are what fences a stale leader, so only the store may take them), replays it, creates it
   at the first start, reads its settings (`wal.topic` checks the retention) and runs the
   membership group and the shards' leadership groups (all named after the group), and keeps
-  the operators' placement settings in the WAL's control topic (`wal.control`, `<wal topic>.control`);
+  the placement log (`<wal topic>.placement`), appended by its controller through its own
+  transactional id (`<wal topic>.placement`, which fences as a shard's does);
 - the pipeline's (Spark jobs, `kvstore audit`, ...): reads the WAL, and keeps the registry of
   who still reads it (`wal.readers`, the topic `<wal topic>.readers`: a change feed creates it,
   records its position there and reads it back). It cannot append to the WAL, take a shard's
