@@ -137,13 +137,16 @@ class ZombieProcess:
 
 
 def placement_settled(smap: ShardMap, live: set[str]) -> bool:
-    """Every shard led and held by exactly its targets in the placement log, each a replica in its
-    leadership group; every live node listed (docs/design.md §9: the moves a join starts are done)."""
+    """Every shard led and held by exactly its targets in the placement log among the `live` nodes,
+    each a replica in its leadership group; every live node listed (docs/design.md §9: the moves a
+    join starts are done)."""
     if {n.node_id for n in smap.nodes} != live:
         return False
     for info in smap.shards:
-        copies = {(r.node_id, r.state, r.in_group) for r in info.replicas}
-        if not info.leader_ready or not info.placed_on or copies != {(n, "replica", True) for n in info.placed_on}:
+        # A node stopped within the grace period is still a target; its copies are not listed.
+        copies = {(r.node_id, r.state, r.in_group) for r in info.replicas if r.node_id in live}
+        targets = set(info.placed_on) & live
+        if not info.leader_ready or not targets or copies != {(n, "replica", True) for n in targets}:
             return False
     return True
 
