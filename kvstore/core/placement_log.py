@@ -331,12 +331,6 @@ def _check_node(node: str) -> None:
         raise Skipped("invalid node id", problem)
 
 
-def step(shard: int, node: str, kind: placement_pb2.CopyStepKind, reason: str,
-         at_ms: int) -> placement_pb2.PlacementRecord:
-    return placement_pb2.PlacementRecord(reason=reason[:MAX_REASON_CHARS], at_ms=at_ms,
-                                         step=placement_pb2.CopyStep(shard=shard, node_id=node, kind=kind))
-
-
 def fold(records: list[tuple[int, bytes]]) -> PlacementState:
     """The state after `records` (offset, payload), in order: the audit's and the tests' way."""
     state = PlacementState()

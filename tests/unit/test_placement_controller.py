@@ -349,3 +349,80 @@ def test_undoing_one_drain_of_an_all_drained_cluster_is_refused_unless_forced() 
                                                                        force=node == "a"), cluster.now))
         cluster.settle()
     cluster.assert_settled()
+
+
+def test_caught_up_is_reached_within_the_lag_bound_and_able() -> None:
+    from kvstore.core.placement_controller import CAUGHT_UP_LAG, is_caught_up
+    assert is_caught_up(True, CAUGHT_UP_LAG, False)
+    assert not is_caught_up(True, CAUGHT_UP_LAG + 1, False)
+    assert not is_caught_up(False, 0, False) and not is_caught_up(True, 0, True) and not is_caught_up(True, -1, False)
+
+
+def test_operators_mistakes_are_refused_saying_why_and_repeats_are_no_ops() -> None:
+    empty = PlacementState()
+    machine = PlacementController("c", "c:1", 1, Settings(4, 2, 4000, 2), 0)
+    assert machine.away_ms(empty) == {}  # no listing yet: nobody is away
+    with pytest.raises(RequestRefused, match="no placement yet"):
+        machine.request(empty, Drain("a", 0), 0)
+    cluster = Cluster(["a", "b", "c"], shards=4, r=2)
+    cluster.settle()
+    state, request = cluster.state, cluster.controller.request
+
+    def ask(what: Drain | Move) -> list[placement_pb2.PlacementRecord]:
+        return request(state, what, cluster.now)
+
+    assert ask(Drain("a", state.epoch, undo=True)) == []  # not drained: nothing to undo
+    with pytest.raises(RequestRefused, match="not a member"):
+        ask(Drain("zz", state.epoch))
+    with pytest.raises(RequestRefused, match="does not exist"):
+        ask(Move(9, state.epoch, to="a"))
+    assert ask(Move(1, state.epoch, unpin=True)) == []  # not pinned
+    with pytest.raises(RequestRefused, match="not in the membership group now"):
+        ask(Move(1, state.epoch, to="zz"))
+    to = next(n for n in "abc" if n not in state.targets()[2])
+    cluster.append(ask(Move(2, state.epoch, to=to)))
+    cluster.append(ask(Move(2, state.epoch, unpin=True)))
+    assert 2 not in state.pins
+    cluster.append(ask(Drain("a", state.epoch)))
+    assert ask(Drain("a", state.epoch)) == []  # drained already
+
+
+def test_a_retired_copy_targeted_again_rejoins_and_a_new_cluster_waits_for_every_report() -> None:
+    cluster = Cluster(["a", "b", "c"], shards=3, r=2)
+    cluster.now += ROUND_MS
+    cluster.controller.members_listed(["a", "b", "c"], cluster.now)
+    cluster.now += 2 * ROUND_MS
+    cluster.controller.members_listed(["a", "b", "c"], cluster.now)
+    cluster.controller.report(NodeReport("a", "", {}, cluster.now))
+    assert cluster.controller.plan(cluster.state, cluster.now) == []  # b and c have not reported
+    cluster.settle()
+    shard = 0
+    giver = cluster.state.targets()[shard][0]
+    retire = placement_pb2.PlacementRecord(step=placement_pb2.CopyStep(  # as an older controller left it
+        shard=shard, node_id=giver, kind=placement_pb2.COPY_STEP_KIND_RETIRE))
+    assert cluster.state.apply(cluster.state.position, retire.SerializeToString()) is None
+    cluster.follow()
+    records = cluster.round()
+    assert any(r.step.kind == placement_pb2.COPY_STEP_KIND_REJOIN and r.step.node_id == giver for r in records)
+
+
+def test_a_round_appends_a_bounded_number_of_records_and_the_mutation_counts_everything_ready() -> None:
+    from kvstore.core.placement_controller import DROP_BEFORE_CAUGHT_UP, MAX_RECORDS_PER_ROUND
+    cluster = Cluster([f"n{i}" for i in range(40)], shards=200, r=3, learners=64)
+    for _ in range(4):
+        records = cluster.round()
+        assert len(records) <= MAX_RECORDS_PER_ROUND
+    mutated = PlacementController("c", "c:1", 1, cluster.settings, cluster.now, mutations=frozenset(
+        {DROP_BEFORE_CAUGHT_UP}))
+    learning = next(s for s, copies in cluster.state.copies.items() if CopyState.LEARNER in copies.values())
+    assert mutated.ready(cluster.state, learning, cluster.now) >= {
+        n for n, c in cluster.state.copies_of(learning).items() if c is CopyState.LEARNER}
+
+
+def test_the_follower_keeps_what_the_log_does_not_mention_and_the_mutation_drops_it() -> None:
+    from kvstore.core.placement_follower import DROP_REOPENED_COPY
+    state = PlacementState()
+    found = {3: Local(True, False, True, found_at_start=True)}
+    assert placement_follower.acts(state, "a", found) == []
+    assert placement_follower.acts(state, "a", found, mutations=frozenset({DROP_REOPENED_COPY})) == [(3, Act.DROP)]
+    assert placement_follower.acts(state, "a", {3: Local(True, True, True)}) == [(3, Act.LEAVE)]

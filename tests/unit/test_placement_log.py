@@ -148,3 +148,22 @@ def test_a_controller_term_only_grows_and_hostile_names_cannot_grow_the_counters
         state.apply(state.position, step(i % 4, f"x{i}", Step.COPY_STEP_KIND_PROMOTE))
     assert set(state.skipped) == {"invalid controller", "not a member", "invalid step"}
     assert all(len(e.summary) < 400 for e in state.recent)
+
+
+def test_settings_and_names_beyond_the_bounds_are_refused_and_an_unpin_is_taken() -> None:
+    from kvstore.core.placement_log import MAX_NODES, zone_problem
+    for bad in (Settings(0, 2, 1000, 2), Settings(4, 2, -1, 2), Settings(4, 2, 1000, 0)):
+        assert bad.problem() is not None
+        assert "invalid settings" in (PlacementState().apply(0, rec(settings=bad.to_proto())) or "")
+    assert zone_problem("z" * 65) is not None and zone_problem("") is None
+    state = started("a")
+    why = state.apply(state.position, rec(node_joined=placement_pb2.NodeJoined(node_id="b", zone="z" * 65)))
+    assert why is not None and why.startswith("invalid zone")
+    assert state.apply(state.position, rec(pin=placement_pb2.PinShard(shard=1, nodes=["a"]))) is None
+    assert state.apply(state.position, rec(pin=placement_pb2.PinShard(shard=1))) is None and 1 not in state.pins
+    many = started()
+    for i in range(MAX_NODES):
+        many.nodes[f"n{i}"] = ""
+        many.drained.add(f"n{i}")
+    assert "too many nodes" in (many.apply(many.position, rec(node_joined=placement_pb2.NodeJoined(node_id="x"))) or "")
+    assert "too many nodes" in (many.apply(many.position, rec(drain=placement_pb2.DrainNode(node_id="x"))) or "")
