@@ -542,10 +542,22 @@ class LocalKafka:
         self.stop_node(node)
         self.start_node(node, wait=True, timeout_s=timeout_s)
 
-    def stop(self) -> None:
-        for node in list(self._procs):
-            self.resume_node(node)  # a paused JVM cannot handle SIGTERM
-            self.stop_node(node)
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """Controlled shutdown of every node at once, SIGKILL for any still running after
+        `timeout_s`. Not one after another: the last of three KRaft nodes has no controller
+        quorum left to acknowledge its controlled shutdown and hung until its SIGKILL (30 s
+        of every three-broker test's teardown)."""
+        running = [proc for proc in self._procs.values() if proc.poll() is None]
+        for proc in running:
+            proc.send_signal(signal.SIGCONT)  # a paused JVM cannot handle SIGTERM
+            proc.terminate()
+        deadline = time.monotonic() + timeout_s
+        for proc in running:
+            try:
+                proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(10)
 
     def create_topic(self, name: str, partitions: int, timeout_s: float = 30.0) -> None:
         """Create a topic replicated on every node (min.insync.replicas from the broker)."""

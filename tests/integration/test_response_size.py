@@ -231,7 +231,11 @@ def test_a_scan_gathered_across_two_nodes_pages_large_values_in_order(
     for the rest (ScanShards). Parts cut by bytes on either side must not make the merged page
     skip or repeat a key. Small and large values interleaved, so a part stops after one large
     value while the gathering node's own shards hold many small keys after it."""
-    cluster = Cluster(kafka.bootstrap_servers, tmp_path_factory.mktemp("resp-two"), nodes=2).start()
+    # One copy per shard: placement gives each node two of the four shards, so each leads some.
+    # With copies on both nodes, which one leads is the leadership groups' choice, and nothing
+    # makes it spread (a CI run saw one node lead all four).
+    cluster = Cluster(kafka.bootstrap_servers, tmp_path_factory.mktemp("resp-two"), nodes=2,
+                      extra_args=("--replication-factor", "1")).start()
     try:
         def both_lead() -> bool:
             return len({s.leader for s in cluster.wait_settled().shards}) == 2

@@ -9,12 +9,14 @@ Ports are fixed: each member has its own network namespace, hence its own port s
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import signal
 from pathlib import Path
 
 from kvstore.client import Client, ShardMap
+from tests.integration.helpers import start_all
 from tests.integration.store_process import StoreProcess
 from tests.robustness.net import SUBNET, Member, Network, SmallDisk
 from tests.waiting import wait_until
@@ -66,15 +68,16 @@ class SoakCluster:
         for disk in self.disks.values():
             disk.mount()
         self.kafka.start(timeout_s=180)
-        for node in self.nodes.values():
-            node.start(timeout_s=180)
+        start_all(list(self.nodes.values()), timeout_s=180)
         self.wait_settled(180)
         return self
 
     def stop(self) -> None:
         for node in self.nodes.values():
             self.resume_node(node.node_id)
-            node.stop()
+        with concurrent.futures.ThreadPoolExecutor(max_workers=len(self.nodes)) as pool:
+            for stopped in [pool.submit(node.stop) for node in self.nodes.values()]:
+                stopped.result()
         self.kafka.stop()
         for disk in self.disks.values():
             disk.empty()
