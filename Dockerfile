@@ -5,8 +5,8 @@
 # tests/unit/test_compose.py.
 #
 # Two stages on the same base (the virtualenv is copied from one to the other, so the Python
-# paths must match): `build` installs the dependencies, generates the gRPC stubs from proto/
-# (as `make proto` does), installs the project with them and builds the pipeline's jars (as
+# paths must match): `build` installs the dependencies, installs the project (its build generates
+# the gRPC stubs from proto/, setup.py, as `make proto` does) and builds the pipeline's jars (as
 # `make spark` does) with a JDK and Maven; the final stage holds only the virtualenv, the built
 # jars and a Java runtime, runs as an unprivileged user and keeps its LevelDB directory in /data.
 #
@@ -54,26 +54,23 @@ RUN python -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH
 WORKDIR /src
 
-# Dependencies first, in a layer that survives code changes: the runtime ones and grpcio-tools,
-# with the version ranges pyproject.toml gives (installed together, so the stub generator and the
-# grpcio/protobuf runtime are resolved to versions that accept each other's generated code).
+# Dependencies first, in a layer that survives code changes: the runtime ones, with the version
+# ranges pyproject.toml gives (their floors are what the generated stubs check at import).
 COPY pyproject.toml ./
 RUN python -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; x = p['optional-dependencies']; \
-        print(*p['dependencies'], *[d for d in x['server'] + x['spark'] if not d.startswith('kvstore')], \
-              *[d for d in x['dev'] if d.startswith('grpcio-tools')], sep='\n')" > /tmp/requirements.txt \
+        print(*p['dependencies'], *[d for d in x['server'] + x['spark'] if not d.startswith('kvstore')], sep='\n')" \
+        > /tmp/requirements.txt \
     && pip install -r /tmp/requirements.txt
 
-COPY README.md ./
+COPY setup.py MANIFEST.in README.md LICENSE CHANGELOG.md ./
 COPY proto/ proto/
 COPY wal/ wal/
 COPY kvstore/ kvstore/
 
-# The stubs are generated next to their packages (wal/v1, kvstore/v1, kvstore/internal/v1) before
-# the project is installed, so the installed packages contain them; .dockerignore keeps any local
-# ones out.
-RUN python -m grpc_tools.protoc -Iproto --python_out=. --pyi_out=. --grpc_python_out=. $(find proto -name '*.proto') \
-    && pip install --no-deps . \
-    && pip uninstall -y grpcio-tools \
+# The build generates the stubs next to their packages (wal/v1, kvstore/v1, kvstore/internal/v1)
+# with the pinned grpcio-tools of [build-system] (setup.py; pip's isolated build environment), so
+# the installed packages contain them; .dockerignore keeps any local ones out.
+RUN pip install --no-deps . \
     && pip check
 
 # The pipeline's jars into $KVSTORE_SPARK_HOME, built by the installed package (run from /, not

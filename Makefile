@@ -59,8 +59,10 @@ buf_class = --config '{"version":"v2","modules":[{"path":"proto"}],"breaking":{"
 NODES  ?= 3
 SHARDS ?= 4
 RF     ?= 3
+LOG_LEVEL ?= info
 up: venv proto kafka
-	$(PY) -m kvstore.dev.cluster --data-dir .data --nodes $(NODES) --shards $(SHARDS) --replication-factor $(RF)
+	$(PY) -m kvstore.dev.cluster --data-dir .data --nodes $(NODES) --shards $(SHARDS) --replication-factor $(RF) \
+	    --log-level $(LOG_LEVEL)
 
 # The same cluster secured (docs/security.md): gRPC over TLS with bearer tokens per role, Kafka with
 # SASL/SCRAM logins and ACLs; certificates and tokens from a development CA in .data-secure/tls/.
@@ -180,7 +182,8 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e '.[dev]'
 	touch $@
 
-# Stubs are generated next to their packages (wal/v1, kvstore/v1) and never committed.
+# Stubs are generated next to their packages (wal/v1, kvstore/v1) and never committed; every
+# build (`pip install .`, a wheel, an sdist) generates them too, with the same command (setup.py).
 # Regenerated when a .proto changes (or the virtualenv, which holds protoc): the stamp lets the
 # targets that `make test-setup` runs at once all depend on `proto` without rewriting the stubs
 # under another job that reads them.
@@ -188,7 +191,7 @@ PROTO_STAMP := .tools/proto.stamp
 proto: $(PROTO_STAMP)
 
 $(PROTO_STAMP): $(PROTOS) $(VENV)/.installed
-	$(PY) -m grpc_tools.protoc -Iproto --python_out=. --pyi_out=. --grpc_python_out=. $(PROTOS)
+	$(PY) setup.py stubs
 	@mkdir -p $(dir $@) && touch $@
 
 kafka: venv

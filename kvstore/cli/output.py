@@ -93,7 +93,7 @@ def shard_map_record(smap: ShardMap) -> dict[str, Any]:
                                       "in_group": r.in_group} for r in s.replicas]}
                        for s in smap.shards],
             "nodes": [{"node_id": n.node_id, "address": n.address, "leads": list(n.leads), "can_lead": n.can_lead,
-                       "zone": n.zone} for n in smap.nodes]}
+                       "zone": n.zone, "version": n.version} for n in smap.nodes]}
 
 
 def _replicas(shard: ShardInfo) -> str:
@@ -194,9 +194,9 @@ class ResultPrinter(Printer):
         if smap.nodes:
             self.line("")
             self.line(format_table(
-                ["NODE", "ADDRESS", "ZONE", "LEADS", "ROLE"],
+                ["NODE", "ADDRESS", "ZONE", "LEADS", "ROLE", "VERSION"],
                 [[n.node_id, n.address, n.zone or "-", ",".join(map(str, n.leads)) or "-",
-                  "leader-capable" if n.can_lead else "read replica"] for n in smap.nodes]))
+                  "leader-capable" if n.can_lead else "read replica", n.version or "-"] for n in smap.nodes]))
 
     def transactions(self, txns: list[TransactionInfo]) -> None:
         if self.json:

@@ -12,6 +12,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+import kvstore
 from kvstore import limits
 from kvstore.cli.registry import register_all
 from kvstore.cli.txn_syntax import TXN_SYNTAX
@@ -95,10 +96,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="kvstore", description="Client for the kvstore sharded key-value store.",
         epilog="Txn syntax: `kvstore txn --help`. With --output json every result is one JSON object per line; "
-        "bytes that are not UTF-8 are base64 with a <field>_base64 flag. Exit status: 0 ok, 2 invalid arguments, "
-        "1 other errors.",
+        "bytes that are not UTF-8 are base64 with a <field>_base64 flag; an error is one JSON object on stderr. "
+        "Exit status: 0 ok, 1 failed (nothing happened), 2 invalid arguments, 3 a write's outcome unknown (retry "
+        "with the --request-id it prints), 4 no node reached (nothing was sent), 130 interrupted (docs/cli.md).",
     )
     _add_common(parser, defaults=True)
+    parser.add_argument("--version", action="version", version=f"kvstore {kvstore.__version__}",
+                        help="print the installed kvstore version and exit")
     common = _Parser(add_help=False)
     _add_common(common, defaults=False)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")

@@ -191,6 +191,7 @@ class NodeInfo:
     leads: tuple[int, ...]  # shards it leads now (fenced and bootstrapped)
     can_lead: bool  # False for a read replica
     zone: str = ""
+    version: str = ""  # the kvstore release it runs ("" from a node older than the field)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -223,7 +224,8 @@ class ShardMap:
                       tuple(s.placed_on))
             for s in resp.shards
         )
-        nodes = tuple(NodeInfo(n.node_id, n.address, tuple(n.leads), n.can_lead, n.zone) for n in resp.nodes)
+        nodes = tuple(NodeInfo(n.node_id, n.address, tuple(n.leads), n.can_lead, n.zone,
+                                       n.version) for n in resp.nodes)
         return cls(resp.shard_count, resp.topic, resp.served_by, shards, nodes, resp.placement_epoch,
                    resp.controller)
 

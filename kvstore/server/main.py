@@ -32,6 +32,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
+import kvstore
 import wal
 from kvstore import limits
 from kvstore.internal.v1 import peer_pb2_grpc
@@ -140,7 +141,8 @@ async def serve(config: NodeConfig, ready: Callable[[str], None] | None = None) 
         raise
     health_task = asyncio.create_task(_health_loop(node, health_servicer, stop))
     log.info("serving", extra={"event": "serving", "address": address, "node": config.node_id,
-                               "shards": config.shards, "topic": config.wal_topic, "security": security.mode})
+                               "shards": config.shards, "topic": config.wal_topic, "security": security.mode,
+                               "version": kvstore.__version__})
     if ready is not None:
         ready(address)
     await stop.wait()
@@ -179,9 +181,11 @@ def main(argv: list[str] | None = None) -> int:
         epilog="Every setting is a flag, a KVSTORE_* environment variable and a key of the --config TOML file "
                "(kvstore.server.config); an unknown KVSTORE_* variable or file key is refused.")
     parser.add_argument("--log-format", choices=("json", "text"), default="json")
+    parser.add_argument("--log-level", choices=logs.LEVELS, default="info",
+                        help="the least severe level logged (default: info)")
     config.add_flags(parser)
     args = parser.parse_args(argv)
-    logs.configure(args.log_format)
+    logs.configure(args.log_format, args.log_level)
     try:
         settings = config.from_args(args)
         auth.load(settings)  # refuse a contradictory or unreadable security setting before anything starts

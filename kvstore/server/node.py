@@ -26,6 +26,7 @@ from pathlib import Path
 
 import grpc
 
+import kvstore
 import wal
 import wal.topic
 from kvstore import errors
@@ -496,7 +497,7 @@ class Node:
         response = cluster_pb2.ShardMapResponse(shard_count=config.shards, topic=config.wal_topic,
                                                 served_by=config.node_id)
         me = cluster_pb2.NodeInfo(node_id=config.node_id, address=self.address, can_lead=config.lead,
-                                  zone=config.zone)
+                                  zone=config.zone, version=kvstore.__version__)
         local = self._local()
         for shard, replica in sorted(self.replicas.items()):
             # The last known high watermark (refreshed every second): a map must answer at once,

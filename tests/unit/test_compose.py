@@ -199,18 +199,6 @@ def cli_args(argv: list[str]) -> argparse.Namespace:
         raise AssertionError(f"kvstore refuses {shlex.join(argv)}") from exc
 
 
-def protoc_flags(command: str) -> list[str]:
-    """The options given to grpc_tools.protoc in a shell command (the file list excluded)."""
-    tokens = command.split()
-    start = tokens.index("grpc_tools.protoc") + 1
-    flags: list[str] = []
-    for token in tokens[start:]:
-        if not token.startswith("-"):
-            break
-        flags.append(token)
-    return flags
-
-
 # ---- Kafka -----------------------------------------------------------------------------------
 
 
@@ -496,20 +484,19 @@ def test_image_runs_the_node() -> None:
     assert image_env().get("KVSTORE_LISTEN", "").startswith("0.0.0.0:"), "reachable from outside the container"
 
 
-def test_image_generates_the_stubs_like_make_proto_before_installing() -> None:
+def test_image_generates_the_stubs_by_the_package_build_like_make_proto() -> None:
+    """One way to generate stubs everywhere: the package's build (setup.py), which `make proto`
+    runs too. The image installs the project with pip's isolated build (the pinned grpcio-tools of
+    [build-system]) from a context holding setup.py and proto/, and never runs protoc itself."""
     runs = [rest for keyword, rest in dockerfile() if keyword == "RUN"]
-    protoc = [i for i, run in enumerate(runs) if "grpc_tools.protoc" in run]
-    assert len(protoc) == 1, "one RUN generates the stubs"
-    command = runs[protoc[0]]
-    makefile = next(line for line in (ROOT / "Makefile").read_text().splitlines() if "grpc_tools.protoc" in line)
-    assert protoc_flags(command) == protoc_flags(makefile)
-    assert "$(find proto -name '*.proto')" in command, "every .proto under proto/"
-    # The project is installed after them (so it contains them), in that RUN or a later one.
-    script = " && ".join(runs)
-    install = re.search(r"pip install (?:--?\S+ )*'?\.(?:\[[\w,]+\])?'?(?:\s|$)", script)
-    assert install and install.start() > script.index("grpc_tools.protoc"), "pip install . after protoc"
+    assert not [run for run in runs if "grpc_tools.protoc" in run], "no second way of generating stubs"
+    makefile = (ROOT / "Makefile").read_text()
+    assert "setup.py stubs" in makefile and "grpc_tools.protoc" not in makefile
+    install = [run for run in runs if re.search(r"pip install (?:--?\S+ )*'?\.(?:\[[\w,]+\])?'?(?:\s|$)", run)]
+    assert len(install) == 1 and "--no-build-isolation" not in install[0], install
     copied = [rest.split() for keyword, rest in dockerfile() if keyword == "COPY" and not rest.startswith("--from")]
-    assert any(args[0].rstrip("/") == "proto" for args in copied)
+    sources = {source.rstrip("/") for args in copied for source in args[:-1]}
+    assert {"proto", "setup.py", "MANIFEST.in", "pyproject.toml"} <= sources, sources
 
 
 def test_build_context_has_what_the_image_copies_and_no_local_stubs() -> None:
