@@ -13,8 +13,14 @@ import json
 from collections.abc import Iterable, Sequence
 from typing import Any, TextIO
 
-# Exit statuses, the same for every command (the CLI's docstring says which error gets which).
-EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+# Exit statuses, the same for every command (the CLI's docstring and docs/cli.md say which error
+# gets which): a script tells "nothing happened" (1, 4) from "may have happened" (3) by the status.
+EXIT_OK = 0
+EXIT_ERROR = 1  # a definite failure: the store refused, or did nothing
+EXIT_USAGE = 2  # invalid arguments, or a request the server refused as invalid
+EXIT_UNKNOWN = 3  # a write's outcome is unknown: retry with the request id it names
+EXIT_UNREACHABLE = 4  # no attempt reached any node: nothing was sent, nothing happened
+EXIT_INTERRUPTED = 130
 
 
 class Printer:

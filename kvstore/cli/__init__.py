@@ -25,14 +25,16 @@ Output: `table` (default) is for people; `json` prints one JSON object per line.
 values are UTF-8 strings when they decode, else base64 with `"<field>_base64": true`.
 A missing key is not an error: `get` prints "(not found)" (json: `"found": false`), exit 0.
 
-Exit status: 0 success (and Ctrl-C during `watch`); 2 invalid arguments or a request the
-server refused as invalid; 1 any other error (unavailable, deadline, ...); 130 Ctrl-C elsewhere.
-Errors are one line on stderr, never a traceback.
+Exit status (docs/cli.md; `kvstore.output`): 0 success (and Ctrl-C during `watch`); 1 a definite
+failure (the store refused, or did nothing); 2 invalid arguments or a request the server refused
+as invalid; 3 a write's outcome is unknown; 4 unreachable (no attempt reached any node: nothing
+was sent); 130 Ctrl-C elsewhere. Errors are one line on stderr, never a traceback; with
+`--output json`, one JSON object (`error_record`: reason, outcome, request id, first attempt).
 
-Writes and unknown outcomes (W7): a write that may or may not have committed exits 1 with
+Writes and unknown outcomes (W7): a write that may or may not have committed exits 3 with
 "outcome unknown (retry with --request-id ID --first-attempt-unix-ms MS)"; running the same
 command with those two options applies it at most once. If the store no longer remembers that
-id it refuses the retry ("request id expired", exit 1): the write's outcome is then unknown for
+id it refuses the retry ("request id expired", exit 3): the write's outcome is then unknown for
 good, and only reading the data tells. Any other error of a write (Ctrl-C aside) means it did
 not happen.
 """
@@ -40,12 +42,13 @@ not happen.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from collections.abc import Sequence
 
 from kvstore.cli import client_commands, extra_commands
-from kvstore.cli.client_commands import error_name, min_revisions
+from kvstore.cli.client_commands import error_name, error_record, exit_status, min_revisions
 from kvstore.cli.output import ResultPrinter
 from kvstore.cli.parser import (
     DEFAULT_ENDPOINT,
@@ -58,7 +61,7 @@ from kvstore.cli.parser import (
 )
 from kvstore.cli.registry import Handler
 from kvstore.cli.txn_syntax import TXN_SYNTAX, TxnSyntaxError, parse_compare, parse_op, parse_txn
-from kvstore.client import InvalidArgument, KvError
+from kvstore.client import KvError
 from kvstore.output import EXIT_ERROR, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, display, format_table, one_line
 
 # The names scripts and tests imported from `kvstore.cli` when it was one module.
@@ -115,12 +118,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     printer = ResultPrinter(args.output, sys.stdout)
     try:
         return _run(args, printer)
-    except InvalidArgument as exc:
-        print(f"kvstore: invalid argument: {one_line(str(exc))}", file=sys.stderr)
-        return EXIT_USAGE
     except KvError as exc:
-        print(f"kvstore: {error_name(exc)}: {one_line(str(exc))}", file=sys.stderr)
-        return EXIT_ERROR
+        if printer.json:  # one object a script can read: outcome, request id, reason
+            print(json.dumps(error_record(exc), ensure_ascii=False, separators=(",", ":")), file=sys.stderr)
+        else:
+            print(f"kvstore: {error_name(exc)}: {one_line(str(exc))}", file=sys.stderr)
+        return exit_status(exc)
     except KeyboardInterrupt:
         print("kvstore: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED

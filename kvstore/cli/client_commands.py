@@ -26,9 +26,11 @@ from kvstore.client import (
     KvError,
     PlacementChange,
     RequestExpired,
+    UnknownOutcome,
+    Unreachable,
 )
 from kvstore.limits import MAX_SCAN_LIMIT
-from kvstore.output import EXIT_ERROR, EXIT_OK
+from kvstore.output import EXIT_ERROR, EXIT_OK, EXIT_UNKNOWN, EXIT_UNREACHABLE, EXIT_USAGE, one_line
 
 
 def make_client(endpoints: Sequence[str], timeout_s: float, security: ClientSecurity | None = None) -> Client:
@@ -196,6 +198,7 @@ def _watch(client: Client, args: argparse.Namespace, printer: ResultPrinter) -> 
 
 _ERROR_NAMES: dict[str, str] = {
     "NotLeader": "not leader", "Unavailable": "unavailable", "UnknownOutcome": "outcome unknown",
+    "Unreachable": "unreachable, nothing was sent", "InvalidArgument": "invalid argument",
     "Overloaded": "overloaded", "DeadlineExceeded": "deadline exceeded", "Cancelled": "cancelled",
     "RequestExpired": "request id expired, outcome unknown", "Unauthenticated": "unauthenticated",
     "PermissionDenied": "permission denied",
@@ -205,13 +208,50 @@ _ERROR_NAMES: dict[str, str] = {
 def error_name(exc: KvError) -> str:
     """How a failed call is named on stderr; for a write whose outcome is unknown, with the
     options that finish it safely (`kvstore.cli`'s docstring: "Writes and unknown outcomes")."""
-    name = _ERROR_NAMES.get(type(exc).__name__, "error")
+    name = _by_class(exc, _ERROR_NAMES, "error")
     if isinstance(exc, RequestExpired):
         # Retrying is refused again; only reading the data can tell what happened.
         return f"{name} (check the data before writing again)"
-    if exc.request_id and type(exc).__name__ in ("UnknownOutcome", "DeadlineExceeded"):
+    if exc.request_id and isinstance(exc, UnknownOutcome):
         # Say how to finish the job safely: the same id (and first-attempt time, so the store
         # can tell a retry it no longer remembers) makes a retry apply at most once.
         first = f" --first-attempt-unix-ms {exc.first_attempt_unix_ms}" if exc.first_attempt_unix_ms else ""
         name += f" (retry with --request-id {exc.request_id}{first})"
     return name
+
+
+def _by_class(exc: KvError, table: dict[str, str], default: str) -> str:
+    """The entry of the error's class, else of its nearest base (CrossShardTxn: InvalidArgument's)."""
+    return next((table[c.__name__] for c in type(exc).__mro__ if c.__name__ in table), default)
+
+
+def exit_status(exc: KvError) -> int:
+    """The exit status of a failed call (kvstore.output): an unknown outcome, no node reached,
+    invalid, or any other definite failure."""
+    if isinstance(exc, InvalidArgument):
+        return EXIT_USAGE
+    if isinstance(exc, UnknownOutcome | RequestExpired):
+        return EXIT_UNKNOWN
+    if isinstance(exc, Unreachable):
+        return EXIT_UNREACHABLE
+    return EXIT_ERROR
+
+
+# A reason for the errors the client decides itself (the server's ErrorInfo reason otherwise).
+_CLIENT_REASONS: dict[str, str] = {
+    "Unreachable": "UNREACHABLE", "UnknownOutcome": "OUTCOME_UNKNOWN", "DeadlineExceeded": "DEADLINE_EXCEEDED",
+    "Cancelled": "CANCELLED", "Unavailable": "UNAVAILABLE", "InvalidArgument": "INVALID_ARGUMENT",
+    "RequestExpired": "REQUEST_ID_EXPIRED",
+}
+
+
+def error_record(exc: KvError) -> dict[str, object]:
+    """A failed call as one JSON object (stderr under `--output json`), so a script reads the
+    outcome and the request id to retry with instead of scraping a sentence."""
+    status = exit_status(exc)
+    return {"error": one_line(str(exc)), "kind": _by_class(exc, _ERROR_NAMES, "error"),
+            "reason": exc.reason or _by_class(exc, _CLIENT_REASONS, ""),
+            "code": exc.code.name if exc.code is not None else "",
+            "outcome": "unknown" if status == EXIT_UNKNOWN else "none",
+            "request_id": exc.request_id or "", "first_attempt_unix_ms": exc.first_attempt_unix_ms or 0,
+            "attempts": exc.attempts, "target": exc.target or "", "exit_status": status}

@@ -18,14 +18,16 @@ What it adds on top of the generated stubs, and why:
   - it returns: the write committed, once (`replayed` says an earlier attempt did it);
   - `UnknownOutcome`: some attempt may have committed. That is an attempt the server answered
     with `kvstore-outcome: unknown`, or one that failed *without* the `none` tag, whatever the
-    code: a dropped connection (UNAVAILABLE "Socket closed"), a failed connect, CANCELLED,
-    INTERNAL, a bare UNKNOWN, DEADLINE_EXCEEDED (the per-attempt cap or the call's deadline
-    cutting an attempt short), an untagged RESOURCE_EXHAUSTED (the client does not guess from
-    gRPC's wording which of these happened before the request left). Such attempts are retried
+    code: a dropped connection (UNAVAILABLE "Socket closed"), CANCELLED, INTERNAL, a bare
+    UNKNOWN, DEADLINE_EXCEEDED (the per-attempt cap or the call's deadline cutting an attempt
+    short), an untagged RESOURCE_EXHAUSTED. Such attempts are retried
     with the same id; the exception carries `request_id` and `first_attempt_unix_ms` to retry
     with later. Once one attempt was unknown, the call never ends in a definite error;
   - `RequestExpired`: the store refused a retry whose id is older than its horizon; this retry
     did nothing, the original attempt's outcome is unknown and cannot be learnt from the store;
+  - `Unreachable`: no attempt reached a server, so nothing was sent and nothing committed:
+    gRPC itself reported every attempt as never sent (no connection to send it on: connections
+    refused, a failed TLS handshake; or a name that did not resolve; `errors.never_sent`);
   - any other `KvError` is definite, nothing of the write committed: every attempt was refused
     with outcome `none` (ErrorInfo, or the `kvstore-outcome` trailer of an older server), the
     client refused the request itself before sending it (above MAX_REQUEST_BYTES), or none was
@@ -84,6 +86,7 @@ from kvstore.client.errors import (
     Unauthenticated,
     Unavailable,
     UnknownOutcome,
+    Unreachable,
     error_from_rpc,
     error_from_status,
     write_attempt_is_definite,
@@ -195,6 +198,7 @@ __all__ = [
     "Unauthenticated",
     "Unavailable",
     "UnknownOutcome",
+    "Unreachable",
     "Watch",
     "WatchEvent",
     "backoff_delay",

@@ -61,6 +61,7 @@ from kvstore.client.results import (
 from kvstore.client.retry import (
     DEFAULT_ATTEMPT_TIMEOUT_S,
     DEFAULT_MAX_BACKOFF_S,
+    AttemptLog,
     RetryAction,
     backoff_delay,
     keep_unknown,
@@ -822,13 +823,11 @@ class Client:
         if deadline is None:
             deadline = self._deadline(timeout_s)
         hint: str | None = None
-        last: KvError | None = None
-        unknown: UnknownOutcome | None = None  # an earlier attempt may have committed (W7)
-        attempt = 0
-        while attempt < self._max_attempts:
+        log = AttemptLog(write=write, request_id=request_id)
+        while log.attempts < self._max_attempts:
             if deadline - time.monotonic() <= 0:
                 break
-            attempt += 1
+            attempt = log.started()
             target = hint or self._route(key, deadline, stale=stale)
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -846,19 +845,14 @@ class Client:
                                            code=grpc.StatusCode.DEADLINE_EXCEEDED, target=target,
                                            request_id=request_id)
             except KvError as closed:  # the client was closed under the call: nothing sent this time
-                closed.attempts = attempt
-                raise keep_unknown(closed, unknown, write=write) from None
+                raise log.raised(closed) from None
             else:
                 if not isinstance(response, response_type):
                     raise KvError(f"unexpected response from {target}: {type(response).__name__}", target=target)
                 return response
-            if isinstance(error, UnknownOutcome):
-                unknown = error
-            action = retry_action(error)
+            action = log.failed(error)
             if action is RetryAction.FAIL:
-                error.attempts = attempt
-                raise keep_unknown(error, unknown, write=write)
-            last = error
+                raise log.raised(error)
             if attempt >= self._max_attempts:
                 break
             if action is RetryAction.REDIRECT:
@@ -875,16 +869,4 @@ class Client:
                 hint = None
             # BACKOFF: keep the target (and any hint).
             self._sleep_backoff(attempt, deadline, error)
-        if last is not None and deadline - time.monotonic() <= 0:
-            if write and unknown is not None:
-                # W7: the deadline ends the retries, not the uncertainty of the unknown attempt.
-                then = "" if last is unknown else f"; the retries then failed: {last.message}"
-                raise UnknownOutcome(
-                    f"deadline exceeded, outcome unknown: {unknown.message}{then}", code=unknown.code,
-                    metadata=unknown.metadata, target=unknown.target, request_id=request_id, attempts=attempt,
-                )
-            raise DeadlineExceeded(
-                f"deadline exceeded; last error: {last.message}",
-                code=grpc.StatusCode.DEADLINE_EXCEEDED, target=last.target, request_id=request_id, attempts=attempt,
-            )
-        raise keep_unknown(self._give_up(last, attempt, request_id), unknown, write=write)
+        raise log.gave_up(deadline_passed=deadline - time.monotonic() <= 0)

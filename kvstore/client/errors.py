@@ -178,6 +178,13 @@ class Unavailable(KvError):
     """No node could serve the request right now (down, bootstrapping, leader changing)."""
 
 
+class Unreachable(Unavailable):
+    """No attempt of the request reached a server: every connection was refused, its address did
+    not resolve, or its handshake failed, so gRPC never sent the request (`never_sent`). A write
+    is then definitely not applied, unlike a connection dropped after sending (`UnknownOutcome`).
+    An `Unavailable`: retried on another endpoint like one."""
+
+
 class UnknownOutcome(KvError):
     """W7: the write may or may not have committed; retry with the same `request_id` (and
     `first_attempt_unix_ms`), which the store applies at most once. `code` is the code of the
@@ -284,6 +291,22 @@ def details_of(raw: Iterable[Any] | None) -> ErrorDetails:
     return NO_DETAILS
 
 
+# How gRPC's own core words a call that never left the client: the channel found no connection to
+# pick (every address refused, or the handshake failed: "failed to connect to all addresses"), or
+# the name did not resolve. Nothing was written to any transport, so no server saw the request.
+# A connection that broke after sending says something else ("Socket closed", "Connection reset"):
+# not one of these, so its write stays unknown.
+_NEVER_SENT_PREFIXES = ("failed to connect to all addresses", "connections to all backends failing",
+                        "errors resolving ", "DNS resolution failed", "Name resolution failure",
+                        "empty address list")
+
+
+def never_sent(code: grpc.StatusCode, details: str) -> bool:
+    """Whether a failed attempt certainly never reached a server (gRPC's pick or name-resolution
+    failure): a definite failure, even of a write."""
+    return code == grpc.StatusCode.UNAVAILABLE and details.startswith(_NEVER_SENT_PREFIXES)
+
+
 def write_attempt_is_definite(metadata: Mapping[str, str], details: ErrorDetails = NO_DETAILS) -> bool:
     """Whether a failed attempt of a write certainly committed nothing (docs/design.md §4.1, W7).
 
@@ -333,6 +356,8 @@ def error_from_status(
         return PlacementChanged(message, **kwargs)
     if reason == Reason.PLACEMENT_REFUSED:
         return PlacementRefused(message, **kwargs)
+    if never_sent(code, details):
+        return Unreachable(message, **kwargs)
     if write and not write_attempt_is_definite(metadata, rich):
         return UnknownOutcome(message, **kwargs)
     if code == grpc.StatusCode.INVALID_ARGUMENT:

@@ -4,8 +4,11 @@ a call that gives up reports. The loop that applies it (`Client._attempts`) only
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import random
+
+import grpc
 
 from kvstore.client.errors import (
     DeadlineExceeded,
@@ -18,6 +21,7 @@ from kvstore.client.errors import (
     TxnConflict,
     Unavailable,
     UnknownOutcome,
+    Unreachable,
 )
 
 DEFAULT_MAX_BACKOFF_S = 1.0
@@ -77,3 +81,67 @@ def keep_unknown(error: KvError, unknown: UnknownOutcome | None, *, write: bool 
         code=unknown.code, metadata=unknown.metadata, target=unknown.target, request_id=error.request_id,
         attempts=error.attempts,
     )
+
+
+@dataclasses.dataclass
+class AttemptLog:
+    """What a call's failed attempts add up to, pure, shared by the synchronous and the asyncio
+    client's retry loops (they only execute it): which attempt's outcome is unknown (W7), whether
+    any attempt reached a server, and the one error the call raises when it gives up.
+
+    A call none of whose attempts reached a server (every one `Unreachable`) ends `Unreachable`, a
+    definite failure; one with an unknown attempt ends `UnknownOutcome` whatever came after."""
+
+    write: bool
+    request_id: str | None = None
+    attempts: int = 0
+    last: KvError | None = None
+    unknown: UnknownOutcome | None = None  # an earlier attempt may have committed (W7)
+    reached: bool = False  # some attempt got past gRPC's connect: a server may have seen it
+
+    def started(self) -> int:
+        """Count an attempt about to be sent; its number (1-based)."""
+        self.attempts += 1
+        return self.attempts
+
+    def failed(self, error: KvError) -> RetryAction:
+        """Record the attempt's error; what the loop does next."""
+        if not isinstance(error, Unreachable):
+            self.reached = True
+        if isinstance(error, UnknownOutcome):
+            self.unknown = error
+        self.last = error
+        return retry_action(error)
+
+    def raised(self, error: KvError) -> KvError:
+        """The error to raise at once (a FAIL action, or the client closed under the call)."""
+        error.attempts = max(self.attempts, 1)
+        return keep_unknown(error, self.unknown, write=self.write)
+
+    def gave_up(self, *, deadline_passed: bool) -> KvError:
+        """The error to raise when the attempts or the deadline ran out."""
+        last = self.last
+        attempts = max(self.attempts, 1)
+        if last is None:
+            return DeadlineExceeded("deadline exceeded before any attempt", request_id=self.request_id)
+        if self.write and self.unknown is not None and deadline_passed:
+            # W7: the deadline ends the retries, not the uncertainty of the unknown attempt.
+            unknown = self.unknown
+            then = "" if last is unknown else f"; the retries then failed: {last.message}"
+            return UnknownOutcome(f"deadline exceeded, outcome unknown: {unknown.message}{then}", code=unknown.code,
+                                  metadata=unknown.metadata, target=unknown.target, request_id=self.request_id,
+                                  attempts=attempts)
+        if not self.reached and self.unknown is None:
+            ended = " before the deadline" if deadline_passed else ""
+            return Unreachable(f"no node reached{ended}, nothing was sent: {last.message}",
+                               code=grpc.StatusCode.UNAVAILABLE, target=last.target, request_id=self.request_id,
+                               attempts=attempts)
+        if deadline_passed:
+            return DeadlineExceeded(f"deadline exceeded; last error: {last.message}",
+                                    code=grpc.StatusCode.DEADLINE_EXCEEDED, target=last.target,
+                                    request_id=self.request_id, attempts=attempts)
+        if isinstance(last, Unreachable):  # the last attempt did not connect, an earlier one reached a server
+            last = Unavailable(last.message, code=last.code, metadata=last.metadata, target=last.target,
+                               request_id=self.request_id, details=last.details)
+        last.attempts = attempts
+        return keep_unknown(last, self.unknown, write=self.write)

@@ -47,6 +47,7 @@ from kvstore.client import (
     TxnResult,
     Unavailable,
     UnknownOutcome,
+    Unreachable,
     WatchEvent,
 )
 from tests.unit.test_client import Failure, FakeCluster, key_on
@@ -541,9 +542,9 @@ def test_shards(fake: FakeClient, capsys: pytest.CaptureFixture[str]) -> None:
     assert lines[2].split() == ["0", "n1:1", "n1", "3", "10", "12", "2", "0", "n1,n2", "n1:replica-", "n2:learner(lag",
                                 "7)"]
     assert lines[3].split() == ["1", "n2:1", "n2", "(taking", "over)", "0", "5", "5", "0", "0", "-", "-"]
-    assert lines[5].split() == ["NODE", "ADDRESS", "ZONE", "LEADS", "ROLE"]  # no pid: the API carries none
-    assert lines[6].split() == ["n1", "n1:1", "-", "0", "leader-capable"]
-    assert lines[7].split() == ["n2", "n2:1", "-", "-", "read", "replica"]
+    assert lines[5].split() == ["NODE", "ADDRESS", "ZONE", "LEADS", "ROLE", "VERSION"]  # no pid: the API carries none
+    assert lines[6].split() == ["n1", "n1:1", "-", "0", "leader-capable", "-"]
+    assert lines[7].split() == ["n2", "n2:1", "-", "-", "read", "replica", "-"]
     (record,) = json_lines(run(["shards", "-o", "json"], capsys)[1])
     assert record["shard_count"] == 2 and record["shards"][0]["leader"] == "n1:1"
     assert record["shards"][1]["leader_ready"] is False
@@ -551,7 +552,8 @@ def test_shards(fake: FakeClient, capsys: pytest.CaptureFixture[str]) -> None:
                                                   "applied_offset": 5, "lag": 7, "caught_up": False,
                                                   "in_group": False}
     assert record["shards"][0]["placed_on"] == ["n1", "n2"]
-    assert record["nodes"][1] == {"node_id": "n2", "address": "n2:1", "leads": [], "can_lead": False, "zone": ""}
+    assert record["nodes"][1] == {"node_id": "n2", "address": "n2:1", "leads": [], "can_lead": False, "zone": "",
+                                 "version": ""}
 
 
 @pytest.mark.parametrize(("text", "ms"), [("500ms", 500), ("30s", 30_000), ("2m", 120_000), ("1h", 3_600_000),
@@ -628,13 +630,16 @@ def test_move_waits_and_says_when_it_gave_up(fake: FakeClient, capsys: pytest.Ca
          "kvstore: unavailable: failed to connect to all addresses (after 6 attempts)\n"),
         (InvalidArgument("key is 5000 bytes;\nlimit MAX_KEY_BYTES is 4096"), 2,
          "kvstore: invalid argument: key is 5000 bytes; limit MAX_KEY_BYTES is 4096\n"),
-        (UnknownOutcome("commit outcome unknown", request_id="abc"), 1,
+        (Unreachable("no node reached, nothing was sent: failed to connect to all addresses", attempts=6), 4,
+         "kvstore: unreachable, nothing was sent: no node reached, nothing was sent: failed to connect to all "
+         "addresses (after 6 attempts)\n"),
+        (UnknownOutcome("commit outcome unknown", request_id="abc"), 3,
          "kvstore: outcome unknown (retry with --request-id abc): commit outcome unknown\n"),
-        (UnknownOutcome("Socket closed", request_id="abc", first_attempt_unix_ms=1_700_000_000_123, attempts=6), 1,
+        (UnknownOutcome("Socket closed", request_id="abc", first_attempt_unix_ms=1_700_000_000_123, attempts=6), 3,
          "kvstore: outcome unknown (retry with --request-id abc --first-attempt-unix-ms 1700000000123): "
          "Socket closed (after 6 attempts)\n"),
         (RequestExpired("request id abc expired: ...; whether the original attempt committed is unknown",
-                        request_id="abc", first_attempt_unix_ms=1_600_000_000_000), 1,
+                        request_id="abc", first_attempt_unix_ms=1_600_000_000_000), 3,
          "kvstore: request id expired, outcome unknown (check the data before writing again): request id abc "
          "expired: ...; whether the original attempt committed is unknown\n"),
     ],
@@ -713,7 +718,7 @@ def test_cli_unknown_outcome_says_how_to_finish_the_write(
     rc, out, err = run(["put", k0, "v", "--endpoints", leader], capsys)
     hint = re.fullmatch(r"kvstore: outcome unknown \(retry with --request-id (\w+) --first-attempt-unix-ms (\d+)\): "
                         r"Socket closed \(after 2 attempts\)\n", err)
-    assert rc == 1 and out == "" and hint is not None, err
+    assert rc == 3 and out == "" and hint is not None, err
     rc, out, err = run(["put", k0, "v", "--endpoints", leader, "--request-id", hint[1],
                         "--first-attempt-unix-ms", hint[2], "-o", "json"], capsys)
     (record,) = json_lines(out)
@@ -721,13 +726,27 @@ def test_cli_unknown_outcome_says_how_to_finish_the_write(
     puts = fake_cluster.calls_to("Put")
     assert len(puts) == 3 and {(c.request.request_id, c.request.first_attempt_unix_ms) for c in puts} == {
         (hint[1], int(hint[2]))}
+    # The same for a script: one JSON object on stderr with the outcome and what to retry with.
+    fake_cluster.fail(leader, "Put", lost, lost)
+    rc, out, err = run(["put", key_on(0, 2, "j").decode(), "v", "--endpoints", leader, "-o", "json"], capsys)
+    error = json.loads(err)
+    assert rc == 3 and out == "" and error["outcome"] == "unknown" and error["reason"] == "OUTCOME_UNKNOWN", error
+    assert error["request_id"] and error["first_attempt_unix_ms"] > 0 and error["exit_status"] == 3, error
+    assert error["attempts"] == 2 and error["code"] == "UNAVAILABLE", error
 
 
-def test_cli_unreachable_cluster_exits_1(capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize("command", [["get", "k"], ["put", "k", "v"], ["del", "k"], ["shards"]])
+def test_cli_unreachable_cluster_exits_4_and_says_nothing_was_sent(
+        command: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    """Nothing listening: no attempt reached a server, so even a write is a definite failure."""
     from tests.unit.test_client import _free_address
 
-    rc, out, err = run(["get", "k", "--endpoints", _free_address(), "--timeout", "2"], capsys)
-    assert rc == 1 and out == "" and err.startswith("kvstore: unavailable: ") and err.count("\n") == 1
+    rc, out, err = run([*command, "--endpoints", _free_address(), "--timeout", "2"], capsys)
+    assert rc == 4 and out == "" and err.startswith("kvstore: unreachable, nothing was sent: ") and err.count("\n") == 1
+    assert "outcome unknown" not in err and "--request-id" not in err
+    rc, out, err = run([*command, "--endpoints", _free_address(), "--timeout", "2", "-o", "json"], capsys)
+    error = json.loads(err)
+    assert rc == 4 and error["outcome"] == "none" and error["reason"] == "UNREACHABLE" and error["exit_status"] == 4
 
 
 def test_demo_write_timeout_is_parsed() -> None:

@@ -44,6 +44,7 @@ from kvstore.client import (
     Unauthenticated,
     Unavailable,
     UnknownOutcome,
+    Unreachable,
     backoff_delay,
     error_from_status,
     retry_action,
@@ -140,8 +141,14 @@ CLASSIFY_TABLE = [
 WRITE_CLASSIFY_TABLE = [
     # untagged: an unknown outcome, whatever the code, retried elsewhere with the same id
     pytest.param(SC.UNAVAILABLE, {}, "Socket closed", UnknownOutcome, RetryAction.REROUTE, id="socket-closed"),
-    pytest.param(SC.UNAVAILABLE, {}, "failed to connect to all addresses", UnknownOutcome, RetryAction.REROUTE,
+    # gRPC's pick or name-resolution failure: never sent, so definite even for a write (issue 34)
+    pytest.param(SC.UNAVAILABLE, {}, "failed to connect to all addresses; last error: UNKNOWN: ipv4:127.0.0.1:1: "
+                 "Failed to connect to remote host: Connection refused", Unreachable, RetryAction.REROUTE,
                  id="failed-to-connect"),
+    pytest.param(SC.UNAVAILABLE, {}, "errors resolving nowhere.invalid:5000: [field:hostname lookup error]",
+                 Unreachable, RetryAction.REROUTE, id="name-not-resolved"),
+    pytest.param(SC.DEADLINE_EXCEEDED, {}, "failed to connect to all addresses", UnknownOutcome, RetryAction.REROUTE,
+                 id="deadline-whatever-its-words"),
     pytest.param(SC.CANCELLED, {}, "Cancelled", UnknownOutcome, RetryAction.REROUTE, id="cancelled"),
     pytest.param(SC.INTERNAL, {}, "boom", UnknownOutcome, RetryAction.REROUTE, id="internal"),
     pytest.param(SC.UNKNOWN, {}, "Exception calling application", UnknownOutcome, RetryAction.REROUTE,
@@ -197,7 +204,8 @@ def test_write_error_mapping_and_retry_action(
     error = error_from_status(code, details, metadata, target="n1:1", request_id="rid", write=True)
     assert type(error) is cls
     assert retry_action(error) is action
-    assert write_attempt_is_definite(metadata) is (cls is not UnknownOutcome)
+    # The server's word (the `none` tag), or gRPC's that nothing left the client (Unreachable).
+    assert write_attempt_is_definite(metadata) is (cls not in (UnknownOutcome, Unreachable))
     assert error.message == details  # the server's (or gRPC's) own text is kept
     assert error.code == code and error.target == "n1:1" and error.request_id == "rid"
 
@@ -429,7 +437,6 @@ def test_untagged_unavailable_on_a_read_stays_unavailable() -> None:
 
 UNTAGGED_WRITE_ERRORS = [
     pytest.param(FakeRpcError(SC.UNAVAILABLE, "Socket closed"), id="socket-closed"),
-    pytest.param(FakeRpcError(SC.UNAVAILABLE, "failed to connect to all addresses"), id="failed-to-connect"),
     pytest.param(FakeRpcError(SC.CANCELLED, "Cancelled"), id="cancelled"),
     pytest.param(FakeRpcError(SC.INTERNAL, "Received RST_STREAM with error code 2"), id="internal"),
     pytest.param(FakeRpcError(SC.UNKNOWN, "Exception calling application"), id="unknown-bare"),
@@ -471,6 +478,52 @@ def test_untagged_write_error_then_success(error: FakeRpcError) -> None:
     s = Scripted(client, 1, {}, [error, put_ok(replayed=True)])
     assert client.put("k", "v").replayed
     assert len(set(request_ids(s.calls("Put")))) == 1
+
+
+REFUSED = FakeRpcError(SC.UNAVAILABLE, "failed to connect to all addresses; last error: UNKNOWN: "
+                       "ipv4:127.0.0.1:1: Failed to connect to remote host: Connection refused")
+
+
+@pytest.mark.parametrize("method", ["Put", "Delete", "Txn", "Get"])
+def test_a_call_none_of_whose_attempts_reached_a_server_is_unreachable_and_definite(method: str) -> None:
+    """Every connection refused: gRPC never sent the request, so nothing can have happened."""
+    client = Client(["n1:1", "n2:2"], max_attempts=4)
+    s = Scripted(client, 1, {}, [REFUSED] * 4)
+    calls: dict[str, Callable[[], object]] = {
+        "Put": lambda: client.put("k", "v"),
+        "Delete": lambda: client.delete("k"),
+        "Txn": lambda: client.txn([Compare.version("k", "==", 0)], [Op.put("k", "v")]),
+        "Get": lambda: client.get("k"),
+    }
+    with pytest.raises(Unreachable) as info:
+        calls[method]()
+    assert len(s.calls(method)) == 4 and info.value.attempts == 4
+    assert "nothing was sent" in info.value.message and "Connection refused" in info.value.message
+    assert isinstance(info.value, Unavailable) and not isinstance(info.value, UnknownOutcome)
+
+
+def test_unreachable_until_the_deadline_is_unreachable_not_a_deadline() -> None:
+    with (Client([_free_address()], max_attempts=100_000, backoff_s=0.01, max_backoff_s=0.01) as client,
+          pytest.raises(Unreachable) as info):
+        client.put("k", "v", timeout_s=0.3)
+    assert "before the deadline" in info.value.message and info.value.request_id and info.value.attempts > 1
+
+
+def test_a_refused_connect_after_an_unknown_attempt_stays_unknown() -> None:
+    client = Client(["n1:1", "n2:2"], max_attempts=3)
+    Scripted(client, 1, {}, [FakeRpcError(SC.UNAVAILABLE, "Socket closed"), REFUSED, REFUSED])
+    with pytest.raises(UnknownOutcome) as info:
+        client.put("k", "v")
+    assert info.value.attempts == 3
+
+
+def test_a_refused_connect_after_a_definite_refusal_is_unavailable_not_unreachable() -> None:
+    """A server was reached (and said nothing was done): definite, but not "no server reached"."""
+    client = Client(["n1:1", "n2:2"], max_attempts=2)
+    Scripted(client, 1, {}, [FakeRpcError(SC.UNAVAILABLE, "shard 0 bootstrapping", DEFINITE), REFUSED])
+    with pytest.raises(Unavailable) as info:
+        client.put("k", "v")
+    assert type(info.value) is Unavailable and info.value.attempts == 2
 
 
 def test_tagged_unavailable_is_still_unavailable_when_nothing_was_unknown() -> None:
@@ -1086,13 +1139,13 @@ def test_dead_endpoint_is_skipped(cluster: FakeCluster) -> None:
         assert c.get(key_on(0, 2), consistency="stale").found
 
 
-def test_all_endpoints_dead_read_unavailable_write_unknown() -> None:
-    """A refused connection carries no `none` tag: for a write the client cannot tell it from a
-    connection that dropped after the request left, so it is an unknown outcome."""
+def test_all_endpoints_dead_read_and_write_unreachable() -> None:
+    """Real gRPC channels to closed ports: every connection refused, gRPC never sent the request,
+    so the write is a definite failure (issue 34), not an unknown outcome."""
     with Client([_free_address(), _free_address()], timeout_s=3.0, max_attempts=3, backoff_s=0.01) as c:
-        with pytest.raises(Unavailable):
+        with pytest.raises(Unreachable):
             c.get("k")
-        with pytest.raises(UnknownOutcome) as info:
+        with pytest.raises(Unreachable) as info:
             c.put("k", "v")
         assert info.value.request_id and info.value.attempts == 3
 
