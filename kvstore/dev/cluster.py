@@ -35,6 +35,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import grpc
@@ -43,11 +44,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kvstore.client.security import ClientSecurity
 from kvstore.dev import children
 from kvstore.dev.ca import DevCA, DevPki
+from kvstore.server.logs import LEVELS
 from wal.acl import create_acls, wal_grants
 from wal.broker import ADMIN_USER, KAFKA_VERSION, LocalKafka, free_port
 
 RESTART_DELAY_S = 2.0
 FIRST_PORT = 50051
+FIRST_METRICS_PORT = 9101  # Prometheus /metrics of node-1, node-2, ... (as docker-compose.yml publishes them)
 
 
 def _wait_serving(address: str, proc: subprocess.Popen[bytes], timeout_s: float,
@@ -83,23 +86,25 @@ def _port_free(port: int) -> bool:
         return True
 
 
-def _ports(data_dir: Path, nodes: int) -> list[int]:
+def _ports(data_dir: Path, nodes: int, *, first: int = FIRST_PORT, name: str = "ports.json",
+           what: str = "port", taken: Sequence[int] = ()) -> list[int]:
     """Each node's port, kept across runs (clients and the README's examples keep working) while
     it is free: one that another process took meanwhile would keep its node from ever starting
-    (a resume waited forever), so that node gets a free port, said on stderr and saved."""
-    port_file = data_dir / "ports.json"
+    (a resume waited forever), so that node gets a free port, said on stderr and saved. `taken`:
+    ports already handed out (the gRPC ports, when these are the metrics ports)."""
+    port_file = data_dir / name
     saved: list[int] = json.loads(port_file.read_text()) if port_file.exists() else []
     ports: list[int] = []
     for i in range(nodes):
         kept = saved[i] if i < len(saved) else None
-        if kept is not None and kept not in ports and _port_free(kept):
+        if kept is not None and kept not in ports and kept not in taken and _port_free(kept):
             ports.append(kept)
             continue
-        preferred = FIRST_PORT + i
-        port = preferred if preferred not in ports and preferred not in saved and _port_free(preferred) else free_port()
+        preferred = first + i
+        free = preferred not in ports and preferred not in saved and preferred not in taken and _port_free(preferred)
+        port = preferred if free else free_port()
         if kept is not None:
-            print(f"node-{i + 1}: port {kept} is taken by another process; listening on {port} instead",
-                  file=sys.stderr)
+            print(f"node-{i + 1}: {what} {kept} is taken by another process; using {port} instead", file=sys.stderr)
         ports.append(port)
     port_file.write_text(json.dumps(ports) + "\n")
     return ports
@@ -107,15 +112,17 @@ def _ports(data_dir: Path, nodes: int) -> list[int]:
 
 class _Node:
     def __init__(self, node_id: str, address: str, data_dir: Path, kafka: str, args: argparse.Namespace,
-                 login: tuple[str, ...] = ()) -> None:
+                 login: tuple[str, ...] = (), metrics_port: int = 0) -> None:
         self.node_id = node_id
         self.address = address
+        self.metrics = f"http://127.0.0.1:{metrics_port}/metrics" if metrics_port else ""
         self.log_path = data_dir / f"{node_id}.log"
         self.cmd = [sys.executable, "-m", "kvstore.server", "--node-id", node_id, "--listen", address,
                     "--data-dir", str(data_dir / node_id), "--kafka", kafka, "--cluster", args.cluster,
                     "--shards", str(args.shards), "--replication-factor", str(args.replication_factor),
                     "--session-timeout-ms", str(args.session_timeout_ms),
-                    "--snapshot-dir", str(data_dir / "snapshots"), *login]
+                    "--snapshot-dir", str(data_dir / "snapshots"), "--metrics-port", str(metrics_port),
+                    "--log-level", args.log_level, *login]
         self.proc: subprocess.Popen[bytes] | None = None
         self.child: children.Child | None = None
         self.died_at: float | None = None
@@ -159,6 +166,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mtls", action="store_true",
                         help="gRPC over mutual TLS: every caller presents a certificate carrying its role")
     parser.add_argument("--secure", action="store_true", help="--tls and --secure-kafka (make up-secure)")
+    parser.add_argument("--log-level", choices=LEVELS, default="info",
+                        help="the nodes' log level (their logs: <data dir>/node-N.log)")
     args = parser.parse_args(argv)
     if args.secure:
         args.tls = args.secure_kafka = True
@@ -178,6 +187,8 @@ def main(argv: list[str] | None = None) -> int:
     kafka = LocalKafka(data_dir / "kafka", nodes=1, secure=args.secure_kafka,
                        users=(store_user, pipeline_user) if args.secure_kafka else ())
     ports = _ports(data_dir, args.nodes)
+    metrics_ports = _ports(data_dir, args.nodes, first=FIRST_METRICS_PORT, name="metrics_ports.json",
+                           what="metrics port", taken=ports)
     pki = DevCA(data_dir / "tls").ensure([f"node-{i}" for i in range(1, args.nodes + 1)]) \
         if args.tls or args.mtls else None
     probe = _probe_security(pki, args.mtls)
@@ -191,9 +202,9 @@ def main(argv: list[str] | None = None) -> int:
                         wal_grants(f"{args.cluster}.wal", f"{args.cluster}.leaders", f"User:{store_user}",
                                    f"User:{pipeline_user}"))
             login = ("--kafka-username", store_user, "--kafka-password-file", str(kafka.password_file(store_user)))
-        for i, port in enumerate(ports, start=1):
+        for i, (port, metrics_port) in enumerate(zip(ports, metrics_ports, strict=True), start=1):
             node = _Node(f"node-{i}", f"127.0.0.1:{port}", data_dir, kafka.bootstrap_servers, args,
-                         (*login, *_tls_args(pki, f"node-{i}", args.mtls)))
+                         (*login, *_tls_args(pki, f"node-{i}", args.mtls)), metrics_port)
             node.start()
             nodes.append(node)
             _record(data_dir, nodes)
@@ -206,6 +217,7 @@ def main(argv: list[str] | None = None) -> int:
         secure = ({"kafka_username": pipeline_user, "kafka_password_file": str(kafka.password_file(pipeline_user))}
                   if kafka.secure else {})
         print(json.dumps({"kafka": kafka.bootstrap_servers, "endpoints": [n.address for n in nodes],
+                          "metrics": [n.metrics for n in nodes],
                           "data_dir": str(data_dir), "snapshot_dir": str(snapshots), **secure,
                           **_tls_info(pki, args.mtls)}))
         replicas = min(args.replication_factor, len(nodes))
@@ -221,6 +233,9 @@ on {kafka.bootstrap_servers}.
   .venv/bin/kvstore demo failover --data-dir {data_dir} --output json   # SIGKILL a leader under load, verify
   .venv/bin/kvstore txn list --older-than 5s
   {_grpcurl(pki, args.mtls, nodes[0].address)}
+
+Prometheus metrics (no authentication, loopback only; docs/operations.md, "Metrics and dashboards"):
+  {"  ".join(n.metrics for n in nodes)}
 
 The Spark pipeline (docs/pipeline.md); the nodes load snapshots from {snapshots}:
 

@@ -6,7 +6,8 @@ a BadRequest naming the problem) instead of gRPC's UNKNOWN "Unexpected DecodeErr
 client must read as an unknown outcome (W7) for a write. It maps every `StoreError` the handler
 raises to its rich status (`kvstore.errors.to_status`, the one mapping), turns any other
 exception into INTERNAL with an unknown outcome (a bug must never look like "nothing happened"),
-and records `kvstore_requests_total{method, code, reason}`. Handlers only raise.
+and records `kvstore_requests_total{method, code, reason}` and, for unary calls,
+`kvstore_request_duration_seconds{method, code}`. Handlers only raise.
 
 Health and reflection pass through it too (their bad bytes get the same clean refusal); only
 the store's own services are counted.
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -115,19 +117,23 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
                 request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer)
         return handler  # client streaming (reflection): gRPC decodes those itself
 
-    def _count(self, label: str | None, code: str, reason: str = "") -> None:
+    def _count(self, label: str | None, code: str, reason: str = "", started: float | None = None) -> None:
+        """Count the call; a unary one (`started`: its perf_counter at arrival) is timed too."""
         if label is not None:
             self._metrics.count_request(label, code, reason)
+            if started is not None:
+                self._metrics.observe_request(label, code, time.perf_counter() - started)
 
     async def _abort(self, label: str | None, context: grpc.aio.ServicerContext[Any, Any], error: errors.StoreError,
-                     request: Any) -> None:
+                     request: Any, started: float | None = None) -> None:
         code, details, trailing = errors.to_status(error, request_id=request_id_of(request))
-        self._count(label, code.name, error.reason.value)
+        self._count(label, code.name, error.reason.value, started)
         await context.abort(code, details, trailing_metadata=trailing)
 
     def _unary(self, path: str, label: str | None, behavior: Callable[..., Any],
                deserializer: Callable[[bytes], Any] | None) -> Callable[..., Awaitable[Any]]:
         async def run(raw: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+            started = time.perf_counter()
             request: Any = None
             try:
                 if self._authorize is not None:
@@ -137,16 +143,16 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
                 if inspect.isawaitable(result):
                     result = await result
             except errors.StoreError as exc:
-                await self._abort(label, context, exc, request)
+                await self._abort(label, context, exc, request, started)
                 raise AssertionError("abort returned") from exc
             except grpc.aio.AbortError:
-                self._count(label, context.code().name if context.code() else "UNKNOWN")
+                self._count(label, context.code().name if context.code() else "UNKNOWN", started=started)
                 raise
             except Exception as exc:
                 log.exception("%s failed", label or "a call")
-                await self._abort(label, context, _internal(exc), request)
+                await self._abort(label, context, _internal(exc), request, started)
                 raise AssertionError("abort returned") from exc
-            self._count(label, "OK")
+            self._count(label, "OK", started=started)
             return result
 
         return run

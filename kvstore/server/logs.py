@@ -26,9 +26,14 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(entry, default=str)
 
 
-def configure(log_format: str) -> None:
-    """Send the process's logs to stderr, at INFO, as `log_format` ("json" or "text") says."""
+LEVELS = ("debug", "info", "warning", "error")
+
+
+def configure(log_format: str, level: str = "info") -> None:
+    """Send the process's logs to stderr as `log_format` ("json" or "text") says, from `level` up
+    (debug shows every retry, redirect and placement step; warning only what needs a look)."""
+    assert level in LEVELS, f"log level {level!r} is not one of {LEVELS}"
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JsonFormatter() if log_format == "json"
                          else logging.Formatter("%(asctime)s %(levelname)s %(name)s %(message)s"))
-    logging.basicConfig(level=logging.INFO, handlers=[handler])
+    logging.basicConfig(level=getattr(logging, level.upper()), handlers=[handler])

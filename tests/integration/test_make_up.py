@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import threading
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -73,12 +74,18 @@ def test_make_up_serves_round_trips_and_resumes(tmp_path: Path) -> None:
     data = tmp_path / "data"
     cluster = DevCluster(data)
     try:
-        endpoints: list[str] = cluster.wait_endpoints()["endpoints"]  # type: ignore[assignment]
+        info = cluster.wait_endpoints()
+        endpoints: list[str] = info["endpoints"]  # type: ignore[assignment]
         assert len(endpoints) == 3
         endpoint = endpoints[0]
         assert kvstore(endpoint, "put", "k", "v").returncode == 0
         got = kvstore(endpoint, "get", "k", "--output", "json")
         assert got.returncode == 0 and json.loads(got.stdout)["value"] == "v", got
+        # Each node's Prometheus endpoint, as printed, with the request latency histogram.
+        metrics: list[str] = info["metrics"]  # type: ignore[assignment]
+        assert len(metrics) == 3 and all(m.startswith("http://127.0.0.1:") for m in metrics), metrics
+        scraped = [urllib.request.urlopen(m, timeout=10).read().decode() for m in metrics]
+        assert any('kvstore_request_duration_seconds_count{code="OK",method="Put"}' in text for text in scraped)
         shards = kvstore(endpoint, "shards", "--output", "json")
         assert shards.returncode == 0, shards.stderr
         shard_map = json.loads(shards.stdout)

@@ -439,6 +439,14 @@ def test_tokens_over_tls_in_process(token_server: SecureServer, pki: DevPki) -> 
     counted = token_server.metrics.registry.get_sample_value(
         "kvstore_requests_total", {"method": "Put", "code": "PERMISSION_DENIED", "reason": "PERMISSION_DENIED"})
     assert counted == 1
+    # Every unary call is timed too, refusals included, by method and code (the dashboard's latency panels).
+    registry = token_server.metrics.registry
+    timed = registry.get_sample_value("kvstore_request_duration_seconds_count",
+                                      {"method": "Put", "code": "PERMISSION_DENIED"})
+    assert timed == 1
+    ok_puts = registry.get_sample_value("kvstore_request_duration_seconds_count", {"method": "Put", "code": "OK"})
+    took_s = registry.get_sample_value("kvstore_request_duration_seconds_sum", {"method": "Put", "code": "OK"})
+    assert ok_puts == 1 and took_s is not None and 0 < took_s < 5
 
 
 def test_mutual_tls_in_process(pki: DevPki) -> None:

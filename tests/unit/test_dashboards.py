@@ -551,6 +551,12 @@ def uses(node: Node, metric: str, *functions: str) -> bool:
     ("leader changes", "kvstore_leader_changes_total", ("increase",)),
     ("W3 rejections", "kvstore_w3_rejections_total", ("rate",)),
     ("requests by method", "kvstore_requests_total", ("rate",)),
+    # issue 34: latency, cross-shard transactions in doubt, placement moves
+    ("request latency quantiles", "kvstore_request_duration_seconds_bucket", ("histogram_quantile", "rate")),
+    ("transactions in doubt", "kvstore_txn_in_doubt_oldest_seconds", ()),
+    ("transaction outcomes", "kvstore_txns_total", ("rate",)),
+    ("placement moves", "kvstore_placement_moves_in_progress", ()),
+    ("placement decisions", "kvstore_placement_decisions_total", ("increase",)),
 ])
 def test_dashboard_shows_what_the_issue_asks(what: str, metric: str, functions: tuple[str, ...]) -> None:
     assert any(uses(node, metric, *functions) for _, node in panel_exprs()), f"no panel plots {what}"
@@ -563,6 +569,18 @@ def test_commit_latency_is_per_shard_and_shows_p50_and_p99() -> None:
             node = parsed(panel["title"], target["expr"])
             if uses(node, "kvstore_commit_latency_seconds_bucket", "histogram_quantile"):
                 assert any("shard" in by for _, by, _ in node.groupings), target["expr"]
+                quantiles.add(float(re.search(r"histogram_quantile\(\s*([\d.]+)", target["expr"])[1]))  # type: ignore[index]
+                assert panel["fieldConfig"]["defaults"]["unit"] == "s", "seconds, as the metric's name says"
+    assert {0.5, 0.99} <= quantiles
+
+
+def test_request_latency_is_per_method_and_shows_p50_and_p99() -> None:
+    quantiles = set()
+    for panel in panels():
+        for target in panel.get("targets", []):
+            node = parsed(panel["title"], target["expr"])
+            if uses(node, "kvstore_request_duration_seconds_bucket", "histogram_quantile") and \
+                    any("method" in by for _, by, _ in node.groupings):
                 quantiles.add(float(re.search(r"histogram_quantile\(\s*([\d.]+)", target["expr"])[1]))  # type: ignore[index]
                 assert panel["fieldConfig"]["defaults"]["unit"] == "s", "seconds, as the metric's name says"
     assert {0.5, 0.99} <= quantiles
