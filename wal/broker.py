@@ -41,10 +41,11 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from confluent_kafka import KafkaException
+from confluent_kafka import KafkaException, TopicPartition
 from confluent_kafka.admin import (
     AdminClient,
     NewTopic,
+    OffsetSpec,
     ScramCredentialInfo,
     ScramMechanism,
     UserScramCredentialAlteration,
@@ -574,10 +575,25 @@ class LocalKafka:
             topic = admin.list_topics(name, timeout=max(0.1, deadline - time.monotonic())).topics.get(name)
             if (topic is not None and topic.error is None and len(topic.partitions) == partitions
                     and all(p.leader >= 0 for p in topic.partitions.values())):
-                return
+                break
             if time.monotonic() >= deadline:
                 raise BrokerError(f"topic {name!r} created but its {partitions} partitions have no leader "
                                   f"in the metadata after {timeout_s:.0f} s")
+            time.sleep(0.1)
+        # ... and the metadata can be ahead of the leader itself: a ListOffsets right after it was
+        # answered NOT_LEADER_FOR_PARTITION (a CI run's first append to a new topic failed so), so
+        # wait (bounded) until every partition's leader answers one.
+        latest = {TopicPartition(name, p): OffsetSpec.latest()  # type: ignore[no-untyped-call]
+                  for p in range(partitions)}
+        while True:
+            try:
+                for future in admin.list_offsets(latest, request_timeout=5).values():
+                    future.result(5)
+                return
+            except KafkaException as exc:
+                if time.monotonic() >= deadline:
+                    raise BrokerError(f"topic {name!r} created but a partition's leader does not answer "
+                                      f"ListOffsets after {timeout_s:.0f} s: {exc}") from exc
             time.sleep(0.1)
 
     def __enter__(self) -> LocalKafka:
