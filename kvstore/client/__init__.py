@@ -66,7 +66,7 @@ The metadata keys come from `kvstore.errors`, the server's single definition of 
 """
 
 from kvstore.client.batching import BatchingWriter
-from kvstore.client.client import MAP_FETCH_TIMEOUT_S, Client
+from kvstore.client.client import Client
 from kvstore.client.errors import (
     BatchIncomplete,
     Cancelled,
@@ -137,7 +137,7 @@ from kvstore.client.retry import (
     retry_action,
 )
 from kvstore.client.security import ClientSecurity
-from kvstore.client.transport import DEFAULT_MAX_CHANNELS, MAX_ENDPOINTS
+from kvstore.client.transport import DEFAULT_MAX_CHANNELS, MAP_FETCH_TIMEOUT_S, MAX_ENDPOINTS
 from kvstore.client.watch import Watch
 
 __all__ = [

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import logging
 import random
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -33,12 +34,15 @@ from kvstore.client.requests import (
     Consistency,
     Op,
     batch_parts,
-    consistency_pb,
+    delete_request,
+    get_request,
     make_first_attempt_unix_ms,
     make_request_id,
+    put_request,
     scan_request,
-    to_bytes,
+    txn_request,
     txn_route_key,
+    watch_request,
 )
 from kvstore.client.results import (
     BatchResult,
@@ -56,7 +60,7 @@ from kvstore.client.results import (
     TransactionInfo,
     TxnResolution,
     TxnResult,
-    txn_op_result,
+    txn_result,
 )
 from kvstore.client.retry import (
     DEFAULT_ATTEMPT_TIMEOUT_S,
@@ -64,22 +68,30 @@ from kvstore.client.retry import (
     AttemptLog,
     RetryAction,
     backoff_delay,
+    capped_attempt_error,
+    check_client_options,
+    deadline_of,
     keep_unknown,
     retry_action,
 )
 from kvstore.client.security import ClientSecurity
-from kvstore.client.transport import DEFAULT_MAX_CHANNELS, ROUTED, Channels, Conn, Router, invoke
+from kvstore.client.transport import (
+    DEFAULT_MAX_CHANNELS,
+    MAP_FETCH_TIMEOUT_S,
+    ROUTED,
+    Channels,
+    Conn,
+    Router,
+    invoke,
+)
 from kvstore.client.watch import Watch
 from kvstore.limits import MAX_REQUEST_BYTES
 from kvstore.v1 import cluster_pb2, kv_pb2
 
-# One endpoint may be black-holed; fetching the map from it must not eat the whole deadline
-# before the next endpoint is tried. A node answers the map from what it knows plus its peers'
-# views (each bounded by the server's own fan-out deadline), so this is ample.
-MAP_FETCH_TIMEOUT_S = 2.0
-
 R = TypeVar("R", bound=Message)
 
+
+logger = logging.getLogger("kvstore.client")  # DEBUG: every failed attempt, retry and redirect
 
 class Client:
     """A connection to a kvstore cluster; thread-safe, use one per process.
@@ -113,19 +125,13 @@ class Client:
         attempt_timeout_s: float = DEFAULT_ATTEMPT_TIMEOUT_S,
         security: ClientSecurity | None = None,
     ) -> None:
-        if isinstance(endpoints, str):  # a str is a Sequence[str] of characters: accept "a:1,b:2"
-            endpoints = endpoints.split(",")
-        seeds = tuple(dict.fromkeys(e.strip() for e in endpoints if e.strip()))
-        if not seeds:
-            raise InvalidArgument("at least one endpoint is needed")
-        if timeout_s <= 0 or max_attempts < 1 or backoff_s < 0 or max_backoff_s < 0 or max_channels < 1:
-            raise InvalidArgument("timeout_s must be > 0, max_attempts and max_channels >= 1, backoffs >= 0")
+        seeds = check_client_options(endpoints, timeout_s=timeout_s, max_attempts=max_attempts,
+                                     backoff_s=backoff_s, max_backoff_s=max_backoff_s, max_channels=max_channels,
+                                     attempt_timeout_s=attempt_timeout_s)
         self._timeout_s = timeout_s
         self._max_attempts = max_attempts
         self._backoff_s = backoff_s
         self._max_backoff_s = max_backoff_s
-        if attempt_timeout_s <= 0:
-            raise InvalidArgument(f"attempt_timeout_s must be > 0: {attempt_timeout_s}")
         self._attempt_timeout_s = attempt_timeout_s
         self._router = Router(seeds)
         self._security = security if security is not None else ClientSecurity.from_env()
@@ -165,14 +171,8 @@ class Client:
     ) -> GetResult:
         """Read one key. `stale` may be served by any node; `min_revision` (a revision of the
         key's shard, e.g. an earlier `put`'s) makes it wait until that node applied it."""
-        k = to_bytes(key)
-        read = kv_pb2.ReadOptions(consistency=consistency_pb(consistency))
-        if min_revision is not None:
-            read.min_revision = min_revision
-        resp = self._call(
-            "Get", kv_pb2.GetRequest(key=k, read=read), kv_pb2.GetResponse,
-            key=k, stale=consistency == "stale", timeout_s=timeout_s,
-        )
+        k, request = get_request(key, consistency, min_revision)
+        resp = self._call("Get", request, kv_pb2.GetResponse, key=k, stale=consistency == "stale", timeout_s=timeout_s)
         return GetResult.from_pb(k, resp)
 
     def put(
@@ -190,13 +190,11 @@ class Client:
         `request_id` and `first_attempt_unix_ms`: the store applies it at most once, and refuses
         it with `RequestExpired` if it is older than what the store remembers. Without
         `first_attempt_unix_ms` the first attempt is now, which is right only for a new id."""
-        k, rid = to_bytes(key), make_request_id(request_id)
-        first_ms = make_first_attempt_unix_ms(first_attempt_unix_ms, request_id)
-        request = kv_pb2.PutRequest(key=k, value=to_bytes(value, "value"), request_id=rid,
-                                    first_attempt_unix_ms=first_ms)
-        resp = self._call("Put", request, kv_pb2.PutResponse, key=k, timeout_s=timeout_s, request_id=rid,
-                          write=True, first_attempt_unix_ms=first_ms)
-        return PutResult.from_pb(k, resp, rid)
+        k, request = put_request(key, value, request_id, first_attempt_unix_ms)
+        resp = self._call("Put", request, kv_pb2.PutResponse, key=k, timeout_s=timeout_s,
+                          request_id=request.request_id, write=True,
+                          first_attempt_unix_ms=request.first_attempt_unix_ms)
+        return PutResult.from_pb(k, resp, request.request_id)
 
     def delete(
         self,
@@ -207,12 +205,11 @@ class Client:
         first_attempt_unix_ms: int | None = None,
     ) -> DeleteResult:
         """Delete one key (not an error if it does not exist); ids and outcomes as in `put`."""
-        k, rid = to_bytes(key), make_request_id(request_id)
-        first_ms = make_first_attempt_unix_ms(first_attempt_unix_ms, request_id)
-        request = kv_pb2.DeleteRequest(key=k, request_id=rid, first_attempt_unix_ms=first_ms)
-        resp = self._call("Delete", request, kv_pb2.DeleteResponse, key=k, timeout_s=timeout_s, request_id=rid,
-                          write=True, first_attempt_unix_ms=first_ms)
-        return DeleteResult.from_pb(k, resp, rid)
+        k, request = delete_request(key, request_id, first_attempt_unix_ms)
+        resp = self._call("Delete", request, kv_pb2.DeleteResponse, key=k, timeout_s=timeout_s,
+                          request_id=request.request_id, write=True,
+                          first_attempt_unix_ms=request.first_attempt_unix_ms)
+        return DeleteResult.from_pb(k, resp, request.request_id)
 
     def txn(
         self,
@@ -241,12 +238,7 @@ class Client:
         first_ms = make_first_attempt_unix_ms(first_attempt_unix_ms, request_id)
         deadline = self._deadline(timeout_s)
         route = txn_route_key(compares, success, failure, self._known_shard_count(deadline))
-        request = kv_pb2.TxnRequest(
-            compares=[c.to_pb() for c in compares],
-            success=[o.to_pb() for o in success],
-            failure=[o.to_pb() for o in failure],
-            first_attempt_unix_ms=first_ms,
-        )
+        request = txn_request(compares, success, failure, first_ms)
         for fresh in range(self._max_attempts):  # bounded: each round also spends the deadline
             rid = make_request_id(request_id)
             request.request_id = rid
@@ -261,11 +253,7 @@ class Client:
                     raise
                 request.first_attempt_unix_ms = make_first_attempt_unix_ms(None, None)
                 self._sleep_backoff(fresh + 1, deadline, None)
-        branch = success if resp.succeeded else failure
-        results = tuple(txn_op_result(op.key, r, rid) for op, r in zip(branch, resp.results, strict=False))
-        w = resp.result
-        revision = w.revision if w.HasField("revision") else None
-        return TxnResult(resp.succeeded, w.shard, revision, w.replayed, results, rid)
+        return txn_result(resp, success, failure, rid)
 
     def write_batch(
         self,
@@ -395,17 +383,8 @@ class Client:
         only); `cancel()` (or leaving its `with` block) ends it. The stream itself has no
         deadline unless `timeout_s` is given: it is meant to last.
         """
-        k, p = to_bytes(key), to_bytes(prefix, "prefix")
-        if bool(k) == bool(p):
-            raise InvalidArgument("watch needs exactly one of key or prefix")
-        if start_revision is not None and start_revisions:
-            raise InvalidArgument("give start_revision or start_revisions, not both")
-        request = kv_pb2.WatchRequest(key=k, prefix=p)
-        if start_revision is not None:
-            request.start_revision = start_revision
-        for shard, revision in sorted((start_revisions or {}).items()):
-            request.start_revisions.append(kv_pb2.ShardRevision(shard=shard, revision=revision))
-        return Watch(self, request, k or None, timeout_s)
+        routed_by, request = watch_request(key, prefix, start_revision, start_revisions)
+        return Watch(self, request, routed_by, timeout_s)
 
     def shard_map(self, *, timeout_s: float | None = None) -> ShardMap:
         """Fetch the current shard map from any endpoint (and refresh the routing cache)."""
@@ -568,10 +547,7 @@ class Client:
     # -- internals: routing ------------------------------------------------------------------
 
     def _deadline(self, timeout_s: float | None) -> float:
-        t = self._timeout_s if timeout_s is None else timeout_s
-        if t <= 0:
-            raise InvalidArgument(f"timeout must be positive: {t}")
-        return time.monotonic() + t
+        return deadline_of(timeout_s, self._timeout_s)
 
     def _rotate(self, failed: str | None = None) -> None:
         self._router.rotate(failed)
@@ -836,14 +812,8 @@ class Client:
             try:
                 response = self._invoke(target, method, request, min(remaining, self._attempt_timeout_s))
             except grpc.RpcError as exc:
-                error = error_from_rpc(exc, target=target, request_id=request_id, write=write)
-                if capped and error.code == grpc.StatusCode.DEADLINE_EXCEEDED and \
-                        isinstance(error, DeadlineExceeded | UnknownOutcome):
-                    # Our per-attempt cap, not the caller's deadline: the node is not answering.
-                    # A write may have committed there (W7); the retry carries the same id.
-                    error = UnknownOutcome(f"{target} did not answer within {self._attempt_timeout_s}s",
-                                           code=grpc.StatusCode.DEADLINE_EXCEEDED, target=target,
-                                           request_id=request_id)
+                error = capped_attempt_error(error_from_rpc(exc, target=target, request_id=request_id, write=write),
+                                             capped=capped, attempt_timeout_s=self._attempt_timeout_s)
             except KvError as closed:  # the client was closed under the call: nothing sent this time
                 raise log.raised(closed) from None
             else:
@@ -851,6 +821,8 @@ class Client:
                     raise KvError(f"unexpected response from {target}: {type(response).__name__}", target=target)
                 return response
             action = log.failed(error)
+            logger.debug("%s attempt %d at %s failed (%s: %s): %s", method, attempt, target, type(error).__name__,
+                         error.message, action.value)
             if action is RetryAction.FAIL:
                 raise log.raised(error)
             if attempt >= self._max_attempts:
@@ -861,6 +833,7 @@ class Client:
                 new_hint = error.leader_hint
                 if new_hint and new_hint != target:
                     hint = new_hint
+                    logger.debug("%s redirected to the leader %s", method, hint)
                     continue  # a fresh node: no reason to wait
                 hint = None
             elif action is RetryAction.REROUTE:

@@ -11,7 +11,7 @@ import dataclasses
 import itertools
 import time
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Literal, get_args
 
 from kvstore import limits
@@ -78,6 +78,49 @@ def make_first_attempt_unix_ms(given: int | None, request_id: str | None) -> int
         # A fresh id has no earlier attempt; an old time would only get it refused as expired.
         raise InvalidArgument("first_attempt_unix_ms is for retrying an earlier request: give its request_id too")
     return given
+
+
+# ---- each call's request, built alike by the synchronous and the asyncio client -------------------
+
+
+def get_request(key: BytesLike, consistency: str, min_revision: int | None) -> tuple[bytes, kv_pb2.GetRequest]:
+    """A Get of `key` at `consistency` (`min_revision`: of the key's shard)."""
+    k = to_bytes(key)
+    read = kv_pb2.ReadOptions(consistency=consistency_pb(consistency))
+    if min_revision is not None:
+        read.min_revision = min_revision
+    return k, kv_pb2.GetRequest(key=k, read=read)
+
+
+def put_request(key: BytesLike, value: BytesLike, request_id: str | None,
+                first_attempt_unix_ms: int | None) -> tuple[bytes, kv_pb2.PutRequest]:
+    """A Put with its request id and first-attempt time, fixed for every retry."""
+    k, rid = to_bytes(key), make_request_id(request_id)
+    first_ms = make_first_attempt_unix_ms(first_attempt_unix_ms, request_id)
+    return k, kv_pb2.PutRequest(key=k, value=to_bytes(value, "value"), request_id=rid, first_attempt_unix_ms=first_ms)
+
+
+def delete_request(key: BytesLike, request_id: str | None,
+                   first_attempt_unix_ms: int | None) -> tuple[bytes, kv_pb2.DeleteRequest]:
+    k, rid = to_bytes(key), make_request_id(request_id)
+    first_ms = make_first_attempt_unix_ms(first_attempt_unix_ms, request_id)
+    return k, kv_pb2.DeleteRequest(key=k, request_id=rid, first_attempt_unix_ms=first_ms)
+
+
+def watch_request(key: BytesLike, prefix: BytesLike, start_revision: int | None,
+                  start_revisions: Mapping[int, int] | None) -> tuple[bytes | None, kv_pb2.WatchRequest]:
+    """A Watch of `key` or of `prefix`; the key (None for a prefix) routes it."""
+    k, p = to_bytes(key), to_bytes(prefix, "prefix")
+    if bool(k) == bool(p):
+        raise InvalidArgument("watch needs exactly one of key or prefix")
+    if start_revision is not None and start_revisions:
+        raise InvalidArgument("give start_revision or start_revisions, not both")
+    request = kv_pb2.WatchRequest(key=k, prefix=p)
+    if start_revision is not None:
+        request.start_revision = start_revision
+    for shard, revision in sorted((start_revisions or {}).items()):
+        request.start_revisions.append(kv_pb2.ShardRevision(shard=shard, revision=revision))
+    return k or None, request
 
 
 def scan_request(
@@ -186,6 +229,13 @@ class Op:
         if self.kind == "delete":
             return kv_pb2.TxnOp(delete=kv_pb2.DeleteRequest(key=self.key))
         return kv_pb2.TxnOp(get=kv_pb2.GetRequest(key=self.key))
+
+
+def txn_request(compares: Sequence[Compare], success: Sequence[Op], failure: Sequence[Op],
+                first_attempt_unix_ms: int) -> kv_pb2.TxnRequest:
+    """A Txn without its request id: a cross-shard one that aborts is sent again under a fresh id."""
+    return kv_pb2.TxnRequest(compares=[c.to_pb() for c in compares], success=[o.to_pb() for o in success],
+                             failure=[o.to_pb() for o in failure], first_attempt_unix_ms=first_attempt_unix_ms)
 
 
 def txn_keys(compares: Iterable[Compare], success: Iterable[Op], failure: Iterable[Op]) -> list[bytes]:

@@ -7,8 +7,8 @@ one shard, and every result that carries a revision also names its shard (`revis
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
-from typing import Literal
+from collections.abc import Iterable, Sequence
+from typing import Any, Literal
 
 from kvstore.client.errors import KvError
 from kvstore.client.requests import show_key
@@ -294,6 +294,16 @@ class FenceResult:
     shard: int
     end_offset: int
     notified: str  # the leader node told to check, "" if none
+
+
+def txn_result(resp: kv_pb2.TxnResponse, success: Sequence[Any], failure: Sequence[Any], request_id: str) -> TxnResult:
+    """A Txn's answer: the branch it ran, each of that branch's operations' results (`success`
+    and `failure`: the operations sent, anything with a `key`), the write's shard and revision."""
+    branch = success if resp.succeeded else failure
+    results = tuple(txn_op_result(op.key, r, request_id) for op, r in zip(branch, resp.results, strict=False))
+    w = resp.result
+    revision = w.revision if w.HasField("revision") else None
+    return TxnResult(resp.succeeded, w.shard, revision, w.replayed, results, request_id)
 
 
 def txn_op_result(key: bytes, result: kv_pb2.TxnOpResult, request_id: str) -> TxnOpResult:

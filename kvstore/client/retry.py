@@ -7,6 +7,8 @@ from __future__ import annotations
 import dataclasses
 import enum
 import random
+import time
+from collections.abc import Sequence
 
 import grpc
 
@@ -51,6 +53,42 @@ def retry_action(error: KvError) -> RetryAction:
     if isinstance(error, Overloaded | TxnConflict):
         return RetryAction.BACKOFF
     return RetryAction.FAIL
+
+
+def check_client_options(endpoints: Sequence[str] | str, *, timeout_s: float, max_attempts: int, backoff_s: float,
+                         max_backoff_s: float, max_channels: int, attempt_timeout_s: float) -> tuple[str, ...]:
+    """A client's settings checked (either client's), and its seed endpoints: "a:1,b:2" or a
+    list, stripped, duplicates dropped."""
+    if isinstance(endpoints, str):  # a str is a Sequence[str] of characters: accept "a:1,b:2"
+        endpoints = endpoints.split(",")
+    seeds = tuple(dict.fromkeys(e.strip() for e in endpoints if e.strip()))
+    if not seeds:
+        raise InvalidArgument("at least one endpoint is needed")
+    if timeout_s <= 0 or max_attempts < 1 or backoff_s < 0 or max_backoff_s < 0 or max_channels < 1:
+        raise InvalidArgument("timeout_s must be > 0, max_attempts and max_channels >= 1, backoffs >= 0")
+    if attempt_timeout_s <= 0:
+        raise InvalidArgument(f"attempt_timeout_s must be > 0: {attempt_timeout_s}")
+    return seeds
+
+
+def deadline_of(timeout_s: float | None, default_s: float) -> float:
+    """The monotonic deadline of a call given `timeout_s` (None: the client's `default_s`)."""
+    t = default_s if timeout_s is None else timeout_s
+    if t <= 0:
+        raise InvalidArgument(f"timeout must be positive: {t}")
+    return time.monotonic() + t
+
+
+def capped_attempt_error(error: KvError, *, capped: bool, attempt_timeout_s: float) -> KvError:
+    """An attempt cut by the client's own per-attempt cap (`capped`: the cap was shorter than the
+    call's deadline), not by the caller's deadline: the node is not answering. A write may have
+    committed there (W7), so it is an unknown outcome, retried elsewhere with the same id."""
+    if capped and error.code == grpc.StatusCode.DEADLINE_EXCEEDED and isinstance(error, DeadlineExceeded
+                                                                                     | UnknownOutcome):
+        return UnknownOutcome(f"{error.target} did not answer within {attempt_timeout_s}s",
+                              code=grpc.StatusCode.DEADLINE_EXCEEDED, target=error.target,
+                              request_id=error.request_id)
+    return error
 
 
 def backoff_delay(attempt: int, base_s: float, cap_s: float, rng: random.Random | None = None) -> float:

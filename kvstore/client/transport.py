@@ -29,6 +29,15 @@ from kvstore.v1 import cluster_pb2_grpc, kv_pb2_grpc
 # that hints ever-new addresses.
 DEFAULT_MAX_CHANNELS = 64
 MAX_ENDPOINTS = 64  # seeds plus the nodes learned from shard maps
+# One endpoint may be black-holed; fetching the map from it must not eat the whole deadline
+# before the next endpoint is tried. A node answers the map from what it knows plus its peers'
+# views (each bounded by the server's own fan-out deadline), so this is ample.
+MAP_FETCH_TIMEOUT_S = 2.0
+# Every channel, synchronous or asyncio: the store's own message cap both ways.
+CHANNEL_OPTIONS = (
+    ("grpc.max_send_message_length", GRPC_MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", GRPC_MAX_MESSAGE_BYTES),
+)
 CLUSTER_METHODS = frozenset({"ShardMap", "ListTransactions", "FenceShard", "Drain", "MoveShard",
                              "ListPreparedTransactions", "ResolveTransaction", "PlacementLog"})
 # This client routes every request to its shard's leader itself: a node that does not lead the
@@ -71,12 +80,8 @@ class Channels:
             if conn is not None:
                 self._conns.move_to_end(target)
                 return conn
-            options = [
-                ("grpc.max_send_message_length", GRPC_MAX_MESSAGE_BYTES),
-                ("grpc.max_receive_message_length", GRPC_MAX_MESSAGE_BYTES),
-            ]
-            channel = (grpc.secure_channel(target, self._credentials, options=options)
-                       if self._credentials is not None else grpc.insecure_channel(target, options=options))
+            channel = (grpc.secure_channel(target, self._credentials, options=CHANNEL_OPTIONS)
+                       if self._credentials is not None else grpc.insecure_channel(target, options=CHANNEL_OPTIONS))
             kv_stub: Any = kv_pb2_grpc.KVServiceStub
             cluster_stub: Any = cluster_pb2_grpc.ClusterServiceStub
             conn = Conn(channel, kv_stub(channel), cluster_stub(channel))
