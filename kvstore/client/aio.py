@@ -93,6 +93,7 @@ from kvstore.client.transport import (
     Conn,
     Router,
 )
+from kvstore.client.watch import WatchResume, reopen_request
 from kvstore.limits import MAX_REQUEST_BYTES
 from kvstore.v1 import cluster_pb2, cluster_pb2_grpc, kv_pb2, kv_pb2_grpc
 
@@ -445,8 +446,9 @@ class AsyncClient:
 
 
 class AsyncWatch:
-    """A running watch for asyncio: `async for event in watch`; `cancel()` ends it. Opening and
-    reopening follow the synchronous `Watch`'s rules (`kvstore.client.watch`)."""
+    """A running watch for asyncio: `async for event in watch`; `cancel()` ends it. Opening, and
+    resuming a broken stream where it stood, follow the synchronous `Watch`'s rules
+    (`kvstore.client.watch`: `WatchResume`, `reopen_request`)."""
 
     def __init__(self, client: AsyncClient, request: kv_pb2.WatchRequest, key: bytes | None,
                  timeout_s: float | None) -> None:
@@ -460,6 +462,7 @@ class AsyncWatch:
         self._hint: str | None = None
         self._stream: Any = None
         self._target = ""
+        self._resume = WatchResume(request)
 
     async def open(self) -> None:
         """Open the stream and wait for the server's `created` event, retrying like a call."""
@@ -503,6 +506,7 @@ class AsyncWatch:
         if not isinstance(first, kv_pb2.WatchResponse) or first.type != kv_pb2.WatchResponse.TYPE_CREATED:
             stream.cancel()
             raise KvError(f"{target} did not start the watch with a `created` event", target=target)
+        self._resume.created(first)
 
     async def _prepare_retry(self, error: KvError, deadline: float | None) -> None:
         if isinstance(error, NotLeader) and error.leader_hint and error.leader_hint != self._target:
@@ -529,12 +533,14 @@ class AsyncWatch:
                 if self._cancelled:
                     raise StopAsyncIteration from None
                 error = error_from_rpc(exc, target=self._target)
-                replayable = not self._delivered and (self._request.HasField("start_revision")
-                                                      or bool(self._request.start_revisions))
-                if not replayable or retry_action(error) is RetryAction.FAIL \
-                        or self._attempts >= self._client.max_attempts:
+                request = reopen_request(self._resume, self._request, self._delivered, error,
+                                         self._client.max_attempts)
+                if request is None:
                     error.attempts = self._attempts
                     raise error from None
+                log.debug("watch at %s broke (%s): resuming at %s", self._target, error.message,
+                          [(b.shard, b.revision) for b in request.start_revisions])
+                self._request = request
                 await self._prepare_retry(error, None)
                 await self.open()
                 continue
@@ -542,7 +548,7 @@ class AsyncWatch:
                 raise StopAsyncIteration
             if not isinstance(event, kv_pb2.WatchResponse):
                 raise KvError(f"unexpected watch message: {type(event).__name__}", target=self._target)
-            if event.type == kv_pb2.WatchResponse.TYPE_CREATED:
+            if event.type == kv_pb2.WatchResponse.TYPE_CREATED or not self._resume.accept(event):
                 continue
             self._delivered = True
             return WatchEvent.from_pb(event)

@@ -9,6 +9,7 @@ changes only.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Iterator
@@ -22,20 +23,90 @@ from kvstore.client.results import WatchEvent
 from kvstore.client.retry import RetryAction, retry_action
 from kvstore.v1 import kv_pb2
 
+logger = logging.getLogger("kvstore.client")
+
 if TYPE_CHECKING:
     from kvstore.client.client import Client
+
+
+class WatchResume:
+    """Where a watch stands, so that a broken stream is continued exactly (pure; the synchronous
+    and the asyncio watch share it).
+
+    The server's `created` event names, per shard, the revision from which the stream delivers
+    every change (`start_revisions`). A change's revision is the WAL offset of its record, and
+    one record may hold several changes a watch matches (a Txn, a batch), so the position in a
+    shard is (revision, changes delivered at it): a resumed stream starts at that revision and
+    skips that many changes of it, which the WAL replays in the same order. Nothing is lost,
+    nothing repeats. A server that names no start revisions (older than the field) leaves no
+    position: `resume` says None."""
+
+    def __init__(self, request: kv_pb2.WatchRequest) -> None:
+        self.request = request
+        self.starts: dict[int, int] | None = None
+        self.delivered_at: dict[int, tuple[int, int]] = {}  # shard -> (revision, changes delivered at it)
+        self._skip: dict[int, tuple[int, int]] = {}  # shard -> (revision, changes of it still to skip)
+        self.reopens = 0  # resumes since the last change delivered
+
+    def created(self, event: kv_pb2.WatchResponse) -> None:
+        """The `created` event of the first stream: every shard's starting revision."""
+        if self.starts is None and event.start_revisions:
+            self.starts = {b.shard: b.revision for b in event.start_revisions}
+
+    def accept(self, event: kv_pb2.WatchResponse) -> bool:
+        """Count a change of the stream; False for one delivered before the break (skip it)."""
+        shard, revision = event.shard, event.kv.mod_revision
+        skip = self._skip.pop(shard, None)
+        if skip is not None and skip[0] == revision and skip[1] > 0:
+            if skip[1] > 1:
+                self._skip[shard] = (revision, skip[1] - 1)
+            return False
+        last = self.delivered_at.get(shard)
+        self.delivered_at[shard] = (revision, last[1] + 1 if last is not None and last[0] == revision else 1)
+        self.reopens = 0
+        return True
+
+    def resume(self) -> kv_pb2.WatchRequest | None:
+        """The request that continues the watch where it stands (None: no position known)."""
+        if self.starts is None:
+            return None
+        positions = dict(self.starts)
+        self._skip = {}
+        for shard, (revision, delivered) in self.delivered_at.items():
+            positions[shard] = revision
+            self._skip[shard] = (revision, delivered)
+        self.reopens += 1
+        request = kv_pb2.WatchRequest(key=self.request.key, prefix=self.request.prefix)
+        request.start_revisions.extend(kv_pb2.ShardRevision(shard=s, revision=r) for s, r in sorted(positions.items()))
+        return request
+
+
+def reopen_request(resume: WatchResume, request: kv_pb2.WatchRequest, delivered: bool, error: KvError,
+                   max_reopens: int) -> kv_pb2.WatchRequest | None:
+    """What to open after a stream broke with `error`, or None: raise it. Both watches' rule."""
+    if retry_action(error) is RetryAction.FAIL or resume.reopens >= max_reopens:
+        return None
+    resumed = resume.resume()
+    if resumed is not None:
+        return resumed
+    replays = request.HasField("start_revision") or bool(request.start_revisions)
+    if delivered or not replays:  # a server that names no start revisions: no position to resume from
+        return None
+    resume.reopens += 1
+    return request
 
 
 class Watch(Iterator[WatchEvent]):
     """A running watch: iterate for changes; `cancel()` ends it (from any thread).
 
     Opening (until the server's `created` event) is retried like any call: bounded attempts,
-    leader hints, the next endpoint, within the open deadline. Once registered, a failed stream
-    is reopened only when that can neither lose nor repeat a change: nothing was delivered yet
-    and the watch replays from a start revision. Otherwise the error is raised to the caller,
-    who knows the last revision it saw of each shard and can watch again from there with
-    `start_revisions` (a watch "from now" that broke may have missed changes meanwhile, and the
-    shards it saw nothing of have no position the client could resume from).
+    leader hints, the next endpoint, within the open deadline. Once registered, a stream that
+    breaks is resumed from exactly where it stood (`WatchResume`: the start revisions the server
+    named, and the changes delivered since), as etcd's clientv3 does: at most `max_attempts`
+    reopens in a row without a change delivered between them. It raises only when resuming
+    cannot help: the history it needs was truncated (`Compacted`, naming the log start), a
+    definite refusal, the reopens exhausted, or a server too old to name its start revisions
+    (then a stream that delivered nothing and replays from a start revision is reopened as is).
 
     It reaches the client only through its public retry seam (`route`, `connection`, `reroute`
     and the limits), so the client's routing and backoff can change without breaking it.
@@ -53,6 +124,7 @@ class Watch(Iterator[WatchEvent]):
         self._hint: str | None = None
         self._stream: Any = None
         self._target = ""
+        self._resume = WatchResume(request)
         self._open()
 
     # -- opening -----------------------------------------------------------------------------
@@ -120,6 +192,7 @@ class Watch(Iterator[WatchEvent]):
             stream.cancel()
             raise KvError(f"{target} did not start the watch with a `created` event (a server older than this "
                           f"client?)", target=target)
+        self._resume.created(first)
 
     def _prepare_retry(self, error: KvError, deadline: float | None) -> None:
         """Where the next attempt goes: the hinted leader at once, else another node after a
@@ -149,19 +222,21 @@ class Watch(Iterator[WatchEvent]):
                 if self._cancelled:
                     raise StopIteration from None
                 error = error_from_rpc(exc, target=self._target)
-                replayable = not self._delivered and (self._request.HasField("start_revision")
-                                                      or bool(self._request.start_revisions))
-                if not replayable or retry_action(error) is RetryAction.FAIL \
-                        or self._attempts >= self._client.max_attempts:
+                request = reopen_request(self._resume, self._request, self._delivered, error,
+                                         self._client.max_attempts)
+                if request is None:
                     error.attempts = self._attempts
                     raise error from None
+                logger.debug("watch at %s broke (%s): resuming at %s", self._target, error.message,
+                             [(b.shard, b.revision) for b in request.start_revisions])
+                self._request = request
                 self._prepare_retry(error, None)  # a reopen has no deadline: the whole backoff
                 self._open()
                 continue
             if not isinstance(event, kv_pb2.WatchResponse):
                 raise KvError(f"unexpected watch message: {type(event).__name__}", target=self._target)
-            if event.type == kv_pb2.WatchResponse.TYPE_CREATED:
-                continue  # only ever first, and consumed by `_open`; never a change
+            if event.type == kv_pb2.WatchResponse.TYPE_CREATED or not self._resume.accept(event):
+                continue  # `created` is consumed by `_open`; a change delivered before a break is skipped
             self._delivered = True
             return WatchEvent.from_pb(event)
 

@@ -129,7 +129,10 @@ class Watches:
         try:
             # Registered: every change applied from here on reaches the queue. Saying so lets a
             # caller start writing without sleeping first, and tells it the watch is not lost.
-            yield kv_pb2.WatchResponse(type=kv_pb2.WatchResponse.TYPE_CREATED)
+            yield kv_pb2.WatchResponse(type=kv_pb2.WatchResponse.TYPE_CREATED, start_revisions=[
+                kv_pb2.ShardRevision(shard=replica.shard,
+                                     revision=starts.get(replica.shard, watcher.live_from[replica.shard]))
+                for replica in replicas])
             for replica in replicas:
                 if replica.shard in starts:
                     async for event in _history(replica, watcher, starts[replica.shard]):
@@ -177,6 +180,7 @@ class Watches:
                 await queue.put(exc)
 
         tasks = [asyncio.create_task(pump(part)) for part in parts]
+        begins: list[kv_pb2.ShardRevision] = []  # every part's start revisions, for the one TYPE_CREATED
         try:
             while True:
                 item = await queue.get()
@@ -191,8 +195,10 @@ class Watches:
                                                   "from the last revision seen")
                 if item.type == kv_pb2.WatchResponse.TYPE_CREATED:
                     created += 1
+                    begins.extend(item.start_revisions)
                     if created == len(parts):
-                        yield item
+                        begins.sort(key=lambda b: b.shard)
+                        yield kv_pb2.WatchResponse(type=kv_pb2.WatchResponse.TYPE_CREATED, start_revisions=begins)
                     continue
                 yield item
         finally:

@@ -134,3 +134,39 @@ def test_writes_go_on_through_a_leader_killed_under_them(cluster: Cluster) -> No
     finally:
         victim.start()
         cluster.wait_settled()
+
+
+def test_a_watch_resumes_where_it_stood_when_its_node_is_killed(cluster: Cluster) -> None:
+    """The node serving a prefix watch over every shard dies between changes: the watch resumes on
+    the other node from the start revisions and the changes it had delivered (etcd's clientv3
+    does the same), and every change arrives exactly once."""
+    victim, other = cluster.nodes[0], cluster.nodes[1]
+    before = [key_of(s, f"aio-w-{s}") for s in range(SHARDS)]
+    after = [key_of(s, f"aio-w2-{s}") for s in range(SHARDS)]
+
+    async def scenario() -> list[bytes]:
+        async with AsyncClient([victim.address, other.address], timeout_s=TIMEOUT_S, max_attempts=100,
+                               max_backoff_s=0.2) as watching, client_of(cluster) as writer:
+            seen: list[bytes] = []
+            async with await watching.watch(prefix="aio-w") as watch:
+                for key in before:
+                    await writer.put(key, "1")
+                async for event in watch:
+                    seen.append(event.kv.key)
+                    if len(seen) == len(before):
+                        break
+                victim.stop(signal.SIGKILL)  # the watch's node: its stream breaks
+                for key in after:
+                    await writer.put(key, "2")
+                async for event in watch:
+                    seen.append(event.kv.key)
+                    if len(seen) == len(before) + len(after):
+                        break
+            return seen
+
+    try:
+        seen = asyncio.run(asyncio.wait_for(scenario(), 120))
+    finally:
+        victim.start()
+        cluster.wait_settled()
+    assert sorted(seen) == sorted(before + after) and len(seen) == len(set(seen)), seen

@@ -24,6 +24,7 @@ from kvstore import errors as store_errors
 from kvstore.client import (
     Cancelled,
     Client,
+    Compacted,
     Compare,
     CrossShardTxn,
     DeadlineExceeded,
@@ -59,6 +60,7 @@ from kvstore.client import watch as watch_module
 from kvstore.client.errors import details_of, metadata_dict
 from kvstore.client.requests import shard_revisions
 from kvstore.client.retry import keep_unknown
+from kvstore.client.watch import WatchResume, reopen_request
 from kvstore.core.sharding import shard_of
 from kvstore.errors import (
     LEADER_HINT_KEY,
@@ -834,6 +836,9 @@ class FakeCluster:
         self.watch_events: list[kv_pb2.WatchResponse] = []
         self.watch_registers = True  # a server that answers `created` first (every server now)
         self.watch_break_after: int | None = None  # end the stream with UNAVAILABLE after this many events
+        # A server that names its start revisions, over a WAL of these changes (each with its shard
+        # and mod_revision): a watch starts at its start_revisions (else 0), is told so in `created`.
+        self.watch_log: list[kv_pb2.WatchResponse] | None = None
         self.servers: list[grpc.Server] = []
         self.addresses: list[str] = []
         for _ in range(nodes):
@@ -972,7 +977,19 @@ class FakeNode(kv_pb2_grpc.KVServiceServicer, cluster_pb2_grpc.ClusterServiceSer
     def Watch(self, request: kv_pb2.WatchRequest, context: grpc.ServicerContext) -> Iterator[kv_pb2.WatchResponse]:
         self._enter("Watch", request, context, None)
         events, break_after = self.cluster.watch_events, self.cluster.watch_break_after  # as of the open
-        if self.cluster.watch_registers:
+        log = self.cluster.watch_log
+        if log is not None:
+            starts = {s: 0 for s in sorted({e.shard for e in log})}
+            starts.update({b.shard: b.revision for b in request.start_revisions})
+            yield kv_pb2.WatchResponse(type=kv_pb2.WatchResponse.TYPE_CREATED, start_revisions=[
+                kv_pb2.ShardRevision(shard=s, revision=r) for s, r in starts.items()])
+            events = [e for e in log if e.kv.mod_revision >= starts[e.shard]]
+            self.cluster.watch_break_after = None  # each break happens once
+            if break_after is not None:
+                yield from events[:break_after]
+                context.abort(SC.UNAVAILABLE, "node went away")
+            yield from events
+        elif self.cluster.watch_registers:
             yield kv_pb2.WatchResponse(type=kv_pb2.WatchResponse.TYPE_CREATED)
             if break_after is not None:
                 yield from events[:break_after]
@@ -1275,6 +1292,52 @@ def test_watch_with_a_start_revision_is_reopened_until_something_was_delivered(
     with watch:
         assert next(watch).kv.key == b"w"
     assert len(cluster.calls_to("Watch")) == 2
+
+
+def change(shard: int, revision: int, key: bytes) -> kv_pb2.WatchResponse:
+    return kv_pb2.WatchResponse(type=kv_pb2.WatchResponse.TYPE_PUT, shard=shard,
+                                kv=kv_pb2.KeyValue(key=key, value=b"v", mod_revision=revision))
+
+
+# Shard 0's record at revision 5 holds two changes (a Txn): a break between them must neither lose
+# nor repeat the second.
+WAL_OF_CHANGES = [change(0, 5, b"wa"), change(0, 5, b"wb"), change(1, 3, b"wd"), change(0, 6, b"wc")]
+
+
+@pytest.mark.parametrize("break_after", [0, 1, 2, 3])
+def test_a_watch_that_breaks_resumes_where_it_stood_nothing_lost_nothing_repeated(
+        cluster: FakeCluster, client: Client, break_after: int) -> None:
+    cluster.watch_log = WAL_OF_CHANGES
+    cluster.watch_break_after = break_after
+    with client.watch(prefix="w") as watch:
+        keys = [next(watch).kv.key for _ in WAL_OF_CHANGES]
+    assert sorted(keys) == [b"wa", b"wb", b"wc", b"wd"]
+    reopened = cluster.calls_to("Watch")[1:]
+    assert len(reopened) == 1
+    starts = {b.shard: b.revision for b in reopened[0].request.start_revisions}  # type: ignore[attr-defined]
+    delivered = WAL_OF_CHANGES[:break_after]
+    assert starts == {0: max([e.kv.mod_revision for e in delivered if e.shard == 0], default=0),
+                      1: max([e.kv.mod_revision for e in delivered if e.shard == 1], default=0)}
+
+
+def test_watch_resume_is_pure_and_bounded() -> None:
+    resume = WatchResume(kv_pb2.WatchRequest(prefix=b"w"))
+    assert resume.resume() is None  # no `created` yet (or an old server): no position
+    resume.created(kv_pb2.WatchResponse(type=kv_pb2.WatchResponse.TYPE_CREATED, start_revisions=[
+        kv_pb2.ShardRevision(shard=0, revision=5), kv_pb2.ShardRevision(shard=1, revision=9)]))
+    assert resume.accept(change(0, 5, b"wa")) and resume.accept(change(0, 5, b"wb"))
+    request = resume.resume()
+    assert request is not None and request.prefix == b"w"
+    assert [(b.shard, b.revision) for b in request.start_revisions] == [(0, 5), (1, 9)]
+    # The resumed stream replays revision 5 of shard 0: its first two changes were delivered.
+    assert not resume.accept(change(0, 5, b"wa")) and not resume.accept(change(0, 5, b"wb"))
+    assert resume.accept(change(0, 6, b"wc")) and resume.reopens == 0
+    error = Unavailable("node went away")
+    for _ in range(3):
+        assert reopen_request(resume, request, True, error, max_reopens=3) is not None
+    assert reopen_request(resume, request, True, error, max_reopens=3) is None, "three reopens in a row, no change"
+    gone = Compacted("history truncated", code=SC.OUT_OF_RANGE)
+    assert reopen_request(WatchResume(request), request, True, gone, max_reopens=3) is None  # raised, saying so
 
 
 def test_watch_uses_only_the_clients_public_retry_seam() -> None:
