@@ -47,7 +47,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from kvstore.cli import client_commands, extra_commands
+from kvstore.cli import client_commands, extra_commands, tools
 from kvstore.cli.client_commands import error_name, error_record, exit_status, min_revisions
 from kvstore.cli.output import ResultPrinter
 from kvstore.cli.parser import (
@@ -116,6 +116,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("kvstore: error: a command is required", file=sys.stderr)
         return EXIT_USAGE
     printer = ResultPrinter(args.output, sys.stdout)
+    if args.command == "completion":  # generated from the parser itself: never behind a new option
+        sys.stdout.write(tools.completion(args.shell, parser))
+        return EXIT_OK
     try:
         return _run(args, printer)
     except KvError as exc:

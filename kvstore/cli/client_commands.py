@@ -14,6 +14,7 @@ from collections.abc import Iterable, Sequence
 from typing import BinaryIO
 
 from kvstore import limits
+from kvstore.cli import tools
 from kvstore.cli.output import ResultPrinter
 from kvstore.cli.parser import parse_endpoints
 from kvstore.cli.txn_syntax import parse_txn
@@ -73,9 +74,11 @@ def run(args: argparse.Namespace, printer: ResultPrinter) -> int:
     if command == "put":  # read before connecting: a value that is too large needs no cluster
         value = put_value(args.value, args.value_file, sys.stdin.buffer)
     endpoints = parse_endpoints(args.endpoints)
+    if command == "health":  # each endpoint on its own, not through a client that retries elsewhere
+        return tools.health(endpoints, security_of(args), args.timeout, printer)
     with make_client(endpoints, args.timeout, security=security_of(args)) as client:
         if command == "get":
-            printer.get(client.get(args.key, _consistency(args.consistency), args.min_revision))
+            _get(client, args, printer)
         elif command == "put":
             printer.put(client.put(args.key, value, args.request_id,
                                    first_attempt_unix_ms=args.first_attempt_unix_ms))
@@ -180,6 +183,21 @@ def _scan(client: Client, args: argparse.Namespace) -> Iterable[KeyValue]:
         yield kv
         if args.limit and n >= args.limit:
             return
+
+
+def _get(client: Client, args: argparse.Namespace, printer: ResultPrinter) -> None:
+    """`get`, its value shown (as text or hex), written raw to stdout (`--print-value-only`,
+    nothing for a missing key, as etcdctl's) or to a file (`--out`): binary values round-trip."""
+    result = client.get(args.key, _consistency(args.consistency), args.min_revision)
+    if args.print_value_only:
+        if result.kv is not None:
+            sys.stdout.buffer.write(result.kv.value)
+            sys.stdout.buffer.flush()
+        return
+    if args.out is not None and result.kv is not None:
+        with open(args.out, "wb") as out:
+            out.write(result.kv.value)
+    printer.get(result, hex_bytes=args.hex, value_in=args.out if result.kv is not None else None)
 
 
 def _watch(client: Client, args: argparse.Namespace, printer: ResultPrinter) -> int:

@@ -109,16 +109,32 @@ def _replicas(shard: ShardInfo) -> str:
 class ResultPrinter(Printer):
     """A `Printer` that also knows the client's results, one method per kind of result."""
 
-    def get(self, result: GetResult) -> None:
+    def get(self, result: GetResult, *, hex_bytes: bool = False, value_in: str | None = None) -> None:
+        """`hex_bytes`: the key and the value as hex (JSON: `key_hex`, `value_hex`); `value_in`:
+        the value was written to that file, so it is named instead of shown."""
         if self.json:
-            self.record(get_record(result))
+            record = get_record(result)
+            if hex_bytes:
+                for name in ("key", "value"):
+                    record.pop(f"{name}_base64", None)
+                    if name in record:
+                        del record[name]
+                        record[f"{name}_hex"] = (result.key if name == "key" else result.value or b"").hex()
+            if value_in is not None and result.kv is not None:
+                record.pop("value", None)
+                record.pop("value_base64", None)
+                record.pop("value_hex", None)
+                record.update(value_file=value_in, value_bytes=len(result.kv.value))
+            self.record(record)
         elif result.kv is None:
             self.line("(not found)")
         else:
             kv = result.kv
+            shown = (f"({len(kv.value)} bytes in {value_in})" if value_in is not None
+                     else kv.value.hex() if hex_bytes else display(kv.value))
             self.line(format_table(["KEY", "VALUE", "VERSION", "MOD_REVISION", "CREATE_REVISION"],
-                                   [[display(kv.key), display(kv.value), kv.version, kv.mod_revision,
-                                     kv.create_revision]]))
+                                   [[kv.key.hex() if hex_bytes else display(kv.key), shown, kv.version,
+                                     kv.mod_revision, kv.create_revision]]))
 
     def put(self, result: PutResult) -> None:
         if self.json:

@@ -61,23 +61,27 @@ def _add_common(parser: argparse.ArgumentParser, defaults: bool) -> None:
     def default(value: object) -> object:
         return value if defaults else argparse.SUPPRESS
 
-    parser.add_argument("--endpoints", default=default(os.environ.get(ENDPOINTS_ENV) or DEFAULT_ENDPOINT),
+    # On a command, in a group of their own: its help lists the command's own options first.
+    group: Any = parser if defaults else parser.add_argument_group(
+        "global options", "accepted before or after the command")
+
+    group.add_argument("--endpoints", default=default(os.environ.get(ENDPOINTS_ENV) or DEFAULT_ENDPOINT),
                         help=f"comma-separated host:port list (default: ${ENDPOINTS_ENV} or {DEFAULT_ENDPOINT})")
-    parser.add_argument("--timeout", type=_positive_float, default=default(5.0), metavar="SECONDS",
+    group.add_argument("--timeout", type=_positive_float, default=default(5.0), metavar="SECONDS",
                         help="deadline of each request, retries included (default: 5)")
-    parser.add_argument("--output", "-o", choices=("table", "json"), default=default("table"),
+    group.add_argument("--output", "-o", choices=("table", "json"), default=default("table"),
                         help="table for people, json for scripts: one object per line (default: table)")
     # Security (docs/security.md): None = the KVSTORE_* variable; any of them turns TLS on.
-    parser.add_argument("--ca", dest="tls_ca", default=default(None), metavar="FILE",
+    group.add_argument("--ca", dest="tls_ca", default=default(None), metavar="FILE",
                         help="CA certificate (PEM) of the nodes: TLS (default: $KVSTORE_CA)")
-    parser.add_argument("--cert", dest="tls_cert", default=default(None), metavar="FILE",
+    group.add_argument("--cert", dest="tls_cert", default=default(None), metavar="FILE",
                         help="client certificate (PEM) for mutual TLS; its role is in it (default: $KVSTORE_CERT)")
-    parser.add_argument("--key", dest="tls_key", default=default(None), metavar="FILE",
+    group.add_argument("--key", dest="tls_key", default=default(None), metavar="FILE",
                         help="the client certificate's key (default: $KVSTORE_KEY)")
-    parser.add_argument("--token", default=default(None),
+    group.add_argument("--token", default=default(None),
                         help="bearer token, sent over TLS only (default: $KVSTORE_TOKEN; visible to `ps`: prefer "
                              "--token-file)")
-    parser.add_argument("--token-file", default=default(None), metavar="FILE",
+    group.add_argument("--token-file", default=default(None), metavar="FILE",
                         help="file holding the bearer token (default: $KVSTORE_TOKEN_FILE)")
 
 
@@ -123,6 +127,12 @@ def build_parser() -> argparse.ArgumentParser:
     consistency(p)
     p.add_argument("--min-revision", type=_non_negative_int, default=None, metavar="REV",
                    help="with --consistency stale: wait until the node applied this revision")
+    shown = p.add_mutually_exclusive_group()
+    shown.add_argument("--print-value-only", action="store_true",
+                       help="write only the value's bytes to stdout, as they are (nothing for a missing key)")
+    shown.add_argument("--out", metavar="FILE", default=None,
+                       help="write the value's bytes to FILE (binary values round-trip: put --value-file)")
+    shown.add_argument("--hex", action="store_true", help="show the key and the value as hex")
 
     p = sub.add_parser("put", parents=[common], help="write one key",
                        description="Write one key. The value is the argument; `-` or no argument reads it "
@@ -182,6 +192,10 @@ def build_parser() -> argparse.ArgumentParser:
                                              "shard; shards not named: from now on)")
 
     sub.add_parser("shards", parents=[common], help="show the shard map: leaders, terms, lag, nodes")
+    sub.add_parser("health", parents=[common], help="ask each endpoint whether it serves (grpc.health.v1); exit 0 "
+                   "if all do, 4 if none answered, else 1")
+    p = sub.add_parser("completion", help="print a shell completion script: eval \"$(kvstore completion bash)\"")
+    p.add_argument("shell", choices=["bash", "zsh", "fish"])
 
     p = sub.add_parser("fence", parents=[common],
                        help="force-terminate a shard's WAL transaction (fresh init_transactions on its id)")

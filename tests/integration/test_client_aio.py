@@ -1,13 +1,18 @@
-"""`kvstore.client.aio.AsyncClient` against real nodes (a broker, two node processes, real gRPC):
+"""The clients against real nodes (a broker, two node processes, real gRPC): the asyncio client's
 every call, a watch, a write whose leader is paused mid-call (an unknown outcome, finished once
-by its retry) and a leader killed under a stream of writes (failover: nothing acknowledged lost)."""
+by its retry), a leader killed under a stream of writes (failover: nothing acknowledged lost), a
+watch resumed across its node's death; and the command line's binary values and health."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -19,6 +24,7 @@ from wal.broker import LocalKafka
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 TIMEOUT_S = 20.0
+KVSTORE = str(Path(sys.executable).parent / "kvstore")  # the installed console script
 
 
 @pytest.fixture(scope="module")
@@ -170,3 +176,31 @@ def test_a_watch_resumes_where_it_stood_when_its_node_is_killed(cluster: Cluster
         victim.start()
         cluster.wait_settled()
     assert sorted(seen) == sorted(before + after) and len(seen) == len(set(seen)), seen
+
+
+def kvstore_cli(*args: str, stdin: bytes | None = None) -> subprocess.CompletedProcess[bytes]:
+    return subprocess.run([KVSTORE, *args], input=stdin, capture_output=True, timeout=60, check=False)
+
+
+def test_the_cli_round_trips_binary_values_and_reports_health(cluster: Cluster, tmp_path: Path) -> None:
+    """The command line beside the clients: a binary value in with --value-file and out, byte for
+    byte, raw on stdout or into a file; hex; every endpoint's health."""
+    endpoints = ",".join(cluster.endpoints)
+    blob = bytes(range(256)) * 4 + b"\x00\xff"
+    (tmp_path / "in.bin").write_bytes(blob)
+    put = kvstore_cli("--endpoints", endpoints, "put", "aio-cli/blob", "--value-file", str(tmp_path / "in.bin"))
+    assert put.returncode == 0, put.stderr
+    raw = kvstore_cli("--endpoints", endpoints, "get", "aio-cli/blob", "--print-value-only")
+    assert raw.returncode == 0 and raw.stdout == blob, raw.stderr
+    out = kvstore_cli("--endpoints", endpoints, "get", "aio-cli/blob", "--out", str(tmp_path / "out.bin"), "-o",
+                      "json")
+    assert out.returncode == 0 and (tmp_path / "out.bin").read_bytes() == blob, out.stderr
+    record = json.loads(out.stdout)
+    assert record["value_file"] == str(tmp_path / "out.bin") and record["value_bytes"] == len(blob), record
+    hexed = kvstore_cli("--endpoints", endpoints, "get", "aio-cli/blob", "--hex", "-o", "json")
+    assert json.loads(hexed.stdout)["value_hex"] == blob.hex(), hexed.stderr
+    health = kvstore_cli("--endpoints", endpoints, "-o", "json", "health")
+    assert health.returncode == 0, health.stderr
+    assert [json.loads(line)["status"] for line in health.stdout.splitlines()] == ["SERVING"] * len(cluster.nodes)
+    missing = kvstore_cli("--endpoints", f"{endpoints},127.0.0.1:1", "health")
+    assert missing.returncode == 1 and b"UNREACHABLE" in missing.stdout, missing.stdout

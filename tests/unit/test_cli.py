@@ -8,6 +8,7 @@ import base64
 import io
 import json
 import re
+import subprocess
 import sys
 import types
 from collections.abc import Iterator
@@ -812,8 +813,8 @@ def test_put_refuses_an_oversized_stdin_without_reading_it_all(
 
 def test_options_are_never_abbreviated(fake: FakeClient, capsys: pytest.CaptureFixture[str]) -> None:
     """A prefix must not be read as some option: `--to` was once taken for `--token`."""
-    rc, _, err = run(["get", "k", "--out", "json"], capsys)
-    assert rc == 2 and "--out" in err
+    rc, _, err = run(["get", "k", "--outp", "json"], capsys)
+    assert rc == 2 and "--outp" in err
     assert cli.build_parser().parse_args(["changes", "--to", "dir"]).to == "dir"
 
 
@@ -828,3 +829,40 @@ def test_placement_log(fake: FakeClient, capsys: pytest.CaptureFixture[str]) -> 
     (record,) = json_lines(run(["placement", "log", "-o", "json"], capsys)[1])
     assert record["epoch"] == 3 and record["skipped"] == {"undecodable": 1}
     assert record["entries"][0]["summary"] == "n2 drained"
+
+
+@pytest.mark.parametrize("shell", ["bash", "zsh", "fish"])
+def test_completion_is_generated_from_the_parser(shell: str, capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, _ = run(["completion", shell], capsys)
+    assert rc == 0
+    for word in ("get", "put", "health", "drain", "audit", "consistency", "print-value-only", "endpoints"):
+        assert word in out, (shell, word)
+
+
+def test_bash_completion_completes_commands_and_their_options(capsys: pytest.CaptureFixture[str],
+                                                               tmp_path: Path) -> None:
+    script = tmp_path / "kvstore.bash"
+    script.write_text(run(["completion", "bash"], capsys)[1])
+    probe = ('source "$1"; COMP_WORDS=(kvstore he); COMP_CWORD=1; _kvstore; echo "${COMPREPLY[@]}"; '
+             'COMP_WORDS=(kvstore get k --print); COMP_CWORD=3; _kvstore; echo "${COMPREPLY[@]}"')
+    done = subprocess.run(["bash", "-c", probe, "-", str(script)], capture_output=True, text=True, check=True)
+    assert done.stdout.splitlines() == ["health", "--print-value-only"]
+
+
+def test_health_status_is_read_from_the_standard_message() -> None:
+    from kvstore.cli.tools import serving_status
+
+    assert serving_status(b"\x08\x01") == "SERVING" and serving_status(b"\x08\x02") == "NOT_SERVING"
+    assert serving_status(b"") == "UNKNOWN" and serving_status(b"\x12\x00") == "UNKNOWN"
+
+
+def test_a_commands_own_options_come_before_the_global_ones_in_its_help(capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, _ = run(["get", "--help"], capsys)
+    assert rc == 0 and out.index("\n  --consistency") < out.index("global options") < out.index("\n  --endpoints")
+
+
+def test_get_raw_value_and_file(fake: FakeClient, capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    rc, out, _ = run(["get", "k", "--hex"], capsys)
+    assert rc == 0 and "6b" in out.split()  # the key as hex
+    rc, out, _ = run(["get", "k", "--out", str(tmp_path / "v")], capsys)
+    assert rc == 0 and "bytes in" in out and (tmp_path / "v").exists()
