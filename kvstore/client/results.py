@@ -203,6 +203,9 @@ class ShardMap:
     nodes: tuple[NodeInfo, ...] = ()
     placement_epoch: int = 0  # the placement log's epoch as the answering node read it
     controller: str = ""  # the placement controller the log names
+    # How the answering node reaches Kafka: (bootstrap servers, security protocol, SASL mechanism);
+    # ("", "", "") from a node older than the field. Never a credential.
+    kafka: tuple[str, str, str] = ("", "", "")
 
     def node(self, node_id: str) -> NodeInfo | None:
         return next((n for n in self.nodes if n.node_id == node_id), None)
@@ -227,7 +230,8 @@ class ShardMap:
         nodes = tuple(NodeInfo(n.node_id, n.address, tuple(n.leads), n.can_lead, n.zone,
                                        n.version) for n in resp.nodes)
         return cls(resp.shard_count, resp.topic, resp.served_by, shards, nodes, resp.placement_epoch,
-                   resp.controller)
+                   resp.controller, (resp.kafka.bootstrap_servers, resp.kafka.security_protocol,
+                                     resp.kafka.sasl_mechanism))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -237,9 +237,9 @@ on {kafka.bootstrap_servers}.
 Prometheus metrics (no authentication, loopback only; docs/operations.md, "Metrics and dashboards"):
   {"  ".join(n.metrics for n in nodes)}
 
-The Spark pipeline (docs/pipeline.md); the nodes load snapshots from {snapshots}:
-
-  export KVSTORE_KAFKA={kafka.bootstrap_servers}{_pipeline_login(kafka, pipeline_user)}
+The Spark pipeline (docs/pipeline.md; its commands ask the nodes at KVSTORE_ENDPOINTS for the brokers
+and the topic); the nodes load snapshots from {snapshots}:
+{_pipeline_login(kafka, pipeline_user)}
   .venv/bin/kvstore snapshot create --dir {snapshots}
   .venv/bin/kvstore audit --dir {snapshots}
   .venv/bin/kvstore wal truncate --dir {snapshots} --dry-run

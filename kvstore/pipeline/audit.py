@@ -55,7 +55,7 @@ import argparse
 import dataclasses
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 from confluent_kafka import KafkaException
@@ -66,7 +66,7 @@ from pyspark.sql import functions as F
 import wal
 from kvstore.output import Printer, format_table
 from kvstore.pipeline import wal_source
-from kvstore.pipeline.commands import spark_for
+from kvstore.pipeline.commands import spark_for, stderr_progress
 from kvstore.pipeline.errors import SnapshotError
 from kvstore.pipeline.session import ENTRY_UDF
 from kvstore.pipeline.snapshot_job import build_states, check_range, wal_ends
@@ -669,10 +669,13 @@ def _base_of(root: str, newest: snapshot.Manifest | None) -> tuple[snapshot.Mani
 
 
 def audit(spark: SparkSession, target: WalTarget, root: str, endpoints: Sequence[str], timeout_s: float, *,
-          kafka_extra: Mapping[str, str] | None = None, cut_wait_s: float = CUT_WAIT_S) -> dict[str, Any]:
+          kafka_extra: Mapping[str, str] | None = None, cut_wait_s: float = CUT_WAIT_S,
+          progress: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
     """Run the audit; the report of `build_report`. Raises PipelineError when the WAL cannot be
-    audited at all (truncated with no snapshot covering the gap, or behind the snapshot)."""
+    audited at all (truncated with no snapshot covering the gap, or behind the snapshot).
+    `progress` hears each phase as it starts (the command prints them on stderr)."""
     started = time.monotonic()
+    progress(f"asking {len(endpoints)} node(s) for their replicas' digests")
     try:
         newest = snapshot.newest(root, target.topic, target.shards)
     except snapshot.SnapshotFormatError as exc:
@@ -686,12 +689,16 @@ def audit(spark: SparkSession, target: WalTarget, root: str, endpoints: Sequence
         check_range(target, start.manifest, ends)
     cuts = {s: stable for s, (_, stable) in ends.items()}
     points = digest_points(target.shards, start, newest, cuts, nodes)
+    origin = start.manifest.name if start.manifest else "offset 0"
+    progress(f"folding {target.shards} shard(s) of {target.topic} from {origin} to their stable ends (Spark)")
     folds = fold_points(spark, target, root, start, cuts, points, kafka_extra=kafka_extra)
+    progress("judging every record (W3), request ids and transactions")
     stats = wal_stats(spark, target, {s: (start.offset(s), cuts[s]) for s in range(target.shards)},
                       kafka_extra=kafka_extra)
     prepared_at_start = ({s: {p.txn_id for p in snapshot.prepared(root, start.manifest.name, s)}
                           for s in range(target.shards)} if start.manifest is not None else {})
     report = build_report(target.shards, newest, start, cuts, folds, stats, nodes, notes, prepared_at_start)
+    progress("reading the placement log")
     report["placement"], placement_notes = placement_summary(target, timeout_s)
     report["notes"] += placement_notes
     log.info("audit of %s: %s in %.1fs", target.topic, "ok" if report["ok"] else "ANOMALIES",
@@ -728,9 +735,11 @@ def placement_summary(target: WalTarget, timeout_s: float) -> tuple[dict[str, An
 
 def command(args: argparse.Namespace, target: WalTarget, printer: Printer) -> int:
     endpoints = [e.strip() for e in args.endpoints.split(",") if e.strip()]
+    progress = stderr_progress("audit")
+    progress(f"starting Spark ({args.master or 'local[*]'})")
     spark = spark_for(args, "kvstore-audit")
     try:
-        report = audit(spark, target, args.dir, endpoints, args.timeout)
+        report = audit(spark, target, args.dir, endpoints, args.timeout, progress=progress)
     except snapshot.SnapshotFormatError as exc:
         raise SnapshotError(str(exc)) from exc
     if printer.json:

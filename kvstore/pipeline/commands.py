@@ -20,7 +20,16 @@ from typing import Any
 
 from kvstore.output import EXIT_ERROR, Printer, one_line
 from kvstore.pipeline.errors import PipelineError
-from kvstore.pipeline.target import KAFKA_ENV, USERNAME_ENV, WalTarget, kafka_security, resolve
+from kvstore.pipeline.target import (
+    KAFKA_ENV,
+    SASL_MECHANISM_ENV,
+    SECURITY_PROTOCOL_ENV,
+    USERNAME_ENV,
+    WalTarget,
+    ask_cluster,
+    kafka_security,
+    resolve,
+)
 
 # command name -> "module:function"; the function takes (args, target, printer) and returns an exit status.
 _HANDLERS = {
@@ -38,7 +47,8 @@ def register(sub: Any, common: argparse.ArgumentParser) -> None:
     """Add the pipeline's subcommands to the CLI's subparsers (`kvstore.cli.registry`'s contract):
     argparse only, so that `kvstore --help` works without pyspark."""
     wal_opts = argparse.ArgumentParser(add_help=False)
-    wal_opts.add_argument("--kafka", default=None, help=f"Kafka bootstrap servers (default ${KAFKA_ENV})")
+    wal_opts.add_argument("--kafka", default=None, help=f"Kafka bootstrap servers (default ${KAFKA_ENV}, else what a "
+                          "node at --endpoints says it uses)")
     wal_opts.add_argument("--topic", default=None,
                           help="WAL topic (default: asked from a node at --endpoints, else <--cluster>.wal)")
     wal_opts.add_argument("--cluster", default=None, help="cluster name, to derive the topic when no node answers")
@@ -141,10 +151,31 @@ def _run(args: argparse.Namespace, printer: Printer) -> int:
     target: WalTarget | None = None
     if hasattr(args, "kafka"):  # commands that read or write the WAL
         endpoints = [e.strip() for e in args.endpoints.split(",") if e.strip()]
-        security = kafka_security(args.kafka_security_protocol, args.kafka_sasl_mechanism, args.kafka_username,
-                                  args.kafka_password_file)
-        target = resolve(args.kafka, args.topic, args.cluster, endpoints, args.timeout, security)
+        # One shard map tells the topic, the brokers and their security mode (never a credential:
+        # the login is this shell's, KVSTORE_KAFKA_USERNAME and its password file).
+        needs = args.topic is None or not (args.kafka or os.environ.get(KAFKA_ENV)) or not (
+            args.kafka_security_protocol or os.environ.get(SECURITY_PROTOCOL_ENV))
+        told = ask_cluster(endpoints, args.timeout) if needs else None
+        security = kafka_security(
+            args.kafka_security_protocol or os.environ.get(SECURITY_PROTOCOL_ENV) or (told.security_protocol
+                                                                                       if told else None),
+            args.kafka_sasl_mechanism or os.environ.get(SASL_MECHANISM_ENV) or (told.sasl_mechanism if told else None),
+            args.kafka_username, args.kafka_password_file)
+        target = resolve(args.kafka, args.topic, args.cluster, told, args.timeout, security)
     return handler(args, target, printer)
+
+
+def stderr_progress(command: str) -> Callable[[str], None]:
+    """A job's phases as lines on stderr while it runs (stdout keeps its result alone, for a
+    script), each with the seconds since the command started."""
+    import time
+
+    started = time.monotonic()
+
+    def say(text: str) -> None:
+        print(f"kvstore {command}: {time.monotonic() - started:5.1f}s {text}", file=sys.stderr, flush=True)
+
+    return say
 
 
 def spark_for(args: argparse.Namespace, app_name: str) -> Any:

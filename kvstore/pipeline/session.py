@@ -55,8 +55,9 @@ def spark_session(master: str | None = None, *, app_name: str = "kvstore-pipelin
                .config("spark.sql.session.timeZone", "UTC")
                .config("spark.sql.shuffle.partitions", "8")
                .config("spark.sql.execution.arrow.pyspark.enabled", "true")
-               # The commands print their own progress; Spark's console bar would interleave with it.
-               .config("spark.ui.showConsoleProgress", "false"))
+               # Spark's progress bar on a terminal (stderr), between the commands' own phase lines;
+               # never into a log file or a pipe.
+               .config("spark.ui.showConsoleProgress", "true" if sys.stderr.isatty() else "false"))
     if master.startswith("local"):
         # Spark resolves the host name to pick its address and warns when that is loopback.
         os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")

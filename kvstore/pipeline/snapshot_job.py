@@ -25,7 +25,7 @@ from pyspark.sql import functions as F
 from kvstore.limits import MAX_REQUEST_IDS, REQUEST_ID_HORIZON_MS
 from kvstore.output import Printer, format_table
 from kvstore.pipeline import fold, wal_source
-from kvstore.pipeline.commands import spark_for
+from kvstore.pipeline.commands import spark_for, stderr_progress
 from kvstore.pipeline.errors import PipelineError, SnapshotError, WalGapError
 from kvstore.pipeline.target import WalTarget
 from kvstore.storage import snapshot
@@ -215,11 +215,15 @@ def manifest_record(root: str, manifest: snapshot.Manifest) -> dict[str, Any]:
 
 
 def create_command(args: argparse.Namespace, target: WalTarget, printer: Printer) -> int:
+    progress = stderr_progress("snapshot create")
+    progress(f"starting Spark ({args.master or 'local[*]'})")
     spark = spark_for(args, "kvstore-snapshot")
+    progress(f"snapshotting {target.shards} shard(s) of {target.topic} at their committed ends into {args.dir}")
     try:
         manifest, created = create(spark, target, args.dir)
     except snapshot.SnapshotFormatError as exc:
         raise SnapshotError(str(exc)) from exc
+    progress("done")
     record = manifest_record(args.dir, manifest) | {"created": created}
     if printer.json:
         printer.record(record)

@@ -56,17 +56,43 @@ def kafka_security(protocol: str | None, mechanism: str | None, username: str | 
         raise PipelineError(f"Kafka login: {exc}") from exc
 
 
-def resolve(kafka: str | None, topic: str | None, cluster: str | None, endpoints: Sequence[str],
+@dataclasses.dataclass(frozen=True)
+class Told:
+    """What a live node says of the WAL: its topic, and how it reaches Kafka (no credential)."""
+
+    topic: str
+    bootstrap_servers: str
+    security_protocol: str
+    sasl_mechanism: str
+
+
+def ask_cluster(endpoints: Sequence[str], timeout_s: float) -> Told | None:
+    """The WAL as a live node at `endpoints` (the store's own, KVSTORE_ENDPOINTS) describes it;
+    None when no node answered. With TLS and tokens from the same KVSTORE_* settings as the CLI."""
+    from kvstore.client import Client, KvError
+
+    try:
+        with Client(list(endpoints), timeout_s=timeout_s) as client:
+            smap = client.shard_map()
+    except KvError:
+        return None
+    bootstrap, protocol, mechanism = smap.kafka
+    return Told(smap.topic, bootstrap, protocol, mechanism)
+
+
+def resolve(kafka: str | None, topic: str | None, cluster: str | None, told: Told | None,
             timeout_s: float, security: ClientSecurity | None = None) -> WalTarget:
-    """The brokers come from --kafka or $KVSTORE_KAFKA. The topic from --topic, else from a live
-    node's shard map (what the cluster really uses), else `<cluster>.wal` from --cluster."""
+    """The brokers come from --kafka, $KVSTORE_KAFKA, else what a live node said it uses. The
+    topic from --topic, else from a live node's shard map (what the cluster really uses), else
+    `<cluster>.wal` from --cluster."""
     from wal import UnavailableError, partition_count
 
-    bootstrap = kafka or os.environ.get(KAFKA_ENV)
+    bootstrap = kafka or os.environ.get(KAFKA_ENV) or (told.bootstrap_servers if told else "")
     if not bootstrap:
-        raise PipelineError(f"the Kafka brokers are needed: --kafka HOST:PORT or ${KAFKA_ENV}")
-    if topic is None:
-        topic = _topic_from_cluster(endpoints, timeout_s)
+        raise PipelineError(f"the Kafka brokers are needed: --kafka HOST:PORT, ${KAFKA_ENV}, or --endpoints of a "
+                            "running node (it tells the brokers it uses)")
+    if topic is None and told is not None and told.topic:
+        topic = told.topic
     if topic is None:
         if not cluster:
             raise PipelineError("which WAL? give --topic, or --cluster NAME (topic NAME.wal), or --endpoints of a "
@@ -77,13 +103,3 @@ def resolve(kafka: str | None, topic: str | None, cluster: str | None, endpoints
     except UnavailableError as exc:
         raise PipelineError(str(exc)) from exc
     return WalTarget(bootstrap, topic, shards, security)
-
-
-def _topic_from_cluster(endpoints: Sequence[str], timeout_s: float) -> str | None:
-    from kvstore.client import Client, KvError
-
-    try:
-        with Client(list(endpoints), timeout_s=timeout_s) as client:
-            return client.shard_map().topic or None
-    except KvError:
-        return None

@@ -494,8 +494,11 @@ class Node:
         or was assigned, and itself (first in `nodes`). The peers build their view of the shards
         from these (`cluster_view.from_reports`), and the shard map merges them."""
         config = self.config
+        security = config.kafka_security  # the mode only: the node's own login stays here
         response = cluster_pb2.ShardMapResponse(shard_count=config.shards, topic=config.wal_topic,
-                                                served_by=config.node_id)
+                                                served_by=config.node_id, kafka=cluster_pb2.KafkaInfo(
+                                                    bootstrap_servers=config.kafka, security_protocol=security.protocol,
+                                                    sasl_mechanism=security.mechanism))
         me = cluster_pb2.NodeInfo(node_id=config.node_id, address=self.address, can_lead=config.lead,
                                   zone=config.zone, version=kvstore.__version__)
         local = self._local()

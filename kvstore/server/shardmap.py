@@ -24,7 +24,8 @@ def merge(local: cluster_pb2.ShardMapResponse, peers: Sequence[cluster_pb2.Shard
     its target in the placement log, as this node read it (with the log's epoch and controller,
     which `local` carries)."""
     out = cluster_pb2.ShardMapResponse(shard_count=local.shard_count, topic=local.topic, served_by=local.served_by,
-                                       placement_epoch=local.placement_epoch, controller=local.controller)
+                                       placement_epoch=local.placement_epoch, controller=local.controller,
+                                       kafka=local.kafka)
     views = [local, *peers]
     for view in views:
         out.nodes.extend(view.nodes[:1])  # each node describes itself first

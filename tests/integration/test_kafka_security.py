@@ -365,14 +365,17 @@ def test_kvstore_audit_reports_the_misbehaving_writer(secure: Secure, node: Stor
         list(replayer.read_to_end(TIMEOUT_S))
         other = (replayer.stats.rejected_mismatch, replayer.stats.rejected_malformed)
 
-    env = {**os.environ, "PYTHONPATH": str(REPO), "KVSTORE_KAFKA": secure.bootstrap,
+    # Only the store's endpoint and the pipeline's own login: the node tells the brokers, the topic
+    # and the security mode (SASL_PLAINTEXT, SCRAM), never a credential (issue 34).
+    env = {**os.environ, "PYTHONPATH": str(REPO), "KVSTORE_ENDPOINTS": node.address,
            "KVSTORE_KAFKA_USERNAME": PIPELINE,
            "KVSTORE_KAFKA_PASSWORD_FILE": str(secure.kafka.password_file(PIPELINE))}
-    env.pop("KVSTORE_KAFKA_PASSWORD", None)
+    for unset in ("KVSTORE_KAFKA", "KVSTORE_KAFKA_PASSWORD", "KVSTORE_KAFKA_SECURITY_PROTOCOL",
+                  "KVSTORE_KAFKA_SASL_MECHANISM"):
+        env.pop(unset, None)
     audit = subprocess.run(
         [sys.executable, "-c", "import sys; from kvstore.cli import main; sys.exit(main())",
-         "--endpoints", node.address, "--output", "json", "audit", "--dir", str(tmp_path / "no-snapshots"),
-         "--topic", secure.topic, "--master", "local[2]"],
+         "--output", "json", "audit", "--dir", str(tmp_path / "no-snapshots"), "--master", "local[2]"],
         capture_output=True, text=True, env=env, cwd=REPO, timeout=300, check=False)
     lines = audit.stdout.strip().splitlines()
     assert lines, audit.stderr[-3000:]
