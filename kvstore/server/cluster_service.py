@@ -51,7 +51,7 @@ class ClusterService(cluster_pb2_grpc.ClusterServiceServicer):
     async def ShardMap(self, request: cluster_pb2.ShardMapRequest,
                        context: Any) -> cluster_pb2.ShardMapResponse:
         if not self.node.config.lead:
-            return self.node.local_view()
+            return shardmap.for_clients(self.node.local_view(), self.node.client_address)
         merged = self._merged
         if merged is not None and _monotonic() - merged[0] < SHARD_MAP_REUSE_S:
             return merged[1]
@@ -78,7 +78,8 @@ class ClusterService(cluster_pb2_grpc.ClusterServiceServicer):
         answers = await asyncio.gather(*(self.node.peer_report(address) for address in addresses))
         assigned = {shard: (leader, self.node.leader_address(shard)) for shard in range(self.node.config.shards)
                     if (leader := self.node.leader_id(shard))}
-        return shardmap.merge(local, [a for a in answers if a is not None], assigned, self.node.log.state.targets())
+        merged = shardmap.merge(local, [a for a in answers if a is not None], assigned, self.node.log.state.targets())
+        return shardmap.for_clients(merged, self.node.client_address)
 
     async def ShardDigest(self, request: cluster_pb2.ShardDigestRequest,
                           context: Any) -> cluster_pb2.ShardDigestResponse:

@@ -95,6 +95,10 @@ class NodeConfig(BaseSettings):
     node_id: str = Field("node-1", description="this node's name, unique in the cluster")
     listen: str = Field("127.0.0.1:50051", description="gRPC host:port")
     advertise: str = Field("", description="the address clients and nodes should use (default: --listen)")
+    advertise_client: str = Field("", description="the address clients should use when it is not the one the other "
+                                                  "nodes use (a published container port, a NAT; as Kafka's "
+                                                  "advertised listeners): shard maps and leader hints name it "
+                                                  "(default: --advertise)")
     data_dir: Path = Field(Path(".data/node-1"), description="the replicas' LevelDB directory")
     kafka: str = Field("127.0.0.1:9092", description="Kafka bootstrap servers")
     cluster: str = Field("kvstore", description="cluster name; names the WAL topic, transactional ids and group")

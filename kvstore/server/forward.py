@@ -71,6 +71,16 @@ def lost(leader: str, code: grpc.StatusCode, details: str, trailing: Iterable[An
         "may or may not have committed: retry with the same request id")
 
 
+def relayed_details(leader: str, code: grpc.StatusCode, details: str, trailing: Iterable[Any] | None) -> str:
+    """The text passed on to the client. gRPC's own UNAVAILABLE of the hop (no answer of the
+    leader's: it carries no `kvstore-outcome`) is said to be the hop's: as it was, "failed to
+    connect to all addresses" would tell the client that its own request reached no node
+    (`Unreachable`), when this node had it. Pure."""
+    if code == grpc.StatusCode.UNAVAILABLE and _value(trailing, errors.OUTCOME_KEY) is None:
+        return f"forwarded to the shard's leader {leader}, which this node could not reach: {details}"
+    return details
+
+
 class LeaderAnswered(Exception):
     """The forwarded call failed with the leader's own answer (or, for a read, whatever gRPC
     said): the caller passes it on as it is."""
@@ -104,5 +114,6 @@ class Forwarder:
             unknown = lost(leader, exc.code(), exc.details() or "", trailing, write=write)
             if unknown is not None:
                 raise unknown from exc
-            raise LeaderAnswered(exc.code(), exc.details() or "", trailing) from exc
+            raise LeaderAnswered(exc.code(), relayed_details(leader, exc.code(), exc.details() or "", trailing),
+                                 trailing) from exc
         return response

@@ -34,6 +34,7 @@ from kvstore import errors, limits
 from kvstore.server.metrics import Metrics
 
 log = logging.getLogger("kvstore.server")
+PUBLIC_PREFIX = "/kvstore.v1."  # the clients' services; kvstore.internal.v1 is the nodes' own
 
 # Called before a request is decoded with the method path and the call's context; raises a
 # StoreError (UnauthenticatedError, PermissionDeniedError) to refuse the call.
@@ -78,9 +79,13 @@ def request_id_of(request: Any) -> str:
 class ErrorInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
     """See the module docstring. One per server; the wrapped handlers are built once per method."""
 
-    def __init__(self, metrics: Metrics, authorize: Authorize | None = None) -> None:
+    def __init__(self, metrics: Metrics, authorize: Authorize | None = None,
+                 client_address: Callable[[str], str] | None = None) -> None:
         self._metrics = metrics
         self._authorize = authorize
+        # A leader hint to a client names the address clients use (`--advertise-client`); to a
+        # node (the peer service) the one nodes use.
+        self._client_address = client_address
         self._handlers: dict[str, grpc.RpcMethodHandler | None] = {}
 
     async def intercept_service(
@@ -125,7 +130,10 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
                 self._metrics.observe_request(label, code, time.perf_counter() - started)
 
     async def _abort(self, label: str | None, context: grpc.aio.ServicerContext[Any, Any], error: errors.StoreError,
-                     request: Any, started: float | None = None) -> None:
+                     request: Any, started: float | None = None, path: str = "") -> None:
+        if (isinstance(error, errors.NotLeaderError) and error.leader_hint and self._client_address is not None
+                and path.startswith(PUBLIC_PREFIX)):
+            error = errors.NotLeaderError(error.shard, self._client_address(error.leader_hint))
         code, details, trailing = errors.to_status(error, request_id=request_id_of(request))
         self._count(label, code.name, error.reason.value, started)
         await context.abort(code, details, trailing_metadata=trailing)
@@ -143,14 +151,14 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
                 if inspect.isawaitable(result):
                     result = await result
             except errors.StoreError as exc:
-                await self._abort(label, context, exc, request, started)
+                await self._abort(label, context, exc, request, started, path)
                 raise AssertionError("abort returned") from exc
             except grpc.aio.AbortError:
                 self._count(label, context.code().name if context.code() else "UNKNOWN", started=started)
                 raise
             except Exception as exc:
                 log.exception("%s failed", label or "a call")
-                await self._abort(label, context, _internal(exc), request, started)
+                await self._abort(label, context, _internal(exc), request, started, path)
                 raise AssertionError("abort returned") from exc
             self._count(label, "OK", started=started)
             return result
@@ -168,14 +176,14 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
                 async for item in _items(behavior(request, context)):
                     yield item
             except errors.StoreError as exc:
-                await self._abort(label, context, exc, request)
+                await self._abort(label, context, exc, request, path=path)
                 return
             except grpc.aio.AbortError:
                 self._count(label, context.code().name if context.code() else "UNKNOWN")
                 raise
             except Exception as exc:
                 log.exception("%s failed", label or "a stream")
-                await self._abort(label, context, _internal(exc), request)
+                await self._abort(label, context, _internal(exc), request, path=path)
                 return
             self._count(label, "OK")
 

@@ -83,7 +83,8 @@ async def serve(config: NodeConfig, ready: Callable[[str], None] | None = None) 
     # gRPC binds with SO_REUSEPORT by default: a second process on the same address would share
     # its connections with the first without a word (two nodes answering as one). Refuse instead.
     # Every RPC passes the one interceptor: it authorizes, decodes, maps errors to rich status, counts.
-    server = grpc.aio.server(interceptors=[ErrorInterceptor(node.metrics, authorize=security.authorizer)],
+    server = grpc.aio.server(interceptors=[ErrorInterceptor(node.metrics, authorize=security.authorizer,
+                                                            client_address=node.client_address)],
                              options=[("grpc.max_receive_message_length", limits.GRPC_MAX_MESSAGE_BYTES),
                                       ("grpc.max_send_message_length", limits.GRPC_MAX_MESSAGE_BYTES),
                                       ("grpc.so_reuseport", 0)])

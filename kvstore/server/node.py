@@ -65,6 +65,7 @@ _REPLICA_STATES = {CopyState.LEARNER: cluster_pb2.REPLICA_STATE_LEARNER,
                    CopyState.RETIRING: cluster_pb2.REPLICA_STATE_RETIRING}
 COLD_START_REFRESH_S = 0.25  # the members are listed this often until the placement log has its settings
 PEER_TIMEOUT_S = 0.5  # a peer's report of itself: a node that does not answer within this is left out
+MAX_NODES_KNOWN = 1024  # client addresses kept for other nodes (a cluster has far fewer)
 
 
 def shard_dir(data_dir: Path, shard: int) -> Path:
@@ -116,6 +117,7 @@ class Node:
         self._started_s = time.monotonic()
         self._ready_once = False  # serving() said yes once: learners no longer take the node out
         self.address = config.address
+        self._client_addresses: dict[str, str] = {}  # a node's address among nodes -> the clients' one
         # Cross-shard transactions: built here, so that every replica's `resolve_now` finds them
         # from the first one opened; their background round runs between `start` and `stop`.
         self.txns = Transactions(self, peers)
@@ -246,7 +248,19 @@ class Node:
             log.debug("peer %s did not describe itself: %s", address, exc)
             return None
         assert isinstance(reply, peer_pb2.LocalShardViewResponse)
+        for me in reply.view.nodes[:1]:  # each node describes itself first
+            if me.address and me.client_address and me.client_address != me.address:
+                if len(self._client_addresses) >= MAX_NODES_KNOWN and me.address not in self._client_addresses:
+                    self._client_addresses.clear()  # bounded; the next rounds learn them again
+                self._client_addresses[me.address] = me.client_address
         return reply.view
+
+    def client_address(self, address: str) -> str:
+        """The address clients use for the node the other nodes reach at `address` (its
+        `--advertise-client`, learned from its own report; the same address when it has none)."""
+        if address == self.address:
+            return self.config.advertise_client or address
+        return self._client_addresses.get(address, address)
 
     def _local(self) -> dict[int, Local]:
         """This node's copies as it has them now (the follower's input)."""
@@ -500,7 +514,8 @@ class Node:
                                                     bootstrap_servers=config.kafka, security_protocol=security.protocol,
                                                     sasl_mechanism=security.mechanism))
         me = cluster_pb2.NodeInfo(node_id=config.node_id, address=self.address, can_lead=config.lead,
-                                  zone=config.zone, version=kvstore.__version__)
+                                  zone=config.zone, version=kvstore.__version__,
+                                  client_address=config.advertise_client or self.address)
         local = self._local()
         for shard, replica in sorted(self.replicas.items()):
             # The last known high watermark (refreshed every second): a map must answer at once,

@@ -11,7 +11,7 @@ its leadership group chose, with `leader_ready` false, so clients know where to 
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from kvstore.v1 import cluster_pb2
 
@@ -53,4 +53,22 @@ def merge(local: cluster_pb2.ShardMapResponse, peers: Sequence[cluster_pb2.Shard
         if shard < len(placement):
             merged.placed_on.extend(placement[shard])
         out.shards.append(merged)
+    return out
+
+
+def for_clients(smap: cluster_pb2.ShardMapResponse,
+                client_address: Callable[[str], str]) -> cluster_pb2.ShardMapResponse:
+    """The map a client is given: every node's address is the one clients use (`--advertise-
+    client`), which may differ from the one the nodes use among themselves (a published
+    container port). The same map when no node has one."""
+    out = cluster_pb2.ShardMapResponse()
+    out.CopyFrom(smap)
+    for info in out.shards:
+        if info.leader:
+            info.leader = client_address(info.leader)
+        for replica in info.replicas:
+            if replica.address:
+                replica.address = client_address(replica.address)
+    for node in out.nodes:
+        node.address = node.client_address or client_address(node.address)
     return out

@@ -14,12 +14,18 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
 import pytest
 
-from kvstore.client import Compare, Op, UnknownOutcome
+from kvstore import errors
+from kvstore.client import Client, Compare, Op, ShardMap, UnknownOutcome
 from kvstore.client.aio import AsyncClient
 from kvstore.core.sharding import shard_of
+from kvstore.v1 import kv_pb2, kv_pb2_grpc
+from tests.integration.helpers import start_all
+from tests.integration.store_process import StoreProcess
 from tests.integration.test_cluster import SHARDS, Cluster
+from tests.waiting import wait_until
 from wal.broker import LocalKafka
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
@@ -204,3 +210,54 @@ def test_the_cli_round_trips_binary_values_and_reports_health(cluster: Cluster, 
     assert [json.loads(line)["status"] for line in health.stdout.splitlines()] == ["SERVING"] * len(cluster.nodes)
     missing = kvstore_cli("--endpoints", f"{endpoints},127.0.0.1:1", "health")
     assert missing.returncode == 1 and b"UNREACHABLE" in missing.stdout, missing.stdout
+
+
+def test_nodes_advertise_to_clients_an_address_apart_from_their_peers(kafka: LocalKafka, tmp_path: Path) -> None:
+    """`--advertise-client` (docker-compose.yml's published ports): the nodes reach each other at
+    127.0.0.1:P, clients are told localhost:P (the same socket under another name), in the shard
+    map and in a NOT_LEADER hint, and a client routed by them works."""
+    nodes = [StoreProcess(kafka.bootstrap_servers, tmp_path / f"n{i}", "advc", shards=2, node_id=f"n{i}",
+                          extra_args=("--session-timeout-ms", "1500")) for i in (1, 2)]
+    for node in nodes:
+        node.extra_args = (*node.extra_args, "--advertise-client", f"localhost:{node.port}")
+    start_all(nodes)
+    try:
+        client_addresses = {f"localhost:{n.port}" for n in nodes}
+        with Client([nodes[0].address], timeout_s=TIMEOUT_S, max_attempts=100, max_backoff_s=0.1) as client:
+            def settled() -> ShardMap | None:
+                smap = client.shard_map()
+                ready = len(smap.nodes) == 2 and all(s.leader and s.leader_ready for s in smap.shards)
+                return smap if ready else None
+
+            smap = wait_until(settled, 60, what="both nodes listed, every shard led")
+            assert {n.address for n in smap.nodes} == client_addresses, smap.nodes
+            assert {s.leader for s in smap.shards} <= client_addresses, smap.shards
+            client.put("advc-key", "v")
+            assert client.get("advc-key").value == b"v"
+        leader = smap.shards[0].leader
+        other = next(n for n in nodes if f"localhost:{n.port}" != leader)
+        channel = grpc.insecure_channel(other.address)
+        stub = kv_pb2_grpc.KVServiceStub(channel)  # type: ignore[no-untyped-call]
+
+        def hinted() -> str | None:
+            """The hint a client gets (once the node heard its peer's client address: its next
+            report round, about a second)."""
+            try:
+                stub.Put(kv_pb2.PutRequest(key=key_of_shard(0, 2), value=b"x"), timeout=TIMEOUT_S,
+                         metadata=((errors.FORWARD_KEY, errors.FORWARD_NEVER),))
+            except grpc.RpcError as refused:
+                hint = dict(refused.trailing_metadata() or ()).get(errors.LEADER_HINT_KEY)  # type: ignore[attr-defined]
+                return hint if hint == leader else None
+            raise AssertionError(f"{other.address} took a write of a shard led by {leader}")
+
+        try:
+            wait_until(hinted, 20, what=f"a NOT_LEADER hint naming {leader}")
+        finally:
+            channel.close()
+    finally:
+        for node in nodes:
+            node.stop()
+
+
+def key_of_shard(shard: int, shards: int) -> bytes:
+    return next(k for k in (f"advc/{i}".encode() for i in range(1000)) if shard_of(k, shards) == shard)

@@ -120,3 +120,20 @@ def test_a_view_from_the_nodes_reports_of_themselves() -> None:
     assert view.leader(0) is not None and view.leader(0).member_id == "a"  # type: ignore[union-attr]
     assert view.leader(1) is not None and view.leader(1).member_id == "c"  # type: ignore[union-attr]
     assert view.leader(2) is None and view.address("b") == "b:1" and view.at_s == 5.0
+
+
+def test_a_map_for_clients_names_the_addresses_clients_use() -> None:
+    """`--advertise-client` (a published container port): the public shard map and its nodes name
+    the client addresses; what the nodes use among themselves stays out of it."""
+    from kvstore.server.shardmap import for_clients
+
+    inside = {"node-1:50051": "127.0.0.1:50051", "node-2:50052": "127.0.0.1:50052"}
+    smap = cluster_pb2.ShardMapResponse(shard_count=1, shards=[cluster_pb2.ShardInfo(
+        shard=0, leader="node-1:50051", replicas=[cluster_pb2.ReplicaInfo(node_id="node-2", address="node-2:50052")])],
+        nodes=[cluster_pb2.NodeInfo(node_id="node-1", address="node-1:50051", client_address="127.0.0.1:50051"),
+               cluster_pb2.NodeInfo(node_id="node-2", address="node-2:50052")])
+    out = for_clients(smap, lambda a: inside.get(a, a))
+    assert out.shards[0].leader == "127.0.0.1:50051" and out.shards[0].replicas[0].address == "127.0.0.1:50052"
+    assert [n.address for n in out.nodes] == ["127.0.0.1:50051", "127.0.0.1:50052"]
+    assert smap.shards[0].leader == "node-1:50051", "the node's own (cached) map is not changed"
+    assert for_clients(smap, lambda a: a).shards[0].leader == "node-1:50051"  # no client addresses: the same

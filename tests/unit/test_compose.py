@@ -321,6 +321,19 @@ def test_node_metrics_are_reachable_from_the_host_loopback_only(name: str, monke
     assert published and all(p.startswith("127.0.0.1:") for p in published), "no authentication: loopback only"
 
 
+@pytest.mark.parametrize("name", NODES)
+def test_a_client_on_the_host_is_routed_to_published_addresses(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 34: `KVSTORE_ENDPOINTS=127.0.0.1:50051,...` from the host. Shard maps and leader
+    hints name each node's client address, so it must be where the node's gRPC port is published
+    on the host; the other nodes reach it at its service name inside the network."""
+    config = node_config(name, monkeypatch)
+    host, port = config.advertise_client.rsplit(":", 1)
+    listen_port = int(config.listen.rsplit(":", 1)[1])
+    assert host == "127.0.0.1" and published_ports(name).get(listen_port) == int(port), (config.advertise_client,
+                                                                                        published_ports(name))
+    assert config.advertise.split(":")[0] == name and int(config.advertise.rsplit(":", 1)[1]) == listen_port
+
+
 def test_nodes_are_distinct(monkeypatch: pytest.MonkeyPatch) -> None:
     ids = [environment(name)["KVSTORE_NODE_ID"] for name in NODES]
     addresses = [environment(name)["KVSTORE_ADVERTISE"] for name in NODES]
@@ -359,8 +372,8 @@ def test_nodes_share_one_snapshot_volume_apart_from_their_data(monkeypatch: pyte
 
 def test_nodes_agree_on_everything_but_their_identity(monkeypatch: pytest.MonkeyPatch) -> None:
     """Cluster name, shard count, topic, Kafka, timeouts: one cluster, not three."""
-    shared = {node_config(name, monkeypatch).model_copy(update={"node_id": "", "listen": "", "advertise": "",
-                                                                 "data_dir": Path()})
+    identity = {"node_id": "", "listen": "", "advertise": "", "advertise_client": "", "data_dir": Path()}
+    shared = {node_config(name, monkeypatch).model_copy(update=identity)
               for name in NODES}
     assert len(shared) == 1, shared
 

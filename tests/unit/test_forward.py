@@ -51,3 +51,41 @@ def test_lost(code: grpc.StatusCode, trailing: tuple[tuple[str, str], ...], writ
 ])
 def test_hop_timeout(remaining: float | None, expected: float) -> None:
     assert forward.hop_timeout_s(remaining) == pytest.approx(expected)
+
+
+def test_a_hop_that_reached_no_leader_is_not_relayed_as_the_clients_own_connect_failure() -> None:
+    from kvstore.client.errors import Unavailable, Unreachable, error_from_status
+    from kvstore.server.forward import relayed_details
+
+    grpc_text = "failed to connect to all addresses; last error: UNKNOWN: ipv4:10.0.0.2:50051: Connection refused"
+    relayed = relayed_details("10.0.0.2:50051", grpc.StatusCode.UNAVAILABLE, grpc_text, ())
+    assert relayed.startswith("forwarded to the shard's leader 10.0.0.2:50051") and grpc_text in relayed
+    # The client reached this node: a definite Unavailable, not "no node reached".
+    seen = error_from_status(grpc.StatusCode.UNAVAILABLE, relayed, {})
+    assert type(seen) is Unavailable and not isinstance(seen, Unreachable)
+    # The leader's own answers pass on unchanged.
+    own = ((errors.OUTCOME_KEY, errors.OUTCOME_NONE),)
+    assert relayed_details("l:1", grpc.StatusCode.UNAVAILABLE, "shard 0 bootstrapping", own) == "shard 0 bootstrapping"
+    assert relayed_details("l:1", grpc.StatusCode.INVALID_ARGUMENT, "key too long", ()) == "key too long"
+
+
+@pytest.mark.parametrize(("path", "hint"), [("/kvstore.v1.KVService/Put", "127.0.0.1:50052"),
+                                            ("/kvstore.internal.v1.PeerService/PrepareTxn", "node-2:50052")])
+def test_a_leader_hint_names_the_address_its_caller_uses(path: str, hint: str) -> None:
+    """A client is hinted the leader's client address (`--advertise-client`), a node the nodes' one."""
+    import asyncio
+
+    from kvstore.server.interceptor import ErrorInterceptor
+    from kvstore.server.metrics import Metrics
+
+    class Context:
+        trailing: dict[str, str] = {}
+
+        async def abort(self, code: grpc.StatusCode, details: str, trailing_metadata: object = ()) -> None:
+            self.trailing = {str(k): v for k, v in trailing_metadata}  # type: ignore[attr-defined]
+
+    interceptor = ErrorInterceptor(Metrics(), client_address={"node-2:50052": "127.0.0.1:50052"}.get)
+    context = Context()
+    asyncio.run(interceptor._abort("Put", context, errors.NotLeaderError(0, "node-2:50052"), None,  # type: ignore[arg-type]
+                                   path=path))
+    assert context.trailing[errors.LEADER_HINT_KEY] == hint
