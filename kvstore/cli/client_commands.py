@@ -19,6 +19,7 @@ from kvstore.cli.output import ResultPrinter
 from kvstore.cli.parser import parse_endpoints
 from kvstore.cli.txn_syntax import parse_txn
 from kvstore.client import (
+    BatchIncomplete,
     Client,
     ClientSecurity,
     Consistency,
@@ -248,7 +249,7 @@ def exit_status(exc: KvError) -> int:
     invalid, or any other definite failure."""
     if isinstance(exc, InvalidArgument):
         return EXIT_USAGE
-    if isinstance(exc, UnknownOutcome | RequestExpired):
+    if isinstance(exc, UnknownOutcome | RequestExpired) or (isinstance(exc, BatchIncomplete) and exc.unknown):
         return EXIT_UNKNOWN
     if isinstance(exc, Unreachable):
         return EXIT_UNREACHABLE

@@ -377,8 +377,12 @@ class AsyncClient:
         response: Message = await getattr(stub, method)(request, timeout=timeout, metadata=ROUTED)
         return response
 
-    async def _sleep_backoff(self, attempt: int, deadline: float) -> None:
+    async def _sleep_backoff(self, attempt: int, deadline: float, error: KvError | None = None) -> None:
+        """The backoff before the next attempt; at least what the server asked (RetryInfo), as
+        the synchronous client's."""
         delay = backoff_delay(attempt, self._backoff_s, self._max_backoff_s, self._rng)
+        if error is not None and error.retry_delay_s is not None:  # the server's RetryInfo, within our cap
+            delay = max(delay, min(error.retry_delay_s, self._max_backoff_s))
         await asyncio.sleep(max(0.0, min(delay, deadline - time.monotonic())))
 
     async def _call(self, method: str, request: Message, response_type: type[R], *, key: bytes | None,
@@ -441,7 +445,7 @@ class AsyncClient:
                 self._router.rotate(target)
                 hint = None
             # BACKOFF: keep the target (and any hint).
-            await self._sleep_backoff(attempt, deadline)
+            await self._sleep_backoff(attempt, deadline, error)
         raise attempts.gave_up(deadline_passed=deadline - time.monotonic() <= 0)
 
 
@@ -542,10 +546,22 @@ class AsyncWatch:
                           [(b.shard, b.revision) for b in request.start_revisions])
                 self._request = request
                 await self._prepare_retry(error, None)
+                self._attempts = 0  # each reopen has the attempts of an open
                 await self.open()
                 continue
-            if event is grpc.aio.EOF:
-                raise StopAsyncIteration
+            if event is grpc.aio.EOF:  # a watch has no end of its own: an older node stopping broke it
+                if self._cancelled:
+                    raise StopAsyncIteration
+                error = Unavailable(f"{self._target} ended the watch", target=self._target)
+                request = reopen_request(self._resume, self._request, self._delivered, error,
+                                         self._client.max_attempts)
+                if request is None:
+                    raise error
+                self._request = request
+                await self._prepare_retry(error, None)
+                self._attempts = 0
+                await self.open()
+                continue
             if not isinstance(event, kv_pb2.WatchResponse):
                 raise KvError(f"unexpected watch message: {type(event).__name__}", target=self._target)
             if event.type == kv_pb2.WatchResponse.TYPE_CREATED or not self._resume.accept(event):

@@ -356,7 +356,9 @@ def error_from_status(
         return PlacementChanged(message, **kwargs)
     if reason == Reason.PLACEMENT_REFUSED:
         return PlacementRefused(message, **kwargs)
-    if never_sent(code, details):
+    if never_sent(code, details) and not rich.reason and OUTCOME_KEY not in metadata:
+        # gRPC's own words, with nothing of the store's: a status carrying the store's outcome
+        # (relayed by a proxy, say) is read by that outcome instead, below.
         return Unreachable(message, **kwargs)
     if write and not write_attempt_is_definite(metadata, rich):
         return UnknownOutcome(message, **kwargs)

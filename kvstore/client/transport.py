@@ -33,10 +33,14 @@ MAX_ENDPOINTS = 64  # seeds plus the nodes learned from shard maps
 # before the next endpoint is tried. A node answers the map from what it knows plus its peers'
 # views (each bounded by the server's own fan-out deadline), so this is ample.
 MAP_FETCH_TIMEOUT_S = 2.0
-# Every channel, synchronous or asyncio: the store's own message cap both ways.
+# Every channel, synchronous or asyncio: the store's own message cap both ways, and no retries of
+# gRPC's own (a service config from DNS or xDS could add some): the client's loop retries with the
+# same request id and must see every attempt's status, since gRPC reports only the last one, and
+# "failed to connect" after an attempt that reached a server must not read as "never sent".
 CHANNEL_OPTIONS = (
     ("grpc.max_send_message_length", GRPC_MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", GRPC_MAX_MESSAGE_BYTES),
+    ("grpc.enable_retries", 0),
 )
 CLUSTER_METHODS = frozenset({"ShardMap", "ListTransactions", "FenceShard", "Drain", "MoveShard",
                              "ListPreparedTransactions", "ResolveTransaction", "PlacementLog"})

@@ -216,12 +216,12 @@ class Watch(Iterator[WatchEvent]):
                     raise StopIteration
             try:
                 event = next(stream)
-            except StopIteration:
-                raise
-            except grpc.RpcError as exc:
+            except (StopIteration, grpc.RpcError) as exc:
                 if self._cancelled:
                     raise StopIteration from None
-                error = error_from_rpc(exc, target=self._target)
+                # A watch has no end of its own: a stream that ended (an older node stopping) broke.
+                error = (error_from_rpc(exc, target=self._target) if isinstance(exc, grpc.RpcError)
+                         else Unavailable(f"{self._target} ended the watch", target=self._target))
                 request = reopen_request(self._resume, self._request, self._delivered, error,
                                          self._client.max_attempts)
                 if request is None:
@@ -231,6 +231,7 @@ class Watch(Iterator[WatchEvent]):
                              [(b.shard, b.revision) for b in request.start_revisions])
                 self._request = request
                 self._prepare_retry(error, None)  # a reopen has no deadline: the whole backoff
+                self._attempts = 0  # each reopen has the attempts of an open
                 self._open()
                 continue
             if not isinstance(event, kv_pb2.WatchResponse):

@@ -211,8 +211,8 @@ class ShardReplica:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await asyncio.gather(*self._closing, return_exceptions=True)
-        for watcher in list(self.watchers):
-            watcher.close()
+        for watcher in list(self.watchers):  # the node stops, or placement dropped the shard here
+            watcher.close(f"shard {self.shard}: this node stopped serving it")
         await self._close_reader()
         if self._spare_task is not None:
             await asyncio.gather(self._spare_task, return_exceptions=True)

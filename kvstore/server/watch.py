@@ -60,16 +60,17 @@ class Watcher:
             self.queue.put_nowait((shard, change))
         except asyncio.QueueFull:
             self.overflowed = True
-            self.close()
+            self.close(f"this watcher fell {limits.WATCH_QUEUE_EVENTS} events behind (WATCH_QUEUE_EVENTS)")
 
-    def close(self, why: str | None = None) -> None:
-        """End the stream: None is the end-of-stream marker, room is made for it if needed.
-        `why`: the replica's state went back or jumped ahead, so the changes it applies next are
-        no continuation of this stream; the watcher hears UNAVAILABLE and watches again from
-        the last revision it saw (history fills the rest)."""
-        if why is not None and self.ended_why is None:
+    def close(self, why: str) -> None:
+        """End the stream with UNAVAILABLE saying `why` (the node stops serving the shard, the
+        replica's state went back or jumped ahead, the watcher fell behind): the client watches
+        again from the last change it received, and history fills the rest. Every change still
+        queued is dropped with the end marker, never only the oldest: what the client received
+        stays a prefix of the changes, so resuming after the last one loses nothing."""
+        if self.ended_why is None:
             self.ended_why = why
-        if self.queue.full():
+        while not self.queue.empty():
             self.queue.get_nowait()
         self.queue.put_nowait(None)
 
@@ -139,14 +140,8 @@ class Watches:
                         yield event
             while True:
                 item = await watcher.queue.get()
-                if item is None:
-                    if watcher.overflowed:
-                        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                            f"watcher fell {limits.WATCH_QUEUE_EVENTS} events behind "
-                                            "(WATCH_QUEUE_EVENTS); watch again from the last revision seen")
-                    if watcher.ended_why is not None:
-                        raise errors.UnavailableError(f"{watcher.ended_why}; watch again from the last revision seen")
-                    return
+                if item is None:  # the stream never just ends: the client resumes from what it got
+                    raise errors.UnavailableError(f"{watcher.ended_why}; watch again from the last revision seen")
                 shard, change = item
                 yield _event(shard, change)
         finally:
@@ -181,6 +176,9 @@ class Watches:
 
         tasks = [asyncio.create_task(pump(part)) for part in parts]
         begins: list[kv_pb2.ShardRevision] = []  # every part's start revisions, for the one TYPE_CREATED
+        # A part's changes that come before every part registered (its history, a live write) wait
+        # for TYPE_CREATED, which is always first; bounded as a watcher's queue is.
+        early: list[kv_pb2.WatchResponse] = []
         try:
             while True:
                 item = await queue.get()
@@ -199,6 +197,15 @@ class Watches:
                     if created == len(parts):
                         begins.sort(key=lambda b: b.shard)
                         yield kv_pb2.WatchResponse(type=kv_pb2.WatchResponse.TYPE_CREATED, start_revisions=begins)
+                        for event in early:
+                            yield event
+                        early.clear()
+                    continue
+                if created < len(parts):
+                    if len(early) >= limits.WATCH_QUEUE_EVENTS:
+                        raise errors.UnavailableError(f"{len(early)} changes before every part of this watch "
+                                                      "registered (WATCH_QUEUE_EVENTS); watch again")
+                    early.append(item)
                     continue
                 yield item
         finally:

@@ -148,13 +148,15 @@ def test_writes_go_on_through_a_leader_killed_under_them(cluster: Cluster) -> No
         cluster.wait_settled()
 
 
-def test_a_watch_resumes_where_it_stood_when_its_node_is_killed(cluster: Cluster) -> None:
-    """The node serving a prefix watch over every shard dies between changes: the watch resumes on
-    the other node from the start revisions and the changes it had delivered (etcd's clientv3
-    does the same), and every change arrives exactly once."""
+@pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGTERM])
+def test_a_watch_resumes_where_it_stood_when_its_node_is_killed(cluster: Cluster, how: signal.Signals) -> None:
+    """The node serving a prefix watch over every shard dies between changes (or stops cleanly,
+    which once ended the stream as if the watch were over): the watch resumes on the other node
+    from the start revisions and the changes it had delivered (etcd's clientv3 does the same),
+    and every change arrives exactly once."""
     victim, other = cluster.nodes[0], cluster.nodes[1]
-    before = [key_of(s, f"aio-w-{s}") for s in range(SHARDS)]
-    after = [key_of(s, f"aio-w2-{s}") for s in range(SHARDS)]
+    before = [key_of(s, f"aio-w-{how.name}-{s}") for s in range(SHARDS)]
+    after = [key_of(s, f"aio-w2-{how.name}-{s}") for s in range(SHARDS)]
 
     async def scenario() -> list[bytes]:
         async with AsyncClient([victim.address, other.address], timeout_s=TIMEOUT_S, max_attempts=100,
@@ -167,7 +169,7 @@ def test_a_watch_resumes_where_it_stood_when_its_node_is_killed(cluster: Cluster
                     seen.append(event.kv.key)
                     if len(seen) == len(before):
                         break
-                victim.stop(signal.SIGKILL)  # the watch's node: its stream breaks
+                victim.stop(how)  # the watch's node: its stream breaks
                 for key in after:
                     await writer.put(key, "2")
                 async for event in watch:

@@ -137,11 +137,15 @@ def test_rogue_and_garbage_records_are_flagged(node: StoreProcess, kafka: LocalK
         return offsets[-1]
 
     garbage = produce(b"not a WAL record", None)
-    body, headers = encode(end, WriterIdentity("rogue", 99), b"x")  # expects the slot the garbage took
+    # The high watermark read above may still be short of the leader's last transaction markers
+    # (written after its commit answered; a loaded CI run saw two land after it): the slots below
+    # are taken from where the records really landed.
+    assert garbage >= end
+    body, headers = encode(garbage, WriterIdentity("rogue", 99), b"x")  # expects the slot the garbage took
     mismatch = produce(body, headers)
     body, headers = encode(mismatch + 1, WriterIdentity("rogue", 0), b"\xff\xff not an entry")
     fits = produce(body, headers)
-    assert (garbage, mismatch, fits) == (end, end + 1, end + 2)
+    assert garbage < mismatch and fits == mismatch + 1, (garbage, mismatch, fits)
     with Client([node.address], timeout_s=30) as client:
         for key in mine[5:]:  # the leader's first batch lands past the rogue records: W2 aborts, retried
             client.put(key, "after")

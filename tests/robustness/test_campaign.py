@@ -1,9 +1,10 @@
 """The robustness campaign's parts, and a short campaign (`make test`'s sample of `make soak`).
 
 The short campaign runs the whole thing (three brokers and five nodes in namespaces, every
-workload, faults of every lane but the pipeline's, every check, `kvstore audit`) for
-SOAK_TEST_DURATION seconds (default 40) with a fixed seed unless SOAK_TEST_SEED is set, like the
-fuzz sample. It needs root; without root it is skipped, saying so (`make soak` refuses the same way).
+workload, faults of every lane but the pipeline's, every check but `kvstore audit`'s, which
+`make soak` runs) for SOAK_TEST_DURATION seconds (default 40) with a fixed seed unless
+SOAK_TEST_SEED is set, like the fuzz sample. It needs root; without root it is skipped, saying so
+(`make soak` refuses the same way).
 """
 
 from __future__ import annotations
@@ -226,11 +227,15 @@ def test_a_short_campaign_finds_no_anomaly(tmp_path: Path) -> None:
     seed = int(os.environ.get("SOAK_TEST_SEED", "5"))
     duration = float(os.environ.get("SOAK_TEST_DURATION", "40"))
     print(f"soak sample: seed {seed}, {duration:.0f} s; replay with make soak SEED={seed} DURATION={duration:.0f}")
-    result = campaign.run(campaign.Settings(duration_s=duration, seed=seed, out=tmp_path / "soak", snapshot=False))
+    # Without the Spark audit of the WAL (`make soak` runs it): on the suite's longest path it cost
+    # ~90 s, and the pipeline's own tests audit hostile and faulted WALs in the same run.
+    result = campaign.run(campaign.Settings(duration_s=duration, seed=seed, out=tmp_path / "soak", snapshot=False,
+                                            audit=False))
     assert result["anomalies"]["total"] == 0, json.dumps(result["anomalies"], indent=1)
     assert result["ok"] and set(result["checks"].values()) == {"ok"}, result["checks"]
     assert {"linearizable", "bank", "acknowledged-lost", "failed-but-applied", "replicas-equal", "applied-twice",
-            "bulk-load", "watch", "prepared-left", "read-back", "audit"} <= set(result["checks"])
+            "bulk-load", "watch", "prepared-left", "read-back"} <= set(result["checks"])
+    assert "audit" not in result["checks"]
     # Lane 0 waits for the brokers to be in sync 8 s before each fault: 4 or more of seed 5's 6 in 40 s.
     assert result["faults"]["total"] >= 4 and not result["faults"]["not_done"], result["faults"]
     by_kind = result["operations"]["by_kind"]

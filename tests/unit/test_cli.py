@@ -866,3 +866,15 @@ def test_get_raw_value_and_file(fake: FakeClient, capsys: pytest.CaptureFixture[
     assert rc == 0 and "6b" in out.split()  # the key as hex
     rc, out, _ = run(["get", "k", "--out", str(tmp_path / "v")], capsys)
     assert rc == 0 and "bytes in" in out and (tmp_path / "v").exists()
+
+
+def test_an_unknown_batch_exits_3_and_says_so() -> None:
+    from kvstore.cli.client_commands import error_record, exit_status
+    from kvstore.client import BatchIncomplete
+
+    unknown = BatchIncomplete("1 of 2 parts not committed", committed={}, errors={1: UnknownOutcome("lost")},
+                              request_id="rid", first_attempt_unix_ms=1)
+    definite = BatchIncomplete("1 of 2 parts not committed", committed={}, errors={1: Unavailable("busy")},
+                               request_id="rid", first_attempt_unix_ms=1)
+    assert exit_status(unknown) == 3 and error_record(unknown)["outcome"] == "unknown"
+    assert exit_status(definite) == 1 and error_record(definite)["outcome"] == "none"

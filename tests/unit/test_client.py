@@ -839,6 +839,7 @@ class FakeCluster:
         # A server that names its start revisions, over a WAL of these changes (each with its shard
         # and mod_revision): a watch starts at its start_revisions (else 0), is told so in `created`.
         self.watch_log: list[kv_pb2.WatchResponse] | None = None
+        self.watch_ends: list[int] = []  # with watch_log: each open ends its stream OK after this many changes
         self.servers: list[grpc.Server] = []
         self.addresses: list[str] = []
         for _ in range(nodes):
@@ -985,6 +986,9 @@ class FakeNode(kv_pb2_grpc.KVServiceServicer, cluster_pb2_grpc.ClusterServiceSer
                 kv_pb2.ShardRevision(shard=s, revision=r) for s, r in starts.items()])
             events = [e for e in log if e.kv.mod_revision >= starts[e.shard]]
             self.cluster.watch_break_after = None  # each break happens once
+            if self.cluster.watch_ends:  # an older node stopping: the stream just ends
+                yield from events[:self.cluster.watch_ends.pop(0)]
+                return
             if break_after is not None:
                 yield from events[:break_after]
                 context.abort(SC.UNAVAILABLE, "node went away")
@@ -1320,6 +1324,18 @@ def test_a_watch_that_breaks_resumes_where_it_stood_nothing_lost_nothing_repeate
                       1: max([e.kv.mod_revision for e in delivered if e.shard == 1], default=0)}
 
 
+def test_a_watch_whose_stream_just_ends_resumes_each_time_with_fresh_attempts(
+        cluster: FakeCluster) -> None:
+    """A stream that ends (a node stopping, an older server) is a break, not the end of the watch;
+    and each resume has its own attempts: three breaks do not add up against max_attempts=2."""
+    cluster.watch_log = WAL_OF_CHANGES
+    cluster.watch_ends = [1, 2, 3]  # the first three streams end after 1, 2, 3 changes (replays included)
+    with Client(cluster.addresses, max_attempts=2, backoff_s=0.001, max_backoff_s=0.001) as c, \
+            c.watch(prefix="w") as watch:
+        keys = [next(watch).kv.key for _ in WAL_OF_CHANGES]
+    assert keys == [e.kv.key for e in WAL_OF_CHANGES] and len(cluster.calls_to("Watch")) == 4
+
+
 def test_watch_resume_is_pure_and_bounded() -> None:
     resume = WatchResume(kv_pb2.WatchRequest(prefix=b"w"))
     assert resume.resume() is None  # no `created` yet (or an old server): no position
@@ -1399,3 +1415,20 @@ def test_move_progress_is_judged_from_the_copies_the_map_lists() -> None:
                          ReplicaInfo("f", "f:1", "follower", 5, 0)), [change])
     assert done.done and describe(done.moves[0]) == "shard 1 -> a,c: done"
     assert not progress(ShardMap(2, "wal", "a:1", ()), [change]).done  # a map without the shard: not done
+
+
+def test_a_status_that_carries_the_stores_outcome_is_read_by_it_not_by_grpcs_words() -> None:
+    """A proxy relaying an upstream's pick failure, or any status with the store's own outcome:
+    "failed to connect" there does not mean this request was never sent."""
+    text = "failed to connect to all addresses; last error: UNKNOWN: ipv4:10.0.0.9:1: Connection refused"
+    assert type(error_from_status(SC.UNAVAILABLE, text, {}, write=True)) is Unreachable
+    assert type(error_from_status(SC.UNAVAILABLE, text, UNKNOWN_OUTCOME, write=True)) is UnknownOutcome
+    assert type(error_from_status(SC.UNAVAILABLE, text, NONE, write=True)) is Unavailable
+
+
+def test_channels_never_retry_on_their_own() -> None:
+    """gRPC reports only its last attempt's status: a retry policy from a service config could
+    hide an attempt that reached a server behind a later "failed to connect"."""
+    from kvstore.client.transport import CHANNEL_OPTIONS
+
+    assert ("grpc.enable_retries", 0) in CHANNEL_OPTIONS

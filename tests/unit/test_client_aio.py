@@ -31,7 +31,7 @@ class AsyncScripted:
         self.slept: list[float] = []
         client._invoke = self  # type: ignore[method-assign]
 
-        async def sleep(attempt: int, deadline: float) -> None:
+        async def sleep(attempt: int, deadline: float, error: object = None) -> None:
             self.slept.append(attempt)
         client._sleep_backoff = sleep  # type: ignore[method-assign]
 

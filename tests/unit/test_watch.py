@@ -65,9 +65,66 @@ def test_an_ended_stream_says_why_and_the_first_reason_stays() -> None:
         watcher.close("shard 0: the replica serving this watch is rebuilding")
         watcher.close("shard 0: node shutting down")
         assert watcher.ended_why == "shard 0: the replica serving this watch is rebuilding"
-        assert _drain(watcher) == [(0, 1), None, None]
-        plain = Watcher(b"k", b"")
-        plain.close()
-        assert plain.ended_why is None and _drain(plain) == [None]
+        # What was queued is dropped with the end: the client resumes after what it received.
+        assert _drain(watcher) == [None]
 
     _in_loop(test)
+
+
+def test_a_full_queue_ends_with_every_change_dropped_never_only_the_oldest() -> None:
+    """Review finding: dropping only the oldest queued change to make room for the end marker
+    let the client receive newer ones and resume past the one dropped. Now what the client got is
+    always a prefix of the changes; the resume's history brings the rest."""
+    from kvstore import limits
+
+    def test() -> None:
+        watcher = Watcher(b"", b"k")
+        watcher.register(0, applied=0, start=None)
+        for revision in range(1, limits.WATCH_QUEUE_EVENTS + 2):  # one more than fits: it overflows
+            watcher.offer(0, _put(b"k", revision))
+        assert watcher.overflowed and "fell" in (watcher.ended_why or "")
+        assert _drain(watcher) == [None]
+
+    _in_loop(test)
+
+
+def test_a_spread_watch_sends_created_before_any_parts_change() -> None:
+    """Review finding: a part's history (or a live write) could reach the client before the
+    merged `created`; the client then gave up on the watch. Early changes now wait for it."""
+    from types import SimpleNamespace
+
+    from kvstore.server import routing
+    from kvstore.server.watch import Watches
+    from kvstore.v1 import kv_pb2
+
+    created = kv_pb2.WatchResponse.TYPE_CREATED
+
+    async def local(*_: object) -> object:
+        yield kv_pb2.WatchResponse(type=created, start_revisions=[kv_pb2.ShardRevision(shard=0, revision=5)])
+        yield kv_pb2.WatchResponse(type=kv_pb2.WatchResponse.TYPE_PUT, shard=0, kv=kv_pb2.KeyValue(key=b"k0"))
+        await asyncio.sleep(3600)
+
+    async def remote(*_: object) -> object:
+        await asyncio.sleep(0.05)  # registers later than the local part
+        yield kv_pb2.WatchResponse(type=created, start_revisions=[kv_pb2.ShardRevision(shard=1, revision=7)])
+        yield kv_pb2.WatchResponse(type=kv_pb2.WatchResponse.TYPE_PUT, shard=1, kv=kv_pb2.KeyValue(key=b"k1"))
+        await asyncio.sleep(3600)
+
+    async def run() -> list[kv_pb2.WatchResponse]:
+        watches = Watches.__new__(Watches)
+        watches.node = None  # type: ignore[assignment]  # routing.plan is replaced below
+        watches.here = local  # type: ignore[method-assign,assignment]
+        watches._remote = remote  # type: ignore[method-assign,assignment]
+        original = routing.plan
+        routing.plan = lambda *_: ([0], {"peer:1": [1]})  # type: ignore[assignment]
+        try:
+            stream = watches._spread(kv_pb2.WatchRequest(prefix=b"k"), [0, 1], {}, SimpleNamespace())
+            got = [await stream.__anext__() for _ in range(3)]
+            await stream.aclose()
+            return got
+        finally:
+            routing.plan = original  # type: ignore[assignment]
+
+    got = asyncio.run(run())
+    assert got[0].type == created and [(b.shard, b.revision) for b in got[0].start_revisions] == [(0, 5), (1, 7)]
+    assert sorted(e.kv.key for e in got[1:]) == [b"k0", b"k1"]
