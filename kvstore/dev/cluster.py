@@ -41,6 +41,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from kvstore.client import Client, KvError
 from kvstore.client.security import ClientSecurity
 from kvstore.dev import children
 from kvstore.dev.ca import DevCA, DevPki
@@ -72,6 +73,26 @@ def _wait_serving(address: str, proc: subprocess.Popen[bytes], timeout_s: float,
         raise SystemExit(f"the store node did not become SERVING within {timeout_s}s")
     finally:
         channel.close()
+
+
+def _wait_led(endpoints: list[str], security: ClientSecurity | None, timeout_s: float) -> None:
+    """Until every shard has a ready leader: SERVING says only that a node answers, and a
+    newcomer's first `kvstore get` right after the endpoints are printed (or after a resume, while
+    the leadership group still rebalances) must not meet a shard nobody leads yet."""
+    deadline = time.monotonic() + timeout_s
+    waiting = "no shard map yet"
+    with Client(endpoints, security=security if security is not None else ClientSecurity(), timeout_s=5) as client:
+        while time.monotonic() < deadline:
+            try:
+                shard_map = client.shard_map(timeout_s=2)
+                unled = [s.shard for s in shard_map.shards if not (s.leader and s.leader_ready)]
+                if shard_map.shards and not unled:
+                    return
+                waiting = f"shards without a ready leader: {unled}"
+            except KvError as e:
+                waiting = f"shard map: {e}"
+            time.sleep(0.2)
+    raise SystemExit(f"not every shard had a ready leader within {timeout_s}s ({waiting}); see the nodes' logs")
 
 
 def _port_free(port: int) -> bool:
@@ -212,6 +233,7 @@ def main(argv: list[str] | None = None) -> int:
         for node in nodes:
             assert node.proc is not None
             _wait_serving(node.address, node.proc, timeout_s=120, security=probe)
+        _wait_led([n.address for n in nodes], probe, timeout_s=120)
         endpoints = ",".join(n.address for n in nodes)
         snapshots = data_dir / "snapshots"
         secure = ({"kafka_username": pipeline_user, "kafka_password_file": str(kafka.password_file(pipeline_user))}
@@ -298,13 +320,13 @@ def _tls_args(pki: DevPki | None, node_id: str, mtls: bool) -> tuple[str, ...]:
 
 
 def _probe_security(pki: DevPki | None, mtls: bool) -> ClientSecurity | None:
-    """How the cluster itself asks the nodes' health (open, but over TLS; mutual TLS needs a
-    certificate: the read role's)."""
+    """How the cluster itself asks the nodes' health and shard map: as the read role (its token
+    over TLS, its certificate with mutual TLS)."""
     if pki is None:
         return None
     if mtls:
         return ClientSecurity(ca=str(pki.ca), cert=str(pki.clients["read"].cert), key=str(pki.clients["read"].key))
-    return ClientSecurity(ca=str(pki.ca))
+    return ClientSecurity(ca=str(pki.ca), token=Path(pki.tokens["read"]).read_text().strip())
 
 
 def _tls_info(pki: DevPki | None, mtls: bool) -> dict[str, object]:

@@ -116,7 +116,7 @@ def test_make_up_serves_round_trips_and_resumes(tmp_path: Path) -> None:
     try:
         endpoint = again.wait_endpoints()["endpoints"][0]  # type: ignore[index]
         got = kvstore(endpoint, "get", "k", "--output", "json")
-        assert json.loads(got.stdout)["value"] == "v"
+        assert got.returncode == 0 and json.loads(got.stdout)["value"] == "v", got
         assert again.interrupt() == 0
     finally:
         again.cleanup()
