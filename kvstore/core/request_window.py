@@ -154,7 +154,9 @@ class MemoryShard:
         dicts, so that the simulation checks the apply a node runs."""
         window = RequestWindow(
             contains=self.requests.__contains__,
-            stored_oldest_first=((r.revision, r.request_id, r.leader_unix_ms) for r in list(self.requests.values())),
+            # Lazily: an apply reads only the head it evicts (a copy of the table cost O(table) per
+            # apply, 15 % of the simulation's time). Never resumed after the writes below.
+            stored_oldest_first=((r.revision, r.request_id, r.leader_unix_ms) for r in self.requests.values()),
             count=len(self.requests), evicted_through_ms=self.evicted_through_ms, limit=self.max_request_ids,
             horizon_ms=self.request_id_horizon_ms)
         delta = store_delta(self, window, records, new_checkpoint, unverified=unverified)
