@@ -57,8 +57,10 @@ The package, by concept: `errors` (the hierarchy and the status mapping), `reque
 and checking what is sent: bytes, compares, ops, request ids), `results` (what comes back),
 `retry` (the pure retry policy), `transport` (channels, routing, one attempt), `security` (TLS
 and credentials), `client`
-(`Client`: the calls and the retry loops, `write_batch` included), `batching` (`BatchingWriter`:
-single writes from many threads sent as batches), `watch` (`Watch`). Everything public is re-exported
+(`Client`: the calls and the retry loops, `write_batch` included), `batch_rounds` (a batch's
+rounds as a machine without I/O), `admin` (the operators' calls as data), `batch_buffer` and
+`batching` (`BatchingWriter`: single writes from many threads sent as batches), `watch` (`Watch`),
+`aio` (`AsyncClient`, `AsyncBatchingWriter`: the same over asyncio, driving the same pure parts). Everything public is re-exported
 here: `from kvstore.client import Client, KvError, ...`. Only gRPC and protobuf are needed (the
 base install): nothing here imports the server, the WAL, Kafka or LevelDB.
 

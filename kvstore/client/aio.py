@@ -17,8 +17,9 @@ write's outcome means the same here: it returns once committed, raises `UnknownO
                 ...
 
 One client per event loop (its channels belong to the loop that first used them). Retries and
-redirects are logged at DEBUG (`kvstore.client`). The operators' calls (drain, move, fence,
-transactions in doubt, the placement log) and `write_batch` are on the synchronous client only.
+redirects are logged at DEBUG (`kvstore.client`). Every call of the synchronous client is here,
+the operators' too (drain, move, fence, transactions in doubt, the placement log: requests and
+answers from `kvstore.client.admin`), and `AsyncBatchingWriter` is `BatchingWriter` for asyncio.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import collections
 import logging
 import random
 import time
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from types import TracebackType
 from typing import Any, Self, TypeVar
 
@@ -36,6 +37,9 @@ import grpc
 import grpc.aio
 from google.protobuf.message import Message
 
+from kvstore.client import admin
+from kvstore.client.aio_batching import AsyncBatchingWriter
+from kvstore.client.batch_rounds import BatchRounds, batch_result
 from kvstore.client.errors import (
     DeadlineExceeded,
     InvalidArgument,
@@ -45,11 +49,13 @@ from kvstore.client.errors import (
     Unavailable,
     error_from_rpc,
 )
+from kvstore.client.moves import MoveProgress, PlacementChange, progress
 from kvstore.client.requests import (
     BytesLike,
     Compare,
     Consistency,
     Op,
+    batch_parts,
     delete_request,
     get_request,
     make_first_attempt_unix_ms,
@@ -61,13 +67,20 @@ from kvstore.client.requests import (
     watch_request,
 )
 from kvstore.client.results import (
+    BatchResult,
     DeleteResult,
+    FenceResult,
     GetResult,
     KeyValue,
+    PlacementLog,
+    PreparedTxn,
     PutResult,
     ReadHeader,
     ScanPage,
     ShardMap,
+    ShardWrite,
+    TransactionInfo,
+    TxnResolution,
     TxnResult,
     WatchEvent,
     txn_result,
@@ -97,8 +110,10 @@ from kvstore.client.watch import WatchResume, reopen_request
 from kvstore.limits import MAX_REQUEST_BYTES
 from kvstore.v1 import cluster_pb2, cluster_pb2_grpc, kv_pb2, kv_pb2_grpc
 
+__all__ = ["AioChannels", "AsyncBatchingWriter", "AsyncClient", "AsyncWatch"]
 log = logging.getLogger("kvstore.client")
 R = TypeVar("R", bound=Message)
+T = TypeVar("T")
 
 
 class AioChannels:
@@ -240,6 +255,29 @@ class AsyncClient:
                 await self._sleep_backoff(fresh + 1, deadline)
         return txn_result(resp, success, failure, rid)
 
+    async def write_batch(self, ops: Iterable[Op], request_id: str | None = None, *, timeout_s: float | None = None,
+                          first_attempt_unix_ms: int | None = None) -> BatchResult:
+        """Many puts and deletes spanning shards, one WAL record per shard, one call per leader in
+        parallel (`Client.write_batch`: each part's request id, `BatchIncomplete`, the limits)."""
+        rid = make_request_id(request_id)
+        first_ms = make_first_attempt_unix_ms(first_attempt_unix_ms, request_id)
+        deadline = deadline_of(timeout_s, self._timeout_s)
+        shard_count = await self._known_shard_count(deadline)
+        if shard_count is None:
+            raise DeadlineExceeded("no node answered the shard map, so the batch could not be split by shard; "
+                                   "nothing was sent", request_id=rid, first_attempt_unix_ms=first_ms)
+        parts = batch_parts(ops, shard_count, rid, first_ms)
+        committed, failed = await self._batch_attempts(parts, deadline)
+        return batch_result(parts, committed, failed, rid, first_ms)
+
+    async def put_many(self, items: Mapping[BytesLike, BytesLike] | Iterable[tuple[BytesLike, BytesLike]],
+                       request_id: str | None = None, *, timeout_s: float | None = None,
+                       first_attempt_unix_ms: int | None = None) -> BatchResult:
+        """`write_batch` of puts (`Client.put_many`)."""
+        pairs = items.items() if isinstance(items, Mapping) else items
+        return await self.write_batch([Op.put(k, v) for k, v in pairs], request_id, timeout_s=timeout_s,
+                                      first_attempt_unix_ms=first_attempt_unix_ms)
+
     async def scan(self, start: BytesLike = b"", end: BytesLike = b"", prefix: BytesLike = b"", limit: int = 0,
                    consistency: Consistency = "linearizable", *, page_token: bytes = b"", keys_only: bool = False,
                    min_revisions: Mapping[int, int] | None = None, timeout_s: float | None = None) -> ScanPage:
@@ -296,6 +334,61 @@ class AsyncClient:
             if attempt % len(self._router.endpoints) == 0:  # every endpoint tried: back off
                 await self._sleep_backoff(attempt, deadline)
         raise attempts.gave_up(deadline_passed=deadline - time.monotonic() <= 0)
+
+    # -- the operators' calls (`Client`'s; requests and answers from `kvstore.client.admin`) ------
+
+    async def list_transactions(self, older_than_ms: int = 0, *,
+                                timeout_s: float | None = None) -> list[TransactionInfo]:
+        """Shards whose WAL transaction has been open at least `older_than_ms`."""
+        return await self._admin(admin.list_transactions(older_than_ms), timeout_s)
+
+    async def prepared_transactions(self, older_than_ms: int = 0, *,
+                                    timeout_s: float | None = None) -> tuple[list[PreparedTxn], list[str]]:
+        """Cross-shard transactions prepared and not resolved, and the members that did not answer."""
+        return await self._admin(admin.prepared_transactions(older_than_ms), timeout_s)
+
+    async def resolve_transaction(self, txn_id: str, *, timeout_s: float | None = None) -> TxnResolution:
+        """Resolve a prepared cross-shard transaction now (`Client.resolve_transaction`)."""
+        return await self._admin(admin.resolve_transaction(txn_id), timeout_s)
+
+    async def fence(self, shard: int, *, timeout_s: float | None = None) -> FenceResult:
+        """Force-terminate `shard`'s WAL transaction (`Client.fence`)."""
+        return await self._admin(admin.fence(shard), timeout_s)
+
+    async def drain(self, node_id: str, *, undo: bool = False, force: bool = False, epoch: int | None = None,
+                    timeout_s: float | None = None) -> list[PlacementChange]:
+        """Move every shard off `node_id` (`Client.drain`: refusals, `epoch`)."""
+        admin.check_drain(node_id)
+        epoch = admin.placement_epoch(await self.shard_map()) if epoch is None else epoch
+        return await self._admin(admin.drain(node_id, undo=undo, force=force, epoch=epoch), timeout_s)
+
+    async def placement_log(self, limit: int = 50, *, timeout_s: float | None = None) -> PlacementLog:
+        """The placement log's newest decisions, with their reasons."""
+        return await self._admin(admin.placement_log(limit), timeout_s)
+
+    async def move_shard(self, shard: int, to_node: str = "", from_node: str = "", *, unpin: bool = False,
+                         epoch: int | None = None, timeout_s: float | None = None) -> list[PlacementChange]:
+        """Move one replica of `shard`, or unpin it (`Client.move_shard`)."""
+        admin.check_move(shard, to_node, unpin)
+        epoch = admin.placement_epoch(await self.shard_map()) if epoch is None else epoch
+        return await self._admin(admin.move_shard(shard, to_node=to_node, from_node=from_node, unpin=unpin,
+                                                  epoch=epoch), timeout_s)
+
+    async def wait_moves(self, changes: Sequence[PlacementChange], *, timeout_s: float, poll_s: float = 1.0,
+                         on_progress: Callable[[MoveProgress], None] | None = None) -> MoveProgress:
+        """Poll the shard map until `changes` are done or `timeout_s` passed (`Client.wait_moves`)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            current = progress(await self.shard_map(), changes)
+            if on_progress is not None:
+                on_progress(current)
+            if current.done or time.monotonic() + poll_s > deadline:
+                return current
+            await asyncio.sleep(poll_s)
+
+    async def _admin(self, call: admin.AdminCall[T], timeout_s: float | None) -> T:
+        return call.result(await self._call(call.method, call.request, call.response_type, key=None,
+                                            timeout_s=timeout_s))
 
     # -- the retry seam `AsyncWatch` uses --------------------------------------------------------
 
@@ -376,6 +469,49 @@ class AsyncClient:
         stub = conn.cluster if method in CLUSTER_METHODS else conn.kv
         response: Message = await getattr(stub, method)(request, timeout=timeout, metadata=ROUTED)
         return response
+
+    async def _invoke_many(self, calls: Sequence[tuple[str, Message]], method: str,
+                           timeout: float) -> list[Message | grpc.RpcError]:
+        """One attempt on each of several nodes at once: their answers or errors, in order.
+        Raises `KvError` only when the client was closed (nothing sent)."""
+        conns = [self._channels.get(target) for target, _ in calls]  # closed: raises before any is sent
+
+        async def one(conn: Conn, request: Message) -> Message | grpc.RpcError:
+            try:
+                response: Message = await getattr(conn.kv, method)(request, timeout=timeout, metadata=ROUTED)
+                return response
+            except grpc.RpcError as exc:  # grpc.aio.AioRpcError, or a test's fake
+                return exc
+
+        return list(await asyncio.gather(*(one(conn, request) for conn, (_, request) in zip(conns, calls,
+                                                                                            strict=True))))
+
+    async def _batch_attempts(self, parts: Mapping[int, kv_pb2.ShardMutations],
+                              deadline: float) -> tuple[dict[int, ShardWrite], dict[int, KvError]]:
+        """The rounds of a batch (`kvstore.client.batch_rounds`), as `Client._batch_attempts`."""
+        rounds = BatchRounds(parts, max_attempts=self._max_attempts, attempt_timeout_s=self._attempt_timeout_s)
+        while rounds.more(deadline - time.monotonic()):
+            smap = await self._cached_map(deadline)
+            groups = rounds.start(smap, self._router.any_endpoint)
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            try:
+                answers = await self._invoke_many(rounds.requests(groups), "WriteBatch",
+                                                  min(remaining, self._attempt_timeout_s))
+            except KvError as closed:  # the client was closed: nothing sent this time
+                rounds.closed(closed)
+                break
+            outcome = rounds.absorb(groups, answers, capped=remaining > self._attempt_timeout_s)
+            log.debug("WriteBatch round %d: %d parts committed, %d pending, %d failed", rounds.attempt,
+                      len(rounds.committed), len(rounds.pending), len(rounds.failed))
+            if outcome.invalidate_map:
+                self._router.invalidate()
+            for failed in outcome.rotate:
+                self._router.rotate(failed)
+            if outcome.backoff:
+                await self._sleep_backoff(rounds.attempt, deadline)
+        return rounds.finish(deadline_passed=deadline - time.monotonic() <= 0)
 
     async def _sleep_backoff(self, attempt: int, deadline: float, error: KvError | None = None) -> None:
         """The backoff before the next attempt; at least what the server asked (RetryInfo), as
@@ -581,3 +717,4 @@ class AsyncWatch:
     async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                         tb: TracebackType | None) -> None:
         self.cancel()
+

@@ -13,19 +13,15 @@ from typing import Self, TypeVar
 import grpc
 from google.protobuf.message import Message
 
+from kvstore.client import admin
+from kvstore.client.batch_rounds import BatchRounds, batch_result
 from kvstore.client.errors import (
-    BatchIncomplete,
     DeadlineExceeded,
     InvalidArgument,
     KvError,
     NotLeader,
-    RequestExpired,
     TxnAborted,
-    Unavailable,
-    UnknownOutcome,
     error_from_rpc,
-    error_from_status,
-    status_code,
 )
 from kvstore.client.moves import MoveProgress, PlacementChange, progress
 from kvstore.client.requests import (
@@ -71,7 +67,6 @@ from kvstore.client.retry import (
     capped_attempt_error,
     check_client_options,
     deadline_of,
-    keep_unknown,
     retry_action,
 )
 from kvstore.client.security import ClientSecurity
@@ -89,6 +84,7 @@ from kvstore.limits import MAX_REQUEST_BYTES
 from kvstore.v1 import cluster_pb2, kv_pb2
 
 R = TypeVar("R", bound=Message)
+T = TypeVar("T")
 
 
 logger = logging.getLogger("kvstore.client")  # DEBUG: every failed attempt, retry and redirect
@@ -284,14 +280,7 @@ class Client:
                                    "nothing was sent", request_id=rid, first_attempt_unix_ms=first_ms)
         parts = batch_parts(ops, shard_count, rid, first_ms)
         committed, failed = self._batch_attempts(parts, deadline)
-        if failed:
-            unknown = [s for s, e in failed.items() if isinstance(e, UnknownOutcome | RequestExpired)]
-            first = min(failed)
-            raise BatchIncomplete(
-                f"{len(failed)} of {len(parts)} parts not committed (shards {sorted(failed)}"
-                f"{f', outcome unknown for {unknown}' if unknown else ''}); shard {first}: {failed[first].message}",
-                committed=committed, errors=failed, request_id=rid, first_attempt_unix_ms=first_ms)
-        return BatchResult(tuple(committed[s] for s in sorted(committed)), rid)
+        return batch_result(parts, committed, failed, rid, first_ms)
 
     def put_many(
         self,
@@ -413,44 +402,24 @@ class Client:
 
     def list_transactions(self, older_than_ms: int = 0, *, timeout_s: float | None = None) -> list[TransactionInfo]:
         """Shards whose WAL transaction has been open at least `older_than_ms` (seed 004)."""
-        if older_than_ms < 0:
-            raise InvalidArgument(f"older_than_ms must be >= 0: {older_than_ms}")
-        resp = self._call("ListTransactions", cluster_pb2.ListTransactionsRequest(older_than_ms=older_than_ms),
-                          cluster_pb2.ListTransactionsResponse, key=None, timeout_s=timeout_s)
-        return [TransactionInfo(t.shard, t.first_offset, t.end_offset, t.age_ms, t.leader_id)
-                for t in resp.transactions]
+        return self._admin(admin.list_transactions(older_than_ms), timeout_s)
 
     def prepared_transactions(self, older_than_ms: int = 0, *,
                               timeout_s: float | None = None) -> tuple[list[PreparedTxn], list[str]]:
         """Cross-shard transactions prepared at least `older_than_ms` ago and not resolved, one
         entry per participant still holding one (docs/design.md §10), oldest first; and the
         members that did not answer (their shards' are missing)."""
-        if older_than_ms < 0:
-            raise InvalidArgument(f"older_than_ms must be >= 0: {older_than_ms}")
-        resp = self._call("ListPreparedTransactions",
-                          cluster_pb2.ListPreparedTransactionsRequest(older_than_ms=older_than_ms),
-                          cluster_pb2.ListPreparedTransactionsResponse, key=None, timeout_s=timeout_s)
-        return ([PreparedTxn(t.txn_id, t.shard, t.coordinator, tuple(t.participants), t.age_ms, t.revision,
-                             t.request_id, t.locked_keys, t.leader_id) for t in resp.transactions],
-                list(resp.unreachable))
+        return self._admin(admin.prepared_transactions(older_than_ms), timeout_s)
 
     def resolve_transaction(self, txn_id: str, *, timeout_s: float | None = None) -> TxnResolution:
         """Resolve a prepared cross-shard transaction now: with its coordinator's decision, or an
         abort decision when there is none (the safe way to end a stuck one; never a commit)."""
-        if not txn_id:
-            raise InvalidArgument("resolve_transaction needs a txn id (see prepared_transactions)")
-        resp = self._call("ResolveTransaction", cluster_pb2.ResolveTransactionRequest(txn_id=txn_id),
-                          cluster_pb2.ResolveTransactionResponse, key=None, timeout_s=timeout_s)
-        return TxnResolution(resp.txn_id, resp.outcome, resp.detail, tuple(resp.shards))
+        return self._admin(admin.resolve_transaction(txn_id), timeout_s)
 
     def fence(self, shard: int, *, timeout_s: float | None = None) -> FenceResult:
         """Force-terminate `shard`'s transaction (a fresh init_transactions on its id). The live
         leader finds itself fenced, steps down, and leadership settles again by itself."""
-        if shard < 0:
-            raise InvalidArgument(f"shard must be >= 0: {shard}")
-        resp = self._call("FenceShard", cluster_pb2.FenceShardRequest(shard=shard), cluster_pb2.FenceShardResponse,
-                          key=None, timeout_s=timeout_s)
-        return FenceResult(resp.shard, resp.end_offset, resp.notified)
+        return self._admin(admin.fence(shard), timeout_s)
 
     def drain(self, node_id: str, *, undo: bool = False, force: bool = False, epoch: int | None = None,
               timeout_s: float | None = None) -> list[PlacementChange]:
@@ -460,38 +429,26 @@ class Client:
         a shard fewer than R nodes able to hold it, unless `force`. `epoch`: the placement epoch
         the decision was made from (default: the shard map's now); PlacementChanged if the
         placement moved since."""
-        if not node_id:
-            raise InvalidArgument("drain needs a node id")
-        request = cluster_pb2.DrainRequest(node_id=node_id, undo=undo, force=force,
-                                           epoch=self._placement_epoch() if epoch is None else epoch)
-        resp = self._call("Drain", request, cluster_pb2.DrainResponse, key=None, timeout_s=timeout_s)
-        return [PlacementChange.from_pb(c) for c in resp.changes]
+        admin.check_drain(node_id)
+        epoch = admin.placement_epoch(self.shard_map()) if epoch is None else epoch
+        return self._admin(admin.drain(node_id, undo=undo, force=force, epoch=epoch), timeout_s)
 
     def placement_log(self, limit: int = 50, *, timeout_s: float | None = None) -> PlacementLog:
         """The placement log's newest decisions (at most `limit`), with their reasons."""
-        resp = self._call("PlacementLog", cluster_pb2.PlacementLogRequest(limit=limit),
-                          cluster_pb2.PlacementLogResponse, key=None, timeout_s=timeout_s)
-        return PlacementLog.from_pb(resp)
-
-    def _placement_epoch(self) -> int:
-        epoch = self.shard_map().placement_epoch
-        if epoch == 0:
-            raise Unavailable("the cluster has no placement yet (its controller is starting): retry")
-        return epoch
+        return self._admin(admin.placement_log(limit), timeout_s)
 
     def move_shard(self, shard: int, to_node: str = "", from_node: str = "", *, unpin: bool = False,
                    epoch: int | None = None, timeout_s: float | None = None) -> list[PlacementChange]:
         """Move one replica of `shard` to `to_node` (replacing `from_node`, default its last
         replica), or `unpin` it back to the placement rule. Returns at once with the changes to
         expect; `wait_moves` follows them."""
-        if shard < 0:
-            raise InvalidArgument(f"shard must be >= 0: {shard}")
-        if unpin == bool(to_node):
-            raise InvalidArgument("give either a node to move to or unpin")
-        request = cluster_pb2.MoveShardRequest(shard=shard, to_node=to_node, from_node=from_node, unpin=unpin,
-                                               epoch=self._placement_epoch() if epoch is None else epoch)
-        resp = self._call("MoveShard", request, cluster_pb2.MoveShardResponse, key=None, timeout_s=timeout_s)
-        return [PlacementChange.from_pb(c) for c in resp.changes]
+        admin.check_move(shard, to_node, unpin)
+        epoch = admin.placement_epoch(self.shard_map()) if epoch is None else epoch
+        return self._admin(admin.move_shard(shard, to_node=to_node, from_node=from_node, unpin=unpin, epoch=epoch),
+                           timeout_s)
+
+    def _admin(self, call: admin.AdminCall[T], timeout_s: float | None) -> T:
+        return call.result(self._call(call.method, call.request, call.response_type, key=None, timeout_s=timeout_s))
 
     def wait_moves(self, changes: Sequence[PlacementChange], *, timeout_s: float, poll_s: float = 1.0,
                    on_progress: Callable[[MoveProgress], None] | None = None) -> MoveProgress:
@@ -634,109 +591,29 @@ class Client:
 
     def _batch_attempts(self, parts: Mapping[int, kv_pb2.ShardMutations],
                         deadline: float) -> tuple[dict[int, ShardWrite], dict[int, KvError]]:
-        """The retry loop of a batch: each round sends every pending part to its shard's leader
-        (one call per node), then treats each part's error as `_attempts` treats a Put's. A part
-        leaves the loop committed, or failed for good (`retry_action` FAIL), or when the rounds
-        or the deadline run out; an unknown attempt is never turned into a definite failure."""
-        pending = dict(parts)
-        committed: dict[int, ShardWrite] = {}
-        failed: dict[int, KvError] = {}
-        last: dict[int, KvError] = {}
-        unknown: dict[int, UnknownOutcome] = {}
-        hints: dict[int, str] = {}
-        attempt = 0
-        while pending and attempt < self._max_attempts and deadline - time.monotonic() > 0:
-            attempt += 1
+        """The rounds of a batch (`kvstore.client.batch_rounds`: what each answer means), sent
+        with one call per node, in parallel."""
+        rounds = BatchRounds(parts, max_attempts=self._max_attempts, attempt_timeout_s=self._attempt_timeout_s)
+        while rounds.more(deadline - time.monotonic()):
             smap = self._cached_map(deadline)
-            groups: dict[str, list[int]] = {}
-            for shard in sorted(pending):
-                target = hints.pop(shard, None) or (smap.leader_of(shard) if smap else None) \
-                    or self._router.any_endpoint()
-                groups.setdefault(target, []).append(shard)
+            groups = rounds.start(smap, self._router.any_endpoint)
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 break
-            capped = remaining > self._attempt_timeout_s
-            calls = [(target, kv_pb2.WriteBatchRequest(shards=[pending[s] for s in shards]))
-                     for target, shards in groups.items()]
             try:
-                answers = self._invoke_many(calls, "WriteBatch", min(remaining, self._attempt_timeout_s))
+                answers = self._invoke_many(rounds.requests(groups), "WriteBatch",
+                                            min(remaining, self._attempt_timeout_s))
             except KvError as closed:  # the client was closed: nothing sent this time
-                for shard in pending:
-                    failed[shard] = keep_unknown(closed, unknown.get(shard), write=True)
-                return committed, failed
-            wait = False
-            for (target, shards), answer in zip(groups.items(), answers, strict=True):
-                for shard, error in self._part_errors(target, shards, answer, pending, committed, capped).items():
-                    if isinstance(error, UnknownOutcome):
-                        unknown[shard] = error
-                    action = retry_action(error)
-                    if action is RetryAction.FAIL:
-                        error.attempts = attempt
-                        failed[shard] = keep_unknown(error, unknown.get(shard), write=True)
-                        del pending[shard]
-                        continue
-                    last[shard] = error
-                    if action is RetryAction.REDIRECT:
-                        assert isinstance(error, NotLeader)
-                        self._invalidate_map()
-                        if error.leader_hint and error.leader_hint != target:
-                            hints[shard] = error.leader_hint  # a fresh node: no reason to wait
-                            continue
-                    elif action is RetryAction.REROUTE:
-                        self._invalidate_map()
-                        self._rotate(target)
-                    else:  # BACKOFF: the same node again
-                        hints[shard] = target
-                    wait = True
-            if pending and wait and attempt < self._max_attempts:
-                self._sleep_backoff(attempt, deadline)
-        for shard, part in pending.items():  # out of rounds or of time
-            error = last.get(shard) or DeadlineExceeded("deadline exceeded before any attempt",
-                                                        request_id=part.request_id)
-            error.attempts = max(attempt, 1)
-            earlier = unknown.get(shard)
-            if earlier is not None and deadline - time.monotonic() <= 0:
-                error = UnknownOutcome(f"deadline exceeded, outcome unknown: {earlier.message}", code=earlier.code,
-                                       metadata=earlier.metadata, target=earlier.target,
-                                       request_id=part.request_id, attempts=attempt)
-            failed[shard] = keep_unknown(error, earlier, write=True)
-        return committed, failed
-
-    def _part_errors(self, target: str, shards: list[int], answer: Message | grpc.RpcError,
-                     pending: dict[int, kv_pb2.ShardMutations], committed: dict[int, ShardWrite],
-                     capped: bool) -> dict[int, KvError]:
-        """One node's answer for its parts: committed parts move from `pending` to `committed`;
-        the others' errors are returned. A failed call fails each of its parts alike."""
-        errors: dict[int, KvError] = {}
-        if isinstance(answer, grpc.RpcError):
-            for shard in shards:
-                error = error_from_rpc(answer, target=target, request_id=pending[shard].request_id, write=True)
-                if capped and error.code == grpc.StatusCode.DEADLINE_EXCEEDED:
-                    error = UnknownOutcome(f"{target} did not answer within {self._attempt_timeout_s}s",
-                                           code=grpc.StatusCode.DEADLINE_EXCEEDED, target=target,
-                                           request_id=pending[shard].request_id)
-                errors[shard] = error
-            return errors
-        if not isinstance(answer, kv_pb2.WriteBatchResponse):
-            raise KvError(f"unexpected response from {target}: {type(answer).__name__}", target=target)
-        for result in answer.results:
-            shard = result.shard
-            if shard not in shards or shard not in pending:
-                continue  # not a part of this call: ignored (the part stays pending)
-            rid = pending[shard].request_id
-            if result.HasField("error"):
-                e = result.error
-                errors[shard] = error_from_status(status_code(e.code), e.message, dict(e.metadata), target=target,
-                                                  request_id=rid, write=True)
-            else:
-                committed[shard] = ShardWrite.from_pb(result, rid)
-                del pending[shard]
-        for shard in shards:
-            if shard in pending and shard not in errors:
-                errors[shard] = UnknownOutcome(f"{target} answered without a result for shard {shard}",
-                                               target=target, request_id=pending[shard].request_id)
-        return errors
+                rounds.closed(closed)
+                break
+            outcome = rounds.absorb(groups, answers, capped=remaining > self._attempt_timeout_s)
+            if outcome.invalidate_map:
+                self._invalidate_map()
+            for failed in outcome.rotate:
+                self._rotate(failed)
+            if outcome.backoff:
+                self._sleep_backoff(rounds.attempt, deadline)
+        return rounds.finish(deadline_passed=deadline - time.monotonic() <= 0)
 
     def _sleep_backoff(self, attempt: int, deadline: float, error: KvError | None = None) -> None:
         delay = backoff_delay(attempt, self._backoff_s, self._max_backoff_s, self._rng)

@@ -1,7 +1,8 @@
 """The clients against real nodes (a broker, two node processes, real gRPC): the asyncio client's
-every call, a watch, a write whose leader is paused mid-call (an unknown outcome, finished once
-by its retry), a leader killed under a stream of writes (failover: nothing acknowledged lost), a
-watch resumed across its node's death; and the command line's binary values and health."""
+every call (batches, a batching writer and the operators' calls too), a watch, a write whose
+leader is paused mid-call (an unknown outcome, finished once by its retry), a leader killed under
+a stream of writes (failover: nothing acknowledged lost), a watch resumed across its node's
+death; and the command line's binary values and health."""
 
 from __future__ import annotations
 
@@ -18,8 +19,8 @@ import grpc
 import pytest
 
 from kvstore import errors
-from kvstore.client import Client, Compare, Op, ShardMap, UnknownOutcome
-from kvstore.client.aio import AsyncClient
+from kvstore.client import Client, Compare, Op, PlacementRefused, ShardMap, UnknownOutcome
+from kvstore.client.aio import AsyncBatchingWriter, AsyncClient
 from kvstore.core.sharding import shard_of
 from kvstore.v1 import kv_pb2, kv_pb2_grpc
 from tests.integration.helpers import start_all
@@ -76,6 +77,47 @@ def test_every_call_and_a_watch(cluster: Cluster) -> None:
             assert stale.value == b"0"
 
     asyncio.run(scenario())
+
+
+def test_batches_a_batching_writer_and_the_operators_calls(cluster: Cluster) -> None:
+    """write_batch (and its retry by id, applied once), put_many, AsyncBatchingWriter, and the
+    operators' calls against real nodes, each read back as the synchronous client reads it."""
+    ops = [Op.put(key_of(s, "aio-batch"), f"v{s}") for s in range(SHARDS)]
+    first_ms = int(time.time() * 1000)
+
+    async def scenario() -> None:
+        async with client_of(cluster) as client:
+            result = await client.write_batch(ops, "aio-batch-1", first_attempt_unix_ms=first_ms)
+            assert sorted(p.shard for p in result.shards) == list(range(SHARDS)) and result.mutations == SHARDS
+            again = await client.write_batch(ops, "aio-batch-1", first_attempt_unix_ms=first_ms)
+            assert all(p.replayed for p in again.shards) and again.revisions == result.revisions
+            many = await client.put_many({key_of(s, "aio-many"): "m" for s in range(SHARDS)})
+            assert many.mutations == SHARDS
+            async with AsyncBatchingWriter(client, linger_ms=2, max_batch_mutations=50) as writer:
+                futures = [await writer.put(f"aio-w/{i:04d}", str(i)) for i in range(400)]
+                written = await asyncio.gather(*futures)
+            assert {w.shard for w in written} == set(range(SHARDS)) and writer.batches >= SHARDS
+            assert writer.mutations == 400
+            # The operators' calls (a read role's and an admin's), answered by the real nodes.
+            log = await client.placement_log(10)
+            assert log.entries and log.controller and log.epoch > 0
+            assert await client.list_transactions(older_than_ms=60_000) == []
+            prepared, unreachable = await client.prepared_transactions(older_than_ms=60_000)
+            assert prepared == [] and unreachable == []
+            with pytest.raises(PlacementRefused, match="fewer than R"):
+                await client.drain(cluster.nodes[0].node_id)  # two nodes, R = 2: no floor left
+            fenced = await client.fence(1)
+            assert fenced.shard == 1 and fenced.end_offset >= 0
+
+    asyncio.run(scenario())
+    with cluster.client() as sync:
+        assert [(kv.key, kv.version) for kv in sync.scan_all(prefix="aio-batch/")] == \
+            sorted((op.key, 1) for op in ops)  # the retry applied nothing twice
+        values = {kv.key: kv.value for kv in sync.scan_all(prefix="aio-w/")}
+        assert values == {f"aio-w/{i:04d}".encode(): str(i).encode() for i in range(400)}
+    cluster.wait_settled()  # the fenced shard led again
+    with cluster.client() as sync:
+        assert sync.put(key_of(1, "aio-after-fence"), "x").revision is not None
 
 
 def test_a_write_whose_leader_is_paused_is_unknown_and_its_retry_applies_once(cluster: Cluster) -> None:
