@@ -56,13 +56,13 @@ What it adds on top of the generated stubs, and why:
 The package, by concept: `errors` (the hierarchy and the status mapping), `requests` (building
 and checking what is sent: bytes, compares, ops, request ids), `results` (what comes back),
 `retry` (the pure retry policy), `transport` (channels, routing, one attempt), `security` (TLS
-and credentials), `client`
-(`Client`: the calls and the retry loops, `write_batch` included), `batch_rounds` (a batch's
-rounds as a machine without I/O), `admin` (the operators' calls as data), `batch_buffer` and
-`batching` (`BatchingWriter`: single writes from many threads sent as batches), `watch` (`Watch`),
-`aio` (`AsyncClient`, `AsyncBatchingWriter`: the same over asyncio, driving the same pure parts). Everything public is re-exported
-here: `from kvstore.client import Client, KvError, ...`. Only gRPC and protobuf are needed (the
-base install): nothing here imports the server, the WAL, Kafka or LevelDB.
+and credentials), `client` (`Client`: the calls and the retry loops, `write_batch` included),
+`batch_rounds` (a batch's rounds as a machine without I/O), `admin` (the operators' calls as
+data), `batch_buffer` and `batching` (`BatchingWriter`: single writes from many threads sent as
+batches), `watch` (`Watch`), `aio` (`AsyncClient`, `AsyncBatchingWriter`: the same over asyncio,
+driving the same pure parts). Everything public is re-exported here: `from kvstore.client import
+Client, KvError, ...`. Only gRPC and protobuf are needed (the base install): nothing here imports
+the server, the WAL, Kafka or LevelDB.
 
 The metadata keys come from `kvstore.errors`, the server's single definition of the contract.
 """

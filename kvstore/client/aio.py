@@ -39,7 +39,7 @@ from google.protobuf.message import Message
 
 from kvstore.client import admin
 from kvstore.client.aio_batching import AsyncBatchingWriter
-from kvstore.client.batch_rounds import BatchRounds, batch_result
+from kvstore.client.batch_rounds import Answer, BatchRounds, CallLost, batch_result
 from kvstore.client.errors import (
     DeadlineExceeded,
     InvalidArgument,
@@ -118,10 +118,13 @@ T = TypeVar("T")
 
 class AioChannels:
     """One `grpc.aio` channel per node address, opened on first use; at most `max_channels`, the
-    least recently used closed first. After `close()` every use raises `KvError`."""
+    least recently used closed first (after `evicted_grace_s`, so calls in flight on it finish;
+    a watch on it is then cut and resumes). After `close()` every use raises `KvError`."""
 
-    def __init__(self, max_channels: int, credentials: grpc.ChannelCredentials | None) -> None:
+    def __init__(self, max_channels: int, credentials: grpc.ChannelCredentials | None, *,
+                 evicted_grace_s: float) -> None:
         self._max = max_channels
+        self._grace_s = evicted_grace_s
         self._credentials = credentials
         self._conns: collections.OrderedDict[str, Conn] = collections.OrderedDict()
         self._closed = False
@@ -142,7 +145,8 @@ class AioChannels:
         self._conns[target] = conn
         if len(self._conns) > self._max:
             evicted = self._conns.popitem(last=False)[1]
-            task = asyncio.get_running_loop().create_task(evicted.channel.close())
+            # With a grace: calls in flight on it (a batch round's, this one's) finish, each within its deadline.
+            task = asyncio.get_running_loop().create_task(evicted.channel.close(grace=self._grace_s))
             self._closing.add(task)  # held until done: a task nobody references may be collected
             task.add_done_callback(self._closing.discard)
         return conn
@@ -181,7 +185,8 @@ class AsyncClient:
         self._attempt_timeout_s = attempt_timeout_s
         self._router = Router(seeds)
         self._security = security if security is not None else ClientSecurity.from_env()
-        self._channels = AioChannels(max_channels, self._security.credentials())
+        self._channels = AioChannels(max_channels, self._security.credentials(),
+                                     evicted_grace_s=min(max(timeout_s, attempt_timeout_s), 60.0))
         self._rng = random.Random()
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -470,18 +475,26 @@ class AsyncClient:
         response: Message = await getattr(stub, method)(request, timeout=timeout, metadata=ROUTED)
         return response
 
-    async def _invoke_many(self, calls: Sequence[tuple[str, Message]], method: str,
-                           timeout: float) -> list[Message | grpc.RpcError]:
+    async def _invoke_many(self, calls: Sequence[tuple[str, Message]], method: str, timeout: float) -> list[Answer]:
         """One attempt on each of several nodes at once: their answers or errors, in order.
-        Raises `KvError` only when the client was closed (nothing sent)."""
+        Raises `KvError` only when the client was closed before anything was sent; a call lost
+        otherwise (its channel closed under the round) is a `CallLost`, never an exception that
+        would drop what the round's other calls committed."""
         conns = [self._channels.get(target) for target, _ in calls]  # closed: raises before any is sent
 
-        async def one(conn: Conn, request: Message) -> Message | grpc.RpcError:
+        async def one(conn: Conn, request: Message) -> Answer:
             try:
                 response: Message = await getattr(conn.kv, method)(request, timeout=timeout, metadata=ROUTED)
                 return response
             except grpc.RpcError as exc:  # grpc.aio.AioRpcError, or a test's fake
                 return exc
+            except asyncio.CancelledError:
+                task = asyncio.current_task()
+                if task is not None and task.cancelling():
+                    raise  # this call's caller is being cancelled: so is the write (docs/client.md)
+                return CallLost("cancelled by its channel closing", sent=True)
+            except Exception as exc:  # not a status: the runtime lost the call
+                return CallLost(f"the call failed: {exc!r}", sent=True)
 
         return list(await asyncio.gather(*(one(conn, request) for conn, (_, request) in zip(conns, calls,
                                                                                             strict=True))))
@@ -510,7 +523,7 @@ class AsyncClient:
             for failed in outcome.rotate:
                 self._router.rotate(failed)
             if outcome.backoff:
-                await self._sleep_backoff(rounds.attempt, deadline)
+                await self._sleep_backoff(rounds.attempt, deadline, outcome.retry_info)
         return rounds.finish(deadline_passed=deadline - time.monotonic() <= 0)
 
     async def _sleep_backoff(self, attempt: int, deadline: float, error: KvError | None = None) -> None:

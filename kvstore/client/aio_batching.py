@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+import logging
 import time
 from types import TracebackType
 from typing import TYPE_CHECKING, Self
@@ -35,7 +37,7 @@ from kvstore.client.batch_buffer import (
     outcomes,
     write_size,
 )
-from kvstore.client.errors import DeadlineExceeded, InvalidArgument, Overloaded
+from kvstore.client.errors import DeadlineExceeded, InvalidArgument, KvError, Overloaded
 from kvstore.client.requests import BytesLike, Op
 from kvstore.client.results import BatchResult, ShardWrite
 from kvstore.core.sharding import shard_of
@@ -44,6 +46,7 @@ if TYPE_CHECKING:
     from kvstore.client.aio import AsyncClient
 
 _Future = asyncio.Future[ShardWrite]
+log = logging.getLogger("kvstore.client")
 
 
 class AsyncBatchingWriter:
@@ -78,6 +81,7 @@ class AsyncBatchingWriter:
         self._room = asyncio.Event()  # writers waiting for room: an answer freed some
         self._sender: asyncio.Task[None] | None = None  # started by the first write (needs a running loop)
         self._sends: set[asyncio.Task[None]] = set()  # held until done: a task nobody references may be collected
+        self._started: set[int] = set()  # the calls (`id` of their `taken`) whose `_send` began
 
     @property
     def batches(self) -> int:
@@ -126,6 +130,8 @@ class AsyncBatchingWriter:
         done, _ = await asyncio.wait([self._sender], timeout=timeout_s)
         if not done:
             raise DeadlineExceeded(f"close: writes still outstanding after {timeout_s} s")
+        if not self._sender.cancelled() and self._sender.exception() is not None:
+            raise KvError(f"the AsyncBatchingWriter's sender failed: {self._sender.exception()!r}")
 
     async def __aenter__(self) -> Self:
         return self
@@ -164,7 +170,23 @@ class AsyncBatchingWriter:
             self._changed.set()
         if self._sender is None:
             self._sender = asyncio.get_running_loop().create_task(self._run(), name="kvstore-batching-writer")
+            self._sender.add_done_callback(self._sender_ended)
         return future
+
+    def _sender_ended(self, task: asyncio.Task[None]) -> None:
+        """The sender ended. Normally after close, with nothing left; if it was cancelled or
+        failed (a loop shutting down), no write buffered now will ever be sent: each fails
+        definitely, and the writer takes no more."""
+        why = "cancelled" if task.cancelled() else repr(task.exception()) if task.exception() else ""
+        dropped = self._buffer.drop_buffered()
+        self._room.set()
+        for future in dropped:
+            if not future.done():
+                future.set_exception(KvError(f"the AsyncBatchingWriter's sender stopped ({why or 'closed'}): this "
+                                             "write was never sent"))
+        if why:
+            log.warning("the AsyncBatchingWriter's sender stopped (%s): %d buffered writes failed, never sent", why,
+                        len(dropped))
 
     async def _run(self) -> None:
         while not self._buffer.finished:
@@ -173,13 +195,29 @@ class AsyncBatchingWriter:
             if taken:
                 task = asyncio.get_running_loop().create_task(self._send(taken))
                 self._sends.add(task)
-                task.add_done_callback(self._sends.discard)
+                task.add_done_callback(functools.partial(self._send_ended, taken=taken))
                 continue
             self._changed.clear()
             with contextlib.suppress(TimeoutError):  # a linger ended
                 await asyncio.wait_for(self._changed.wait(), self._buffer.sleep_s(now))
 
+    def _send_ended(self, task: asyncio.Task[None], *, taken: dict[int, list[Entry[_Future]]]) -> None:
+        """A send task cancelled before its first step never ran `_send` (nor its `finally`): its
+        call never started, so its writes fail definitely and its shards are released."""
+        self._sends.discard(task)
+        if id(taken) in self._started:
+            self._started.discard(id(taken))
+            return
+        self._buffer.done(taken)
+        self._changed.set()
+        self._room.set()
+        for _, future, _ in (entry for entries in taken.values() for entry in entries):
+            if not future.done():
+                future.set_exception(KvError("the AsyncBatchingWriter's send was cancelled before it started: this "
+                                             "write was never sent"))
+
     async def _send(self, taken: dict[int, list[Entry[_Future]]]) -> None:
+        self._started.add(id(taken))
         ops = [op for entries in taken.values() for op, _, _ in entries]
         answer: BatchResult | BaseException
         try:

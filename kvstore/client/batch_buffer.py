@@ -155,6 +155,17 @@ class BatchBuffer(Generic[F]):
         self.calls -= 1
         assert self.calls >= 0 and self.outstanding >= 0, (self.calls, self.outstanding)
 
+    def drop_buffered(self) -> list[F]:
+        """Close, and take every write not yet sent out of the buffer (its sender stopped: they
+        will never be sent); their futures are the caller's to fail."""
+        self.closed = True
+        dropped = [future for entries in self._buffers.values() for _, future, _ in entries]
+        self.outstanding -= len(dropped)
+        self._buffers.clear()
+        self._buffer_bytes.clear()
+        self._oldest.clear()
+        return dropped
+
     def sleep_s(self, now: float) -> float | None:
         """How long the sender may sleep before a linger ends (None: until woken)."""
         if self.calls >= self._max_in_flight:

@@ -3,16 +3,18 @@
 sleeping and the routing cache; this decides).
 
 Each round sends every pending part to its shard's leader (one call per node, the parts of one
-node together), then treats each part's error as a Put's attempt is treated (`retry_action`): a
-part leaves the rounds committed, failed for good (FAIL), or when the rounds or the deadline run
-out. An attempt whose outcome was unknown is never turned into a definite failure by a later
-one (`keep_unknown`), and a part still pending when the deadline passed after such an attempt
-ends `UnknownOutcome`, so a caller never hears "nothing was done" of a part that may have
-committed (W7).
+node together). Each part keeps the `AttemptLog` a Put keeps, so its attempts add up exactly as
+a Put's do: it leaves the rounds committed, failed for good (FAIL), or when the rounds or the
+deadline run out; an attempt whose outcome was unknown is never turned into a definite failure
+by a later one, a part still pending when the deadline passed after such an attempt ends
+`UnknownOutcome`, and a part ends `Unreachable` only when none of its attempts reached a node
+(W7). A call the transport lost without a gRPC status (`CallLost`: a channel closed under it)
+is an unknown outcome for its parts when it may have been sent.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import TypeAlias
@@ -22,7 +24,6 @@ from google.protobuf.message import Message
 
 from kvstore.client.errors import (
     BatchIncomplete,
-    DeadlineExceeded,
     KvError,
     NotLeader,
     RequestExpired,
@@ -32,10 +33,20 @@ from kvstore.client.errors import (
     status_code,
 )
 from kvstore.client.results import BatchResult, ShardMap, ShardWrite
-from kvstore.client.retry import RetryAction, keep_unknown, retry_action
+from kvstore.client.retry import AttemptLog, RetryAction, capped_attempt_error
 from kvstore.v1 import kv_pb2
 
-Answer: TypeAlias = Message | grpc.RpcError  # one node's answer to its call of a round, or its call's error
+
+@dataclasses.dataclass(frozen=True)
+class CallLost:
+    """A call of a round that ended without an answer or a gRPC status (the channel closed under
+    it, the runtime refused it): `sent` when it may have reached the node."""
+
+    reason: str
+    sent: bool
+
+
+Answer: TypeAlias = Message | grpc.RpcError | CallLost  # one node's answer to its call of a round, or its failure
 
 
 @dataclasses.dataclass
@@ -46,6 +57,7 @@ class RoundOutcome:
     invalidate_map: bool = False
     rotate: list[str] = dataclasses.field(default_factory=list)
     backoff: bool = False
+    retry_info: KvError | None = None  # the error whose server-asked delay (RetryInfo) is the longest
 
 
 class BatchRounds:
@@ -62,8 +74,7 @@ class BatchRounds:
         self.attempt = 0
         self._max_attempts = max_attempts
         self._attempt_timeout_s = attempt_timeout_s
-        self._last: dict[int, KvError] = {}
-        self._unknown: dict[int, UnknownOutcome] = {}
+        self._logs = {shard: AttemptLog(write=True, request_id=part.request_id) for shard, part in parts.items()}
         self._hints: dict[int, str] = {}  # shard -> the node its next attempt goes to
 
     def more(self, remaining_s: float) -> bool:
@@ -77,6 +88,7 @@ class BatchRounds:
         self.attempt += 1
         groups: dict[str, list[int]] = {}
         for shard in sorted(self.pending):
+            self._logs[shard].started()
             target = self._hints.pop(shard, None) or (smap.leader_of(shard) if smap else None) or any_endpoint()
             groups.setdefault(target, []).append(shard)
         return list(groups.items())
@@ -94,15 +106,12 @@ class BatchRounds:
         outcome = RoundOutcome()
         for (target, shards), answer in zip(groups, answers, strict=True):
             for shard, error in self._part_errors(target, shards, answer, capped).items():
-                if isinstance(error, UnknownOutcome):
-                    self._unknown[shard] = error
-                action = retry_action(error)
+                log = self._logs[shard]
+                action = log.failed(error)
                 if action is RetryAction.FAIL:
-                    error.attempts = self.attempt
-                    self.failed[shard] = keep_unknown(error, self._unknown.get(shard), write=True)
+                    self.failed[shard] = log.raised(error)
                     del self.pending[shard]
                     continue
-                self._last[shard] = error
                 if action is RetryAction.REDIRECT:
                     assert isinstance(error, NotLeader)
                     outcome.invalidate_map = True
@@ -116,30 +125,26 @@ class BatchRounds:
                 else:  # BACKOFF: the same node again
                     self._hints[shard] = target
                 outcome.backoff = True
+                if error.retry_delay_s is not None and (outcome.retry_info is None or error.retry_delay_s
+                                                        > (outcome.retry_info.retry_delay_s or 0)):
+                    outcome.retry_info = error
         outcome.backoff = outcome.backoff and bool(self.pending) and self.attempt < self._max_attempts
         return outcome
 
     def closed(self, error: KvError) -> None:
         """The client was closed under the round: nothing was sent this time; every pending part
         ends with `error` (or the unknown outcome an earlier round left it)."""
-        for shard in self.pending:
-            self.failed[shard] = keep_unknown(error, self._unknown.get(shard), write=True)
+        for shard, part in self.pending.items():
+            own = copy.copy(error)
+            own.request_id = part.request_id
+            self.failed[shard] = self._logs[shard].raised(own)
         self.pending.clear()
 
     def finish(self, *, deadline_passed: bool) -> tuple[dict[int, ShardWrite], dict[int, KvError]]:
         """The parts committed and why each other did not: out of rounds or of time, a pending
-        part ends with its last error (unknown when it had an unknown attempt and the deadline
-        passed)."""
-        for shard, part in self.pending.items():
-            error = self._last.get(shard) or DeadlineExceeded("deadline exceeded before any attempt",
-                                                              request_id=part.request_id)
-            error.attempts = max(self.attempt, 1)
-            earlier = self._unknown.get(shard)
-            if earlier is not None and deadline_passed:
-                error = UnknownOutcome(f"deadline exceeded, outcome unknown: {earlier.message}", code=earlier.code,
-                                       metadata=earlier.metadata, target=earlier.target,
-                                       request_id=part.request_id, attempts=self.attempt)
-            self.failed[shard] = keep_unknown(error, earlier, write=True)
+        part ends as a Put that gave up would (`AttemptLog.gave_up`)."""
+        for shard in self.pending:
+            self.failed[shard] = self._logs[shard].gave_up(deadline_passed=deadline_passed)
         self.pending.clear()
         return self.committed, self.failed
 
@@ -147,14 +152,18 @@ class BatchRounds:
         """One node's answer for its parts: committed parts move from `pending` to `committed`;
         the others' errors are returned. A failed call fails each of its parts alike."""
         errors: dict[int, KvError] = {}
+        if isinstance(answer, CallLost):
+            for shard in shards:
+                rid = self.pending[shard].request_id
+                errors[shard] = (
+                    UnknownOutcome(f"{target}: {answer.reason}; the call may have reached it", target=target,
+                                   request_id=rid) if answer.sent else
+                    KvError(f"{target}: {answer.reason}; nothing was sent", target=target, request_id=rid))
+            return errors
         if isinstance(answer, grpc.RpcError):
             for shard in shards:
                 error = error_from_rpc(answer, target=target, request_id=self.pending[shard].request_id, write=True)
-                if capped and error.code == grpc.StatusCode.DEADLINE_EXCEEDED:
-                    error = UnknownOutcome(f"{target} did not answer within {self._attempt_timeout_s}s",
-                                           code=grpc.StatusCode.DEADLINE_EXCEEDED, target=target,
-                                           request_id=self.pending[shard].request_id)
-                errors[shard] = error
+                errors[shard] = capped_attempt_error(error, capped=capped, attempt_timeout_s=self._attempt_timeout_s)
             return errors
         if not isinstance(answer, kv_pb2.WriteBatchResponse):
             raise KvError(f"unexpected response from {target}: {type(answer).__name__}", target=target)

@@ -19,7 +19,8 @@ built this way:
   as a Put's: definite, `UnknownOutcome` (it may have committed; the part's request id is on
   the error) or `RequestExpired`. The writer's batches carry generated request ids and retry
   within `call_timeout_s`; it never resends a batch after its call gave up, so an unknown
-  outcome is the caller's to resolve (read the key).
+  outcome is the caller's to resolve (read the key). Cancelling a future only stops waiting for
+  it: the write is still sent.
 """
 
 from __future__ import annotations
@@ -193,6 +194,8 @@ class BatchingWriter:
                 self._buffer.done(taken)
                 self._cond.notify_all()
         for future, outcome in outcomes(taken, answer):  # outside the lock: callbacks run here
+            if not future.set_running_or_notify_cancel():
+                continue  # the caller cancelled it: it stopped waiting, the write went anyway
             if isinstance(outcome, BaseException):
                 future.set_exception(outcome)
             else:

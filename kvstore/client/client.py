@@ -14,7 +14,7 @@ import grpc
 from google.protobuf.message import Message
 
 from kvstore.client import admin
-from kvstore.client.batch_rounds import BatchRounds, batch_result
+from kvstore.client.batch_rounds import Answer, BatchRounds, CallLost, batch_result
 from kvstore.client.errors import (
     DeadlineExceeded,
     InvalidArgument,
@@ -569,24 +569,38 @@ class Client:
         """One attempt: one RPC to one node. Raises `grpc.RpcError`. (The seam unit tests replace.)"""
         return invoke(self._conn(target), method, request, timeout)
 
-    def _invoke_many(self, calls: Sequence[tuple[str, Message]], method: str,
-                     timeout: float) -> list[Message | grpc.RpcError]:
+    def _invoke_many(self, calls: Sequence[tuple[str, Message]], method: str, timeout: float) -> list[Answer]:
         """One attempt on each of several nodes at once: their answers or errors, in order.
-        Raises `KvError` only when the client was closed (nothing sent). (A seam for tests.)"""
+        Raises `KvError` only when the client was closed before anything was sent; a call lost
+        otherwise (its channel closed under the round) is a `CallLost`. (A seam for tests.)"""
         if len(calls) == 1:
             target, request = calls[0]
             try:
                 return [self._invoke(target, method, request, timeout)]
             except grpc.RpcError as exc:
                 return [exc]
-        futures = [getattr(self._conn(target).kv, method).future(request, timeout=timeout, metadata=ROUTED)
-                   for target, request in calls]
-        out: list[Message | grpc.RpcError] = []
-        for future in futures:
+            except KvError:
+                raise  # the client was closed: nothing sent
+            except Exception as exc:  # not a status: the runtime lost the call (say, its channel closed)
+                return [CallLost(f"the call failed: {exc!r}", sent=True)]
+        conns = [self._conn(target) for target, _ in calls]  # closed: raises before anything is sent
+        started: list[grpc.Future | CallLost] = []
+        for conn, (_, request) in zip(conns, calls, strict=True):
             try:
-                out.append(future.result())
+                started.append(getattr(conn.kv, method).future(request, timeout=timeout, metadata=ROUTED))
+            except Exception as exc:  # the channel closed under the round: this call never started
+                started.append(CallLost(f"not started: {exc!r}", sent=False))
+        out: list[Answer] = []
+        for call in started:
+            if isinstance(call, CallLost):
+                out.append(call)
+                continue
+            try:
+                out.append(call.result())
             except grpc.RpcError as exc:
                 out.append(exc)
+            except Exception as exc:  # not a status: the runtime lost the call after starting it
+                out.append(CallLost(f"the call failed: {exc!r}", sent=True))
         return out
 
     def _batch_attempts(self, parts: Mapping[int, kv_pb2.ShardMutations],
@@ -612,7 +626,7 @@ class Client:
             for failed in outcome.rotate:
                 self._rotate(failed)
             if outcome.backoff:
-                self._sleep_backoff(rounds.attempt, deadline)
+                self._sleep_backoff(rounds.attempt, deadline, outcome.retry_info)
         return rounds.finish(deadline_passed=deadline - time.monotonic() <= 0)
 
     def _sleep_backoff(self, attempt: int, deadline: float, error: KvError | None = None) -> None:

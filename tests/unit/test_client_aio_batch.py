@@ -322,7 +322,7 @@ def test_a_full_writer_makes_writers_wait_then_refuses_with_overloaded() -> None
     async def scenario() -> None:
         fake = FakeAsyncClient()
         fake.gate.clear()
-        w = writer(fake, linger_ms=1, max_batch_mutations=2, max_buffered_mutations=2, put_timeout_s=0.2)
+        w = writer(fake, linger_ms=1, max_batch_mutations=2, max_buffered_mutations=2, put_timeout_s=1.0)
         first = [await w.put(keys(0)[0], b"1"), await w.put(keys(0)[0], b"2")]
         with pytest.raises(Overloaded, match="max_buffered_mutations"):
             await w.put(keys(1)[0], b"3")
@@ -385,4 +385,88 @@ def test_writer_settings_and_writes_that_cannot_fit_are_refused_at_once() -> Non
                 await w.put(keys(0)[0], b"x" * 200)
             with pytest.raises(InvalidArgument, match="keys are"):
                 await w.delete(b"")
+    asyncio.run(scenario())
+
+
+# ---- what the review found: lost calls, a part's attempts, cancelled futures, a stopped sender ------
+
+
+class LostOnce:
+    """A node's stub whose first WriteBatch call fails without a gRPC status (`exc`), then
+    commits every part."""
+
+    def __init__(self, exc: BaseException) -> None:
+        self.exc: BaseException | None = exc
+        self.calls = 0
+
+    async def WriteBatch(self, request: Any, timeout: float, metadata: Any) -> Message:
+        self.calls += 1
+        if self.exc is not None:
+            exc, self.exc = self.exc, None
+            raise exc
+        from kvstore.v1 import kv_pb2
+        return kv_pb2.WriteBatchResponse(results=[ok(3)(part) for part in request.shards])
+
+
+@pytest.mark.parametrize("exc", [RuntimeError("Channel is closed"), asyncio.CancelledError()],
+                         ids=["runtime error", "cancelled by its channel"])
+def test_a_call_lost_without_a_status_is_unknown_and_retried_never_an_escaping_exception(exc: BaseException) -> None:
+    async def scenario() -> None:
+        async with AsyncClient(["n1:1"], max_attempts=3) as client:
+            async_nodes(client)  # the shard map and the sleeps; the calls below go through the real _invoke_many
+            del client._invoke_many  # type: ignore[attr-defined]
+            lost, fine = LostOnce(exc), LostOnce(RuntimeError("unused"))
+            fine.exc = None
+            client._channels.get = lambda target: SimpleNamespace(kv=lost if target == "n1:1" else fine)  # type: ignore[method-assign]
+            result = await client.write_batch(every_shard_ops(), request_id="b")
+            assert sorted(p.shard for p in result.shards) == [0, 1, 2, 3]
+            assert lost.calls == 2 and fine.calls == 2, "the lost call retried; the others committed in round 1"
+    asyncio.run(scenario())
+
+
+def test_a_definite_refusal_then_no_connection_is_unavailable_as_for_a_put() -> None:
+    """A part's attempts add up as a Put's (`AttemptLog`): a node refused the first definitely,
+    the second never connected, so the part was reached and is not `Unreachable`."""
+    from kvstore.client import Unreachable
+    from kvstore.v1 import kv_pb2
+
+    async def scenario() -> KvError:
+        async with AsyncClient(["n1:1"], max_attempts=2) as client:
+            async_nodes(client)
+            rounds = 0
+
+            async def refused_then_unconnected(calls: Sequence[tuple[str, Message]], method: str,
+                                               timeout: float) -> list[Message | grpc.RpcError]:
+                nonlocal rounds
+                rounds += 1
+                if rounds == 1:
+                    _, request = calls[0]
+                    assert isinstance(request, kv_pb2.WriteBatchRequest)
+                    return [kv_pb2.WriteBatchResponse(results=[NO_HINT(p) for p in request.shards])]
+                return [FakeRpcError(SC.UNAVAILABLE, "failed to connect to all addresses")]
+
+            client._invoke_many = refused_then_unconnected  # type: ignore[method-assign]
+            with pytest.raises(BatchIncomplete) as info:
+                await client.write_batch([Op.put(keys(0)[0], b"v")], request_id="b")
+            assert rounds == 2
+            return info.value.errors[0]
+
+    error = asyncio.run(scenario())
+    assert not isinstance(error, Unreachable | UnknownOutcome) and error.request_id == "b/0", error
+    assert error.attempts == 2
+
+
+def test_a_writer_whose_sender_stops_fails_its_buffered_writes_and_takes_no_more() -> None:
+    async def scenario() -> None:
+        fake = FakeAsyncClient()
+        w = writer(fake, linger_ms=60_000)
+        buffered = await w.put(keys(0)[0], b"v")
+        assert w._sender is not None
+        w._sender.cancel()
+        with pytest.raises(KvError, match="never sent"):
+            await buffered
+        assert fake.batches == []
+        with pytest.raises(InvalidArgument, match="closed"):
+            await w.put(keys(0)[0], b"v")
+        await w.close()
     asyncio.run(scenario())

@@ -385,3 +385,58 @@ def test_a_write_that_cannot_fit_is_refused_at_once() -> None:
 
 def test_errors_are_kv_errors() -> None:
     assert issubclass(BatchIncomplete, KvError) and not issubclass(NotLeader, BatchIncomplete)
+
+
+def test_a_cancelled_future_does_not_keep_the_others_of_its_call_from_their_outcome() -> None:
+    fake = FakeClient()
+    fake.gate.clear()
+    with writer(fake, linger_ms=1) as w:
+        cancelled, other = w.put(keys(0)[0], b"1"), w.put(keys(0)[0], b"2")
+        assert cancelled.cancel()  # the caller stops waiting; the write still goes
+        fake.gate.set()
+        assert other.result(timeout=5).shard == 0
+        w.flush(timeout_s=5)
+    assert [len(b) for b in fake.batches] == [2]
+
+
+def test_a_call_the_runtime_loses_is_unknown_and_one_never_started_is_not() -> None:
+    """The real `_invoke_many` over fake channels: a call whose `.future()` raises never started
+    (the channel closed under the round: definite), one whose result raises something other than
+    a status may have reached its node (unknown); the round's other calls keep what they committed."""
+    client = Client(["n1:1"], max_attempts=1)
+    nodes = Nodes(client)
+    del client._invoke_many  # type: ignore[attr-defined]
+
+    class Future:
+        def __init__(self, request: kv_pb2.WriteBatchRequest, fail: BaseException | None) -> None:
+            self.request, self.fail = request, fail
+
+        def result(self) -> Message:
+            if self.fail is not None:
+                raise self.fail
+            return kv_pb2.WriteBatchResponse(results=[ok()(p) for p in self.request.shards])
+
+    class Stub:
+        def __init__(self, target: str) -> None:
+            self.target = target
+
+        @property
+        def WriteBatch(self) -> Any:
+            stub = self
+
+            class Method:
+                @staticmethod
+                def future(request: kv_pb2.WriteBatchRequest, timeout: float, metadata: Any) -> Future:
+                    if stub.target == "n2:1":
+                        raise ValueError("Cannot invoke RPC on closed channel!")
+                    return Future(request, RuntimeError("lost") if stub.target == "n3:1" else None)
+            return Method
+
+    client._conn = lambda target: type("Conn", (), {"kv": Stub(target)})()  # type: ignore[method-assign]
+    with pytest.raises(BatchIncomplete) as caught:
+        client.write_batch(every_shard_ops(), request_id="b")
+    error = caught.value
+    assert sorted(error.committed) == [0, 2], "n1's parts committed in the same round"
+    assert not isinstance(error.errors[1], UnknownOutcome) and "nothing was sent" in error.errors[1].message
+    assert isinstance(error.errors[3], UnknownOutcome) and error.errors[3].request_id == "b/3"
+    assert nodes.sent == []
