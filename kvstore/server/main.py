@@ -21,6 +21,7 @@ import contextlib
 import gc
 import json
 import logging
+import os
 import signal
 import sys
 import time
@@ -151,12 +152,28 @@ async def serve(config: NodeConfig, ready: Callable[[str], None] | None = None) 
     # Stop taking new RPCs (in-flight ones, waiting on commits, get the grace period) and at the
     # same time hand the shards over: the other nodes take them while this one drains.
     stopping = asyncio.create_task(server.stop(grace=10))
-    await node.stop()
+    try:
+        await asyncio.wait_for(node.stop(), STOP_TIMEOUT_S)
+    except TimeoutError:
+        # A step hangs (a broker not answering a group leave, a thread stuck in a call): say which,
+        # and exit as a crash would. Nothing acknowledged depends on it (acknowledgement follows
+        # commit) and a restart recovers from the WAL; waiting on would only hold the port.
+        log.error("shutdown overran %.0f s in its step %r: exiting without finishing it", STOP_TIMEOUT_S,
+                  node.stopping_step, extra={"event": "stop_overran", "step": node.stopping_step})
+        logging.shutdown()
+        os._exit(EXIT_STOP_OVERRAN)
     await stopping
     await health_task
     await peers.close()
     if fatal:
         raise PlacementSettingsError(fatal[0])
+
+
+# A graceful stop's bound, above the sum of its documented waits (a shard handover waiting for its
+# batch in flight, RESIGN_TIMEOUT_S = 15 s; an append in flight, up to 2 x the call timeout = 20 s;
+# docs/operations.md): past it the process exits as a crash would, naming the step it hung in.
+STOP_TIMEOUT_S = 45.0
+EXIT_STOP_OVERRAN = 3
 
 
 # The young generation's threshold: CPython collects it every 700 net allocations by default; a node

@@ -21,7 +21,7 @@ import functools
 import logging
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import grpc
@@ -59,6 +59,7 @@ _CLOCK = process_clock()
 ENDS_REFRESH_S = 1.0
 ENDS_FRESH_S = 2.5  # a copy's lag counts for "caught up" only against an end read this recently
 RESIGN_TIMEOUT_S = 15.0  # a batch in flight gets this long to finish when a shard is handed over
+SLOW_STOP_STEP_MS = 1000  # a shutdown step this slow is logged at INFO (with its time), faster ones at DEBUG
 SHARD_DIR_PREFIX = "shard-"
 _REPLICA_STATES = {CopyState.LEARNER: cluster_pb2.REPLICA_STATE_LEARNER,
                    CopyState.REPLICA: cluster_pb2.REPLICA_STATE_REPLICA,
@@ -105,6 +106,7 @@ class Node:
         self.controller: ControllerShell | None = None
         self._found_at_start: set[int] = set()  # copies on disk when the node started
         self._following: asyncio.Task[None] | None = None
+        self.stopping_step = ""  # the step `stop` is in ("" when not stopping)
         self._misconfigured = False  # its settings disagree with the log's, recorded after it started
         # Called once when the node must stop by itself (the process stops it: main.py).
         self.on_fatal: Callable[[str], None] = lambda why: None
@@ -165,20 +167,43 @@ class Node:
         """Let the cross-shard transactions under way finish (each is bounded), then hand
         leadership over (batches in flight finish, the groups reassign at once), then leave the
         membership group and stop the replicas."""
-        await self.txns.stop()
-        if self._following is not None:
-            self._tasks.append(self._following)
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        await asyncio.gather(*(leadership.leave() for leadership in self.leaderships.values()))
-        self.leaderships.clear()
-        if self.controller is not None:
-            await self.controller.close()
-        if self._membership is not None:
-            await asyncio.to_thread(self._membership.leave)
-        await asyncio.gather(*(replica.stop() for replica in self.replicas.values()))
-        await asyncio.to_thread(self.log.close)
+        async def cancel_tasks() -> None:
+            if self._following is not None:
+                self._tasks.append(self._following)
+            for task in self._tasks:
+                task.cancel()
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+
+        async def leave_leaderships() -> None:
+            await asyncio.gather(*(leadership.leave() for leadership in self.leaderships.values()))
+            self.leaderships.clear()
+
+        async def close_controller() -> None:
+            if self.controller is not None:
+                await self.controller.close()
+
+        async def leave_membership() -> None:
+            if self._membership is not None:
+                await asyncio.to_thread(self._membership.leave)
+
+        async def stop_replicas() -> None:
+            await asyncio.gather(*(replica.stop() for replica in self.replicas.values()))
+
+        steps: list[tuple[str, Callable[[], Awaitable[None]]]] = [
+            ("cross-shard transactions", self.txns.stop), ("tasks", cancel_tasks),
+            ("leaderships", leave_leaderships), ("placement controller", close_controller),
+            ("membership group", leave_membership), ("replicas", stop_replicas),
+            ("placement log", lambda: asyncio.to_thread(self.log.close))]
+        for name, step in steps:
+            # Each step timed and named while it runs: a shutdown that overruns its bound (`kvstore
+            # serve`) says which step it was in.
+            self.stopping_step = name
+            started = time.monotonic()
+            await step()
+            took_ms = int((time.monotonic() - started) * 1000)
+            log.log(logging.INFO if took_ms >= SLOW_STOP_STEP_MS else logging.DEBUG, "stopped: %s in %d ms", name,
+                    took_ms, extra={"event": "stop_step", "step": name, "took_ms": took_ms})
+        self.stopping_step = ""
 
     def _stale_set(self) -> None:
         self._stale.set()

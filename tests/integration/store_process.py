@@ -103,7 +103,7 @@ class StoreProcess:
         assert self.proc is not None
         return self.proc.pid
 
-    def stop(self, sig: signal.Signals = signal.SIGTERM, timeout_s: float = 30.0) -> int:
+    def stop(self, sig: signal.Signals = signal.SIGTERM, timeout_s: float = 60.0) -> int:
         if self.channel is not None:
             self.channel.close()
             self.channel = None
@@ -111,7 +111,17 @@ class StoreProcess:
             return self.proc.returncode if self.proc else 0
         self.proc.send_signal(sig)
         try:
-            return self.proc.wait(timeout_s)
+            code = self.proc.wait(timeout_s)
         except subprocess.TimeoutExpired:
             self.proc.kill()
-            return self.proc.wait(10)
+            code = self.proc.wait(10)
+            print(f"{self.node_id} did not stop within {timeout_s} s of {sig.name}: killed")
+        if sig in (signal.SIGTERM, signal.SIGINT) and code != 0:  # a graceful stop failed: show why (pytest prints it)
+            self.print_log_tail()
+        return code
+
+    def print_log_tail(self, lines: int = 80) -> None:
+        path = self.log_path or self.data_dir.parent / f"{self.cluster}-{self.node_id}.log"
+        if path.exists():
+            print(f"--- {path} (last {lines} lines)")
+            print("\n".join(path.read_text(errors="replace").splitlines()[-lines:]))
