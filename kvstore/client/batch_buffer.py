@@ -82,6 +82,17 @@ class BatchBuffer(Generic[F]):
         self.batches = 0  # calls made
         self.mutations = 0  # mutations sent
 
+    @classmethod
+    def for_writer(cls, *, max_batch_mutations: int, max_batch_bytes: int, linger_ms: float,
+                   max_buffered_mutations: int, max_in_flight: int, call_timeout_s: float,
+                   put_timeout_s: float) -> BatchBuffer[F]:
+        """A writer's buffer from its public options, refused (naming the bound) if they could not work."""
+        check_writer_options(max_batch_mutations=max_batch_mutations, max_batch_bytes=max_batch_bytes,
+                             linger_ms=linger_ms, max_buffered_mutations=max_buffered_mutations,
+                             max_in_flight=max_in_flight, call_timeout_s=call_timeout_s, put_timeout_s=put_timeout_s)
+        return cls(max_mutations=max_batch_mutations, max_bytes=max_batch_bytes, linger_s=linger_ms / 1000.0,
+                   max_buffered=max_buffered_mutations, max_in_flight=max_in_flight)
+
     @property
     def full(self) -> bool:
         """No room for another write until answers come back (`max_buffered_mutations`)."""

@@ -39,7 +39,6 @@ from kvstore.client.batch_buffer import (
     DEFAULT_MAX_IN_FLIGHT,
     BatchBuffer,
     Entry,
-    check_writer_options,
     outcomes,
     write_size,
 )
@@ -75,17 +74,15 @@ class BatchingWriter:
         call_timeout_s: float = 30.0,
         put_timeout_s: float = 30.0,
     ) -> None:
-        check_writer_options(max_batch_mutations=max_batch_mutations, max_batch_bytes=max_batch_bytes,
-                             linger_ms=linger_ms, max_buffered_mutations=max_buffered_mutations,
-                             max_in_flight=max_in_flight, call_timeout_s=call_timeout_s, put_timeout_s=put_timeout_s)
         self._client = client
         self._max_bytes = max_batch_bytes
         self._call_timeout_s = call_timeout_s
         self._put_timeout_s = put_timeout_s
         self._cond = threading.Condition()
-        self._buffer: BatchBuffer[_Future] = BatchBuffer(
-            max_mutations=max_batch_mutations, max_bytes=max_batch_bytes, linger_s=linger_ms / 1000.0,
-            max_buffered=max_buffered_mutations, max_in_flight=max_in_flight)
+        self._buffer: BatchBuffer[_Future] = BatchBuffer.for_writer(
+            max_batch_mutations=max_batch_mutations, max_batch_bytes=max_batch_bytes, linger_ms=linger_ms,
+            max_buffered_mutations=max_buffered_mutations, max_in_flight=max_in_flight, call_timeout_s=call_timeout_s,
+            put_timeout_s=put_timeout_s)
         self._shard_count: int | None = None
         self._pool = concurrent.futures.ThreadPoolExecutor(max_in_flight, thread_name_prefix="kvstore-batch")
         self._thread = threading.Thread(target=self._run, name="kvstore-batching-writer", daemon=True)

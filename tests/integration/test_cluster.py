@@ -240,24 +240,31 @@ def test_fence_command_settles_leadership_again(cluster: Cluster) -> None:
 
 
 def test_failed_apply_after_commit_hands_the_node_shards_over(kafka: LocalKafka, tmp_path: Path) -> None:
-    """Node n1's LevelDB fails once right after a WAL commit (failpoint): its clients still get
-    their committed answers, n1 leaves the leadership group so the other nodes lead its shards,
-    rebuilds the replica from the WAL, and joins again; nothing is lost, applied twice or
-    reported failed though applied, and the replicas converge."""
+    """A node's LevelDB fails once right after a WAL commit (failpoint, armed on every node: which
+    nodes lead what is the groups' choice, so only a leader's fires): its clients still get their
+    committed answers, the node leaves the leadership group so the others lead its shards,
+    rebuilds the replica from the WAL, and joins again; nothing is lost, applied twice or reported
+    failed though applied, and the replicas converge."""
     cluster = Cluster(kafka.bootstrap_servers, tmp_path / "nodes")
-    cluster.nodes[0].env = {"KVSTORE_FAILPOINTS": "apply-after-commit=1"}
+    for node in cluster.nodes:
+        node.env = {"KVSTORE_FAILPOINTS": "apply-after-commit=1"}
     cluster.start()
     try:
         workload = demo.Workload(cluster.endpoints, SHARDS).start()
-        n1 = cluster.nodes[0]
-        wait_until(lambda: n1.metric("kvstore_group_rejoins_total") >= 1, 60,
-                   what="n1 to give its shards up, rebuild and rejoin the leadership group")
+
+        def failed() -> list[StoreProcess]:
+            return [n for n in cluster.nodes if n.metric("kvstore_apply_failures_total") >= 1]
+
+        wait_until(lambda: failed() and all(n.metric("kvstore_group_rejoins_total") >= 1 for n in failed()), 60,
+                   what="a leader's failed apply, then each failed node giving its shards up, rebuilding and "
+                        "rejoining the leadership group")
         acks_grow(workload)
         verdict = run_and_verify(cluster, workload)
         assert verdict.failed == 0 or verdict.failed == verdict.unknown_outcomes
-        assert n1.metric("kvstore_apply_failures_total") == 1, "re-led and failed again: a loop"
-        assert n1.metric("kvstore_group_leaves_total") == 1
-        assert n1.metric("kvstore_rebuilds_total") >= 1
+        for node in failed():
+            assert node.metric("kvstore_apply_failures_total") == 1, f"{node.node_id} re-led and failed again: a loop"
+            assert node.metric("kvstore_group_leaves_total") == 1
+            assert node.metric("kvstore_rebuilds_total") >= 1
     finally:
         cluster.stop()
 
