@@ -91,13 +91,7 @@ def _first_handed_out(nodeid: str) -> int:
     return 0 if unit == HEAVY else 1 if unit == "spark" else 2 if unit != nodeid else 3
 
 
-UNTRACED_DIRS = ("tests/sim/",)  # pure CPU that tracing would slow 2.5x and that no coverage floor counts on
-
-
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    for item in items:  # the simulation runs untraced among the others (pytest-cov's no_cover pauses the tracer)
-        if item.nodeid.startswith(UNTRACED_DIRS):
-            item.add_marker(pytest.mark.no_cover)
     if getattr(config.option, "loadgroup", False):  # a worker under `--dist loadgroup`: its collection is the order
         items.sort(key=lambda item: _first_handed_out(item.nodeid))  # stable: file order within each
 
