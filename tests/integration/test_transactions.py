@@ -199,8 +199,9 @@ def test_bank_under_leader_sigkill_and_sigstop(cluster: Cluster) -> None:
         # Enough transfers for the check to mean something, however slow a loaded machine is.
         try:
             wait_until(lambda: sum(bank.acked.values()) // 2 > 20, 90, interval_s=0.5, what="21 acknowledged transfers")
+            wait_until(lambda: len(bank.sums) >= 3, 90, interval_s=0.5, what="3 consistent sums read")
         except AssertionError as slow:
-            raise AssertionError(f"{slow}; transfers so far: {dict(bank.outcomes)}") from slow
+            raise AssertionError(f"{slow}; transfers so far: {dict(bank.outcomes)}, sums {bank.sums}") from slow
     finally:
         bank.finish()
     _settle_and_check(cluster, bank)
