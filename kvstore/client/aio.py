@@ -128,7 +128,7 @@ class AioChannels:
         self._credentials = credentials
         self._conns: collections.OrderedDict[str, Conn] = collections.OrderedDict()
         self._closed = False
-        self._closing: set[asyncio.Task[None]] = set()
+        self._closing: dict[asyncio.Task[None], grpc.aio.Channel] = {}  # evicted channels in their grace
 
     def get(self, target: str) -> Conn:
         if self._closed:
@@ -147,8 +147,8 @@ class AioChannels:
             evicted = self._conns.popitem(last=False)[1]
             # With a grace: calls in flight on it (a batch round's, this one's) finish, each within its deadline.
             task = asyncio.get_running_loop().create_task(evicted.channel.close(grace=self._grace_s))
-            self._closing.add(task)  # held until done: a task nobody references may be collected
-            task.add_done_callback(self._closing.discard)
+            self._closing[task] = evicted.channel  # held until done: a task nobody references may be collected
+            task.add_done_callback(lambda done: self._closing.pop(done, None))
         return conn
 
     async def close(self) -> None:
@@ -156,7 +156,9 @@ class AioChannels:
         self._closed = True
         conns = list(self._conns.values())
         self._conns.clear()
-        await asyncio.gather(*(conn.channel.close() for conn in conns), *self._closing)
+        evicted = list(self._closing.values())  # in their grace: closed now, not after it
+        await asyncio.gather(*(conn.channel.close() for conn in conns), *(channel.close() for channel in evicted))
+        await asyncio.gather(*self._closing)
 
 
 class AsyncClient:

@@ -131,7 +131,8 @@ class Client:
         self._attempt_timeout_s = attempt_timeout_s
         self._router = Router(seeds)
         self._security = security if security is not None else ClientSecurity.from_env()
-        self._channels = Channels(max_channels, self._security.credentials())
+        self._channels = Channels(max_channels, self._security.credentials(),
+                                  evicted_grace_s=min(max(timeout_s, attempt_timeout_s), 60.0))
         # Seams for tests: no real sleeping, deterministic jitter.
         self._sleep: Callable[[float], None] = time.sleep
         self._rng = random.Random()

@@ -61,15 +61,19 @@ class Conn:
 
 class Channels:
     """One channel per node address, opened on first use; at most `max_channels`, the least
-    recently used closed first. Thread-safe. After `close()` every use raises `KvError`.
+    recently used closed first, after `evicted_grace_s` (a call in flight on it, say a batch
+    round's, finishes within its own deadline instead of being cancelled; a watch on it is then
+    cut and resumes). Thread-safe. After `close()` every use raises `KvError`.
     `credentials`: TLS (and a token, a client certificate) for every channel; None: plaintext."""
 
     def __init__(self, max_channels: int = DEFAULT_MAX_CHANNELS,
-                 credentials: grpc.ChannelCredentials | None = None) -> None:
+                 credentials: grpc.ChannelCredentials | None = None, *, evicted_grace_s: float = 0.0) -> None:
         self._max = max_channels
         self._credentials = credentials
+        self._grace_s = evicted_grace_s
         self._lock = threading.Lock()
         self._conns: collections.OrderedDict[str, Conn] = collections.OrderedDict()
+        self._retiring: set[threading.Timer] = set()  # evicted channels' closes, pending their grace
         self._closed = False
 
     def __len__(self) -> int:
@@ -92,17 +96,38 @@ class Channels:
             self._conns[target] = conn
             evicted = self._conns.popitem(last=False)[1] if len(self._conns) > self._max else None
         if evicted is not None:
-            evicted.channel.close()
+            self._retire(evicted)
         return conn
 
+    def _retire(self, evicted: Conn) -> None:
+        if self._grace_s <= 0:
+            evicted.channel.close()
+            return
+        timer = threading.Timer(self._grace_s, lambda: self._closed_after_grace(timer, evicted))
+        timer.daemon = True
+        with self._lock:
+            self._retiring.add(timer)
+        timer.start()
+
+    def _closed_after_grace(self, timer: threading.Timer, evicted: Conn) -> None:
+        with self._lock:
+            self._retiring.discard(timer)
+        evicted.channel.close()
+
     def close(self) -> None:
-        """Close every channel; calls in flight on them (and watches) end with CANCELLED."""
+        """Close every channel (evicted ones still in their grace too); calls in flight on them
+        (and watches) end with CANCELLED."""
         with self._lock:
             self._closed = True
             conns = list(self._conns.values())
             self._conns.clear()
+            retiring = list(self._retiring)
+            self._retiring.clear()
         for conn in conns:
             conn.channel.close()
+        for timer in retiring:
+            timer.cancel()
+            timer.function()  # its close, now
 
 
 def invoke(conn: Conn, method: str, request: Message, timeout: float) -> Message:

@@ -1386,6 +1386,33 @@ def test_close_closes_channels(cluster: FakeCluster) -> None:
         c.get("k")
 
 
+def test_an_evicted_channel_closes_after_its_grace_and_at_once_on_close() -> None:
+    """A channel evicted for another stays usable for its grace (a call in flight on it, say a
+    batch round's, is not cancelled), then closes; `close()` closes it at once."""
+    from kvstore.client.transport import Channels
+
+    def usable(conn: Any) -> bool:
+        try:
+            conn.kv.Get(kv_pb2.GetRequest(key=b"k"), timeout=0.05)
+        except grpc.RpcError:
+            return True  # reached gRPC's transport (nobody listens): the channel is open
+        except ValueError:
+            return False  # "Cannot invoke RPC on closed channel!"
+        return True
+
+    channels = Channels(1, evicted_grace_s=0.3)
+    first = channels.get(_free_address())
+    channels.get(_free_address())  # evicts the first
+    assert usable(first)
+    time.sleep(0.6)
+    assert not usable(first)
+    again = Channels(1, evicted_grace_s=30)
+    evicted = again.get(_free_address())
+    again.get(_free_address())
+    again.close()
+    assert not usable(evicted)
+
+
 def _free_address() -> str:
     """A loopback address nobody listens on (connection refused, fast)."""
     import socket

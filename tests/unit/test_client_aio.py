@@ -144,3 +144,24 @@ def test_the_same_argument_checks_as_the_synchronous_client() -> None:
             with pytest.raises(InvalidArgument):
                 await client.put("k", "v", timeout_s=0)
     run(scenario())
+
+
+def test_an_evicted_channel_keeps_its_calls_for_a_grace_and_closes_at_once_on_close() -> None:
+    """A grpc.aio channel evicted for another is closed with a grace (calls in flight on it are not
+    cancelled); `close()` does not wait for that grace."""
+    import time
+
+    from kvstore.client.aio import AioChannels
+
+    async def scenario() -> None:
+        channels = AioChannels(1, None, evicted_grace_s=30)
+        first = channels.get(_free_address())
+        call = first.kv.Get(kv_pb2.GetRequest(key=b"k"), timeout=0.5, wait_for_ready=True)
+        channels.get(_free_address())  # evicts the first while its call waits for a connection
+        await asyncio.sleep(0.1)
+        assert not call.done(), "the evicted channel's call was cancelled at once"
+        started = time.monotonic()
+        await channels.close()
+        assert time.monotonic() - started < 5, "close waited for the evicted channel's grace"
+        assert call.done()
+    run(scenario())
