@@ -41,6 +41,7 @@ MAX_WAL_RECORD_BYTES = 1_000_000 - 1024
 BATCH_LINGER_MS = 2
 MAX_WATCHERS = 1_024
 WATCH_QUEUE_EVENTS = 10_000  # per watcher; a watcher that falls this far behind is cut off
+WATCH_PROGRESS_MS = 10_000  # default: a progress event per shard at most this often (--watch-progress-ms)
 # The size contract of a request, in two refusing zones (docs/limits.md, "Request sizes: two refusing zones"):
 # - above MAX_REQUEST_BYTES, up to GRPC_MAX_MESSAGE_BYTES: the store refuses it (the interceptor,
 #   before decoding): INVALID_ARGUMENT, ErrorInfo LIMIT_EXCEEDED with limit MAX_REQUEST_BYTES;

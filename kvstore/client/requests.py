@@ -115,7 +115,9 @@ def watch_request(key: BytesLike, prefix: BytesLike, start_revision: int | None,
         raise InvalidArgument("watch needs exactly one of key or prefix")
     if start_revision is not None and start_revisions:
         raise InvalidArgument("give start_revision or start_revisions, not both")
-    request = kv_pb2.WatchRequest(key=k, prefix=p)
+    # Progress events keep a resume position current on a busy shard whose watched keys are quiet
+    # (`kvstore.client.watch.WatchResume.progress`); the clients consume them, never yield them.
+    request = kv_pb2.WatchRequest(key=k, prefix=p, progress_notify=True)
     if start_revision is not None:
         request.start_revision = start_revision
     for shard, revision in sorted((start_revisions or {}).items()):

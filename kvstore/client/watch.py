@@ -54,7 +54,11 @@ class WatchResume:
             self.starts = {b.shard: b.revision for b in event.start_revisions}
 
     def accept(self, event: kv_pb2.WatchResponse) -> bool:
-        """Count a change of the stream; False for one delivered before the break (skip it)."""
+        """Count a change of the stream; False for one delivered before the break (skip it), and
+        for a progress event (taken in, never delivered)."""
+        if event.type == kv_pb2.WatchResponse.TYPE_PROGRESS:
+            self.progress(event)
+            return False
         shard, revision = event.shard, event.kv.mod_revision
         skip = self._skip.pop(shard, None)
         if skip is not None and skip[0] == revision and skip[1] > 0:
@@ -66,6 +70,24 @@ class WatchResume:
         self.reopens = 0
         return True
 
+    def progress(self, event: kv_pb2.WatchResponse) -> None:
+        """A progress event: every change of its shard below its revision was delivered, so the
+        watch stands there (a resume starts from it, not from an older revision the WAL may have
+        truncated since: a prefix whose keys change rarely in a busy shard)."""
+        if self.starts is None:
+            return  # no positions kept (a server that names no start revisions)
+        for mark in event.start_revisions:
+            shard, revision = mark.shard, mark.revision
+            last = self.delivered_at.get(shard)
+            if (last is not None and last[0] >= revision) or self.starts.get(shard, 0) >= revision:
+                continue
+            self.starts[shard] = revision
+            self.delivered_at.pop(shard, None)
+            skip = self._skip.get(shard)
+            if skip is not None and skip[0] < revision:
+                del self._skip[shard]
+            self.reopens = 0
+
     def resume(self) -> kv_pb2.WatchRequest | None:
         """The request that continues the watch where it stands (None: no position known)."""
         if self.starts is None:
@@ -76,7 +98,8 @@ class WatchResume:
             positions[shard] = revision
             self._skip[shard] = (revision, delivered)
         self.reopens += 1
-        request = kv_pb2.WatchRequest(key=self.request.key, prefix=self.request.prefix)
+        request = kv_pb2.WatchRequest(key=self.request.key, prefix=self.request.prefix,
+                                      progress_notify=self.request.progress_notify)
         request.start_revisions.extend(kv_pb2.ShardRevision(shard=s, revision=r) for s, r in sorted(positions.items()))
         return request
 

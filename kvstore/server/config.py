@@ -118,6 +118,9 @@ class NodeConfig(BaseSettings):
     placement_max_learners: int = Field(DEFAULT_MAX_LEARNERS_PER_NODE, ge=1, le=64,
                                         description="learners one node bootstraps at once, at most (the cluster's "
                                                     "setting, recorded in the placement log by its first controller)")
+    watch_progress_ms: int = Field(limits.WATCH_PROGRESS_MS, ge=100, le=3_600_000,
+                                   description="how often, at most, a watch that asked for progress events learns how "
+                                               "far each busy shard got (etcd's progress notify)")
     zone: str = Field("", max_length=64, description="this node's zone (rack, availability zone): placement spreads "
                                                      "each shard's replicas over as many zones as it can")
     txn_in_doubt_ms: int = Field(limits.TXN_IN_DOUBT_AFTER_MS, ge=100, le=86_400_000,

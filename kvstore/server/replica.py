@@ -21,6 +21,7 @@ import contextlib
 import dataclasses
 import logging
 import shutil
+import time
 from collections.abc import Callable, Coroutine
 from typing import Any
 
@@ -696,6 +697,11 @@ class ShardReplica:
         for change in changes:
             for watcher in list(self.watchers):
                 watcher.offer(self.shard, change)
+        if self.watchers:
+            # The verified position (not past an assumed marker slot): every change below it was offered.
+            now_s, revision = time.monotonic(), self.store.read_revision
+            for watcher in list(self.watchers):
+                watcher.progress(self.shard, revision, now_s)
         self._applied.set()
         self._applied = asyncio.Event()
 

@@ -10,6 +10,7 @@ A watch over shards this node does not all hold is one part per node, merged her
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
@@ -32,13 +33,25 @@ if TYPE_CHECKING:
     from kvstore.server.replica import ShardReplica
 
 
-class Watcher:
-    """A bounded queue of changes for one Watch stream; cut off if it falls too far behind."""
+@dataclasses.dataclass(frozen=True)
+class Progress:
+    """In a watcher's queue: every matching change of `shard` below `revision` is ahead of it."""
 
-    def __init__(self, key: bytes, prefix: bytes) -> None:
+    shard: int
+    revision: int
+
+
+class Watcher:
+    """A bounded queue of changes for one Watch stream; cut off if it falls too far behind.
+    `progress_every_s`: the stream asked for progress events (None: it did not)."""
+
+    def __init__(self, key: bytes, prefix: bytes, progress_every_s: float | None = None) -> None:
         self.key = key
         self.prefix = prefix
-        self.queue: asyncio.Queue[tuple[int, Change] | None] = asyncio.Queue(maxsize=limits.WATCH_QUEUE_EVENTS)
+        self.queue: asyncio.Queue[tuple[int, Change] | Progress | None] = asyncio.Queue(
+            maxsize=limits.WATCH_QUEUE_EVENTS)
+        self.progress_every_s = progress_every_s
+        self._progress: dict[int, tuple[float, int]] = {}  # shard -> (when, revision) of its last progress
         # Per shard: changes below this revision come from WAL history, not from live apply.
         self.live_from: dict[int, int] = {}
         self.overflowed = False
@@ -61,6 +74,25 @@ class Watcher:
         except asyncio.QueueFull:
             self.overflowed = True
             self.close(f"this watcher fell {limits.WATCH_QUEUE_EVENTS} events behind (WATCH_QUEUE_EVENTS)")
+
+    def progress(self, shard: int, revision: int, now_s: float) -> None:
+        """After `shard` applied records up to `revision` (every change below it offered): queue a
+        progress event, at most one per `progress_every_s` per shard and only past the last one.
+        Queued behind the changes it covers, so the client sees them first. Skipped, never an
+        overflow, when the queue is full: a later one will say as much."""
+        if self.progress_every_s is None or self.overflowed or self.ended_why is not None:
+            return
+        last = self._progress.get(shard)
+        if last is None:  # the clock starts at the shard's first apply after registering
+            self._progress[shard] = (now_s, self.live_from.get(shard, 0))
+            return
+        if now_s - last[0] < self.progress_every_s or revision <= max(last[1], self.live_from.get(shard, 0)):
+            return
+        try:
+            self.queue.put_nowait(Progress(shard, revision))
+        except asyncio.QueueFull:
+            return
+        self._progress[shard] = (now_s, revision)
 
     def close(self, why: str) -> None:
         """End the stream with UNAVAILABLE saying `why` (the node stops serving the shard, the
@@ -123,7 +155,8 @@ class Watches:
         for replica in replicas:  # before the watch is registered: a clean refusal, nothing started
             if replica.shard in starts:
                 await _check_history(replica, starts[replica.shard])
-        watcher = Watcher(request.key, request.prefix)
+        watcher = Watcher(request.key, request.prefix,
+                          self.node.config.watch_progress_ms / 1000 if request.progress_notify else None)
         for replica in replicas:
             watcher.register(replica.shard, replica.store.applied_offset, starts.get(replica.shard))
             replica.watchers.add(watcher)
@@ -142,6 +175,10 @@ class Watches:
                 item = await watcher.queue.get()
                 if item is None:  # the stream never just ends: the client resumes from what it got
                     raise errors.UnavailableError(f"{watcher.ended_why}; watch again from the last revision seen")
+                if isinstance(item, Progress):
+                    yield kv_pb2.WatchResponse(type=kv_pb2.WatchResponse.TYPE_PROGRESS, start_revisions=[
+                        kv_pb2.ShardRevision(shard=item.shard, revision=item.revision)])
+                    continue
                 shard, change = item
                 yield _event(shard, change)
         finally:
@@ -215,7 +252,7 @@ class Watches:
 
     async def _remote(self, address: str, request: kv_pb2.WatchRequest, shards: list[int],
                       starts: dict[int, int]) -> AsyncIterator[kv_pb2.WatchResponse]:
-        watch = kv_pb2.WatchRequest(key=request.key, prefix=request.prefix)
+        watch = kv_pb2.WatchRequest(key=request.key, prefix=request.prefix, progress_notify=request.progress_notify)
         if len(shards) == 1 and not request.prefix and shards[0] in starts:
             watch.start_revision = starts[shards[0]]
         else:

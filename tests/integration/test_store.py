@@ -219,6 +219,52 @@ def test_a_prefix_watch_starts_per_shard(store: StoreProcess) -> None:
     assert (live.shard, live.kv.value) == (1, b"b2")
 
 
+def test_a_quiet_watch_on_a_busy_shard_learns_how_far_the_shard_got(kafka: LocalKafka, tmp_path: Path) -> None:
+    """Progress events (etcd's progress notify): a watch on a prefix nobody writes, in a shard
+    other keys keep busy, is told how far the shard got (only when it asked for it), and the
+    client's watch resumes from there, not from where it was created (a revision the WAL may have
+    truncated since)."""
+    from kvstore.client import Client
+
+    node = StoreProcess(kafka.bootstrap_servers, tmp_path / "node", unique("kv").replace("-", ""),
+                        extra_args=("--watch-progress-ms", "200"))
+    node.start()
+    try:
+        quiet = next(k for k in (f"quiet/{i}".encode() for i in range(100)) if shard_of(k, 4) == 0)
+        busy = next(k for k in (f"busy/{i}".encode() for i in range(100)) if shard_of(k, 4) == 0)
+        asked = node.kv.Watch(kv_pb2.WatchRequest(prefix=b"quiet/", progress_notify=True), timeout=TIMEOUT)
+        plain = node.kv.Watch(kv_pb2.WatchRequest(prefix=b"quiet/"), timeout=TIMEOUT)
+        created = next(asked)
+        assert next(plain).type == kv_pb2.WatchResponse.TYPE_CREATED
+        start = {b.shard: b.revision for b in created.start_revisions}[0]
+        last = start
+        for i in range(10):
+            last = put(node, busy, str(i).encode()).result.revision
+            time.sleep(0.06)
+        event = next(asked)  # nothing under quiet/ changed: only progress comes
+        assert event.type == kv_pb2.WatchResponse.TYPE_PROGRESS, event
+        (mark,) = event.start_revisions
+        assert mark.shard == 0 and start < mark.revision <= last + 2, (start, mark, last)  # + its commit marker
+        changed = put(node, quiet, b"q").result.revision
+        later = [e for e in (next(asked) for _ in range(3)) if e.type != kv_pb2.WatchResponse.TYPE_PROGRESS]
+        assert later and later[0].kv.mod_revision == changed
+        first_plain = next(plain)
+        assert first_plain.type == kv_pb2.WatchResponse.TYPE_PUT and first_plain.kv.mod_revision == changed, \
+            "a watch that did not ask gets no progress events"
+        asked.cancel()
+        plain.cancel()
+        with Client([node.address], timeout_s=TIMEOUT) as client, client.watch(prefix="quiet/") as watch:
+            created_at = watch._resume.starts[0]  # type: ignore[index]  (the position a resume starts from)
+            for i in range(10):
+                put(node, busy, str(i).encode())
+                time.sleep(0.06)
+            changed = put(node, quiet, b"q2").result.revision
+            assert next(watch).kv.mod_revision == changed  # progress events are taken in, never yielded
+            assert created_at < watch._resume.starts[0] <= changed  # type: ignore[index]
+    finally:
+        node.stop()
+
+
 def test_a_watch_below_the_log_start_is_out_of_range(store: StoreProcess) -> None:
     """History that truncation deleted: OUT_OF_RANGE with reason COMPACTED naming the shard's log
     start (etcd's ErrCompacted), before the watch is registered, never INTERNAL after

@@ -1356,6 +1356,24 @@ def test_watch_resume_is_pure_and_bounded() -> None:
     assert reopen_request(WatchResume(request), request, True, gone, max_reopens=3) is None  # raised, saying so
 
 
+def test_a_progress_event_moves_the_resume_position_and_is_never_delivered() -> None:
+    resume = WatchResume(kv_pb2.WatchRequest(prefix=b"w", progress_notify=True))
+    resume.created(kv_pb2.WatchResponse(type=kv_pb2.WatchResponse.TYPE_CREATED, start_revisions=[
+        kv_pb2.ShardRevision(shard=0, revision=5), kv_pb2.ShardRevision(shard=1, revision=9)]))
+    assert resume.accept(change(0, 6, b"wa"))
+
+    def progress(shard: int, revision: int) -> kv_pb2.WatchResponse:
+        return kv_pb2.WatchResponse(type=kv_pb2.WatchResponse.TYPE_PROGRESS,
+                                    start_revisions=[kv_pb2.ShardRevision(shard=shard, revision=revision)])
+
+    assert not resume.accept(progress(0, 40))  # taken in, not a change
+    assert not resume.accept(progress(1, 3))  # behind where shard 1 stands: nothing moves
+    request = resume.resume()
+    assert request is not None and request.progress_notify
+    assert [(b.shard, b.revision) for b in request.start_revisions] == [(0, 40), (1, 9)]
+    assert resume.accept(change(0, 40, b"wb")), "nothing of revision 40 was delivered before: nothing skipped"
+
+
 def test_watch_uses_only_the_clients_public_retry_seam() -> None:
     """`Watch` retries as `Client` does through `route`, `connection`, `reroute` and the limits,
     never through the client's private members, which are free to change."""

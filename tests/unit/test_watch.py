@@ -128,3 +128,29 @@ def test_a_spread_watch_sends_created_before_any_parts_change() -> None:
     got = asyncio.run(run())
     assert got[0].type == created and [(b.shard, b.revision) for b in got[0].start_revisions] == [(0, 5), (1, 7)]
     assert sorted(e.kv.key for e in got[1:]) == [b"k0", b"k1"]
+
+
+def test_progress_is_queued_behind_the_changes_it_covers_at_most_once_per_interval() -> None:
+    from kvstore.server.watch import Progress
+
+    def test() -> None:
+        watcher = Watcher(b"", b"k", progress_every_s=1.0)
+        watcher.register(0, applied=10, start=None)
+        watcher.progress(0, 12, now_s=0.0)  # the first apply starts the clock: nothing yet
+        watcher.offer(0, _put(b"k0", 12))
+        watcher.progress(0, 13, now_s=0.5)  # too soon
+        watcher.progress(0, 13, now_s=1.1)
+        watcher.progress(0, 13, now_s=2.5)  # nothing new since
+        watcher.progress(0, 20, now_s=2.6)
+        items = []
+        while not watcher.queue.empty():
+            items.append(watcher.queue.get_nowait())
+        assert [(i[0], i[1].revision) if isinstance(i, tuple) else i for i in items] == [
+            (0, 12), Progress(0, 13), Progress(0, 20)]
+        silent = Watcher(b"", b"k")  # a stream that did not ask
+        silent.register(0, applied=10, start=None)
+        silent.progress(0, 12, now_s=0.0)
+        silent.progress(0, 30, now_s=100.0)
+        assert silent.queue.empty()
+
+    _in_loop(test)
