@@ -21,7 +21,6 @@ import contextlib
 import dataclasses
 import logging
 import shutil
-import time
 from collections.abc import Callable, Coroutine
 from typing import Any
 
@@ -699,7 +698,7 @@ class ShardReplica:
                 watcher.offer(self.shard, change)
         if self.watchers:
             # The verified position (not past an assumed marker slot): every change below it was offered.
-            now_s, revision = time.monotonic(), self.store.read_revision
+            now_s, revision = self.clock.monotonic(), self.store.read_revision
             for watcher in list(self.watchers):
                 watcher.progress(self.shard, revision, now_s)
         self._applied.set()

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import grpc
 import grpc.aio
@@ -27,18 +27,28 @@ from kvstore.internal.v1 import peer_pb2
 from kvstore.server import routing
 from kvstore.v1 import kv_pb2
 
+
+class ReadPosition(Protocol):
+    @property
+    def read_revision(self) -> int: ...
+
+
 if TYPE_CHECKING:
     from kvstore.server.node import Node
     from kvstore.server.peers import Peers
     from kvstore.server.replica import ShardReplica
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass
 class Progress:
-    """In a watcher's queue: every matching change of `shard` below `revision` is ahead of it."""
+    """In a watcher's queue: every matching change of `shard` below `revision` is ahead of it.
+    While no change of its shard is queued behind it and the stream has not taken it, a later
+    progress of that shard moves its revision instead of queueing another: a reader that stops
+    reading holds at most one per shard (`Watcher.progress`)."""
 
     shard: int
     revision: int
+    taken: bool = False  # the stream took it off the queue: it can no longer move
 
 
 class Watcher:
@@ -52,6 +62,7 @@ class Watcher:
             maxsize=limits.WATCH_QUEUE_EVENTS)
         self.progress_every_s = progress_every_s
         self._progress: dict[int, tuple[float, int]] = {}  # shard -> (when, revision) of its last progress
+        self._movable: dict[int, Progress] = {}  # shard -> its queued progress, no change of it queued behind
         # Per shard: changes below this revision come from WAL history, not from live apply.
         self.live_from: dict[int, int] = {}
         self.overflowed = False
@@ -71,6 +82,7 @@ class Watcher:
             return
         try:
             self.queue.put_nowait((shard, change))
+            self._movable.pop(shard, None)  # a change behind it: that progress must not move past it
         except asyncio.QueueFull:
             self.overflowed = True
             self.close(f"this watcher fell {limits.WATCH_QUEUE_EVENTS} events behind (WATCH_QUEUE_EVENTS)")
@@ -88,10 +100,16 @@ class Watcher:
             return
         if now_s - last[0] < self.progress_every_s or revision <= max(last[1], self.live_from.get(shard, 0)):
             return
-        try:
-            self.queue.put_nowait(Progress(shard, revision))
-        except asyncio.QueueFull:
-            return
+        queued = self._movable.get(shard)
+        if queued is not None and not queued.taken:
+            queued.revision = revision  # nothing of its shard behind it: it may say more
+        else:
+            mark = Progress(shard, revision)
+            try:
+                self.queue.put_nowait(mark)
+            except asyncio.QueueFull:
+                return
+            self._movable[shard] = mark
         self._progress[shard] = (now_s, revision)
 
     def close(self, why: str) -> None:
@@ -105,6 +123,14 @@ class Watcher:
         while not self.queue.empty():
             self.queue.get_nowait()
         self.queue.put_nowait(None)
+
+
+def registration_revision(store: ReadPosition) -> int:
+    """Where a watch's live changes begin: the store's verified position (`read_revision`), not
+    its checkpoint. Past an assumed commit-marker slot, a rewind may still apply a record found
+    in that slot; a watch registered at the checkpoint would drop that change as "before it", and
+    a later progress event would tell the client it had been delivered."""
+    return store.read_revision
 
 
 def decode_changes(records: list[wal.AcceptedRecord]) -> list[Change]:
@@ -158,7 +184,7 @@ class Watches:
         watcher = Watcher(request.key, request.prefix,
                           self.node.config.watch_progress_ms / 1000 if request.progress_notify else None)
         for replica in replicas:
-            watcher.register(replica.shard, replica.store.applied_offset, starts.get(replica.shard))
+            watcher.register(replica.shard, registration_revision(replica.store), starts.get(replica.shard))
             replica.watchers.add(watcher)
         try:
             # Registered: every change applied from here on reaches the queue. Saying so lets a
@@ -176,6 +202,7 @@ class Watches:
                 if item is None:  # the stream never just ends: the client resumes from what it got
                     raise errors.UnavailableError(f"{watcher.ended_why}; watch again from the last revision seen")
                 if isinstance(item, Progress):
+                    item.taken = True
                     yield kv_pb2.WatchResponse(type=kv_pb2.WatchResponse.TYPE_PROGRESS, start_revisions=[
                         kv_pb2.ShardRevision(shard=item.shard, revision=item.revision)])
                     continue

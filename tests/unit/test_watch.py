@@ -145,8 +145,8 @@ def test_progress_is_queued_behind_the_changes_it_covers_at_most_once_per_interv
         items = []
         while not watcher.queue.empty():
             items.append(watcher.queue.get_nowait())
-        assert [(i[0], i[1].revision) if isinstance(i, tuple) else i for i in items] == [
-            (0, 12), Progress(0, 13), Progress(0, 20)]
+        # 13 then 20: one item, moved (nothing of shard 0 queued between them, nobody read it yet)
+        assert [(i[0], i[1].revision) if isinstance(i, tuple) else i for i in items] == [(0, 12), Progress(0, 20)]
         silent = Watcher(b"", b"k")  # a stream that did not ask
         silent.register(0, applied=10, start=None)
         silent.progress(0, 12, now_s=0.0)
@@ -154,3 +154,44 @@ def test_progress_is_queued_behind_the_changes_it_covers_at_most_once_per_interv
         assert silent.queue.empty()
 
     _in_loop(test)
+
+
+def test_a_reader_that_stops_reading_holds_at_most_one_progress_per_shard() -> None:
+    """Review: progress items piled up in a stalled stream's bounded queue until a change
+    overflowed it. A queued progress with no change of its shard behind it moves instead."""
+    from kvstore.server.watch import Progress
+
+    def test() -> None:
+        watcher = Watcher(b"", b"k", progress_every_s=1.0)
+        watcher.register(0, applied=10, start=None)
+        watcher.register(1, applied=10, start=None)
+        for shard in (0, 1):
+            watcher.progress(shard, 10, now_s=0.0)
+        for tick in range(1, 50):
+            for shard in (0, 1):
+                watcher.progress(shard, 10 + tick, now_s=float(tick))
+        assert watcher.queue.qsize() == 2  # one per shard, however long nobody reads
+        first = watcher.queue.get_nowait()
+        assert first == Progress(0, 59)
+        first.taken = True  # the stream took it: the next one is a new item
+        watcher.offer(1, _put(b"k1", 60))  # a change of shard 1 behind its progress: that one stays put
+        watcher.progress(0, 61, now_s=51.0)
+        watcher.progress(1, 61, now_s=51.0)
+        items = [watcher.queue.get_nowait() for _ in range(watcher.queue.qsize())]
+        assert [i if isinstance(i, Progress) else (i[0], i[1].revision) for i in items] == [
+            Progress(1, 59), (1, 60), Progress(0, 61), Progress(1, 61)]
+
+    _in_loop(test)
+
+
+def test_a_watch_registers_at_the_verified_position_not_past_an_assumed_marker_slot() -> None:
+    """Review: registered at the checkpoint, past a marker slot a rewind may still fill, a watch
+    dropped that record's change, and a progress event then said it had been delivered."""
+    from kvstore.core.request_window import MemoryShard
+    from kvstore.server.watch import registration_revision
+
+    store = MemoryShard()
+    store.applied_offset, store.unverified = 12, 11  # a batch at 8..10, its marker assumed at 11
+    assert registration_revision(store) == 11
+    store.unverified = None
+    assert registration_revision(store) == 12
