@@ -113,6 +113,9 @@ class Node:
         self._unable: dict[int, str] = {}  # shard -> why its replica cannot lead now
         self._ends_read_at: dict[int, float] = {}  # shard -> when its partition end was last read (monotonic)
         self._ends_pass_s = 0.0  # how long the last pass over every copy's partition end took
+        # A copy just opened: read the ends now, not after ENDS_REFRESH_S, so a learner of a short
+        # log counts as caught up (and moves on) within a round, not a second later.
+        self._ends_kick = asyncio.Event()
         self._membership: GroupMember | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._stale = asyncio.Event()  # a rebalance happened: describe again at once
@@ -423,6 +426,7 @@ class Node:
         replica.on_unable_to_lead = self._set_unable
         replica.resolve_now = self._resolve_now
         replica.start(lead=False, standby=standby)
+        self._ends_kick.set()
         return replica
 
     def _join(self, shard: int, replica: ShardReplica) -> None:
@@ -462,7 +466,9 @@ class Node:
                 replica.end_offset = max(replica.end_offset, end)
                 self._ends_read_at[shard] = time.monotonic()
             self._ends_pass_s = time.monotonic() - started
-            await asyncio.sleep(ENDS_REFRESH_S)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._ends_kick.wait(), ENDS_REFRESH_S)
+            self._ends_kick.clear()
 
     # ---- what the API asks ---------------------------------------------------------------------
 
