@@ -270,7 +270,33 @@ def _archive_flags() -> list[str]:
     return [f"-XX:SharedArchiveFile={archive}"] if archive.exists() else []
 
 
+# Ports handed out below the kernel's ephemeral range: a port from `bind(0)` is an ephemeral one,
+# which any outgoing connection may take as its source port while the process it was meant for
+# restarts (a node restarted on its port then fails with "Address already in use").
+LISTEN_PORTS = (20_000, 32_000)
+FREE_PORT_TRIES = 64
+
+
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32_768
+
+
 def free_port() -> int:
+    """A loopback port nobody listens on now, outside the ephemeral range when it can."""
+    low, high = LISTEN_PORTS
+    high = min(high, _ephemeral_low() - 1)
+    for _ in range(FREE_PORT_TRIES if high > low else 0):
+        port = secrets.randbelow(high - low) + low
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
