@@ -107,6 +107,9 @@ class Write:
     # False: admission never refuses it as expired (`kvstore.core.request_horizon`): an abort
     # decision, which may be recorded whenever no decision is (its build judges the client's id).
     check_horizon: bool = True
+    # A resolve or a forget: no client waits on its answer, so its batch lingers longer for
+    # company (`ReplicaConfig.patient_linger_ms`).
+    patient: bool = False
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -423,7 +423,7 @@ def resolve_write(resolve: wal_entry_pb2.TxnResolve, *, first_attempt_unix_ms: i
     """A participant's resolve, with the decision read from the coordinator's WAL: never
     queued on a guess (T2)."""
     return Write(resolve_id(resolve.txn_id), _no_build, wal_entry_pb2.TxnResolve, first_attempt_unix_ms,
-                 wal_entry_pb2.REQUEST_KIND_TXN_RESOLVE, check_horizon=False,
+                 wal_entry_pb2.REQUEST_KIND_TXN_RESOLVE, check_horizon=False, patient=True,
                  locked_build=lambda _lookup, locks, _revision, _horizon: evaluate_resolve(
                      resolve, locks.prepared_txn(resolve.txn_id)))
 
@@ -439,7 +439,7 @@ def forget_write(txn_ids: Sequence[str], tables: TxnTables) -> Write:
             return Evaluation(None, forget)
         return Evaluation(wal_entry_pb2.WalEntry(forget=forget), forget, [])
 
-    return Write("", _no_build, wal_entry_pb2.TxnForget, locked_build=build)
+    return Write("", _no_build, wal_entry_pb2.TxnForget, locked_build=build, patient=True)
 
 
 # ---- the driver's arithmetic -------------------------------------------------------------------------------

@@ -28,7 +28,7 @@ import wal
 import wal.clients
 import wal.guard
 import wal.writer
-from kvstore import errors
+from kvstore import errors, limits
 from kvstore.core import replica as core
 from kvstore.core.batch import BatchLimits
 from kvstore.core.evaluate import Response
@@ -94,6 +94,7 @@ def machine_config(config: ReplicaConfig, standby: bool) -> core.ReplicaConfig:
         shard=config.shard, standby=standby,
         batch_limits=BatchLimits(config.max_batch_records, config.max_batch_bytes, config.max_record_bytes),
         max_pending=config.max_pending_writes, linger_ms=config.linger_ms,
+        patient_linger_ms=max(config.linger_ms, limits.PATIENT_LINGER_MS),
         bootstrap_timeout_ms=config.bootstrap_timeout_s * 1000, barrier_timeout_ms=config.barrier_timeout_s * 1000,
         refence_pause_ms=REFENCE_PAUSE_S * 1000, beyond_end_grace_ms=BEYOND_END_GRACE_S * 1000)
 

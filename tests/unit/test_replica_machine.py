@@ -957,6 +957,52 @@ def test_a_write_locked_past_its_wait_is_refused_definitely() -> None:
     assert "Answer(3,UnavailableError)" in actions and not drive.machine.batching.parked
 
 
+def _resolve(txn_id: str = "t") -> core.WriteRequest:
+    from kvstore.core.replica.writes import ResolveTxn
+    from kvstore.internal.v1 import wal_entry_pb2
+
+    return ResolveTxn(wal_entry_pb2.TxnResolve(txn_id=txn_id, commit=False, coordinator=1))
+
+
+def test_a_lone_resolve_lingers_longer_for_company() -> None:
+    """Nobody's answer waits on a resolve: it waits `patient_linger_ms`, not `linger_ms`, so the
+    next transaction's prepare shares its Kafka transaction instead of queueing behind it."""
+    drive = leading()
+    _lock(drive, b"k")
+    assert CONFIG.patient_linger_ms > CONFIG.linger_ms
+    run(drive, [(WriteArrived(1, _resolve(), 10), 100, []),
+                (Tick(), 100 + CONFIG.linger_ms, []),
+                (Tick(), 100 + CONFIG.patient_linger_ms, ["Append(2,1)"])])
+
+
+def test_a_client_write_ends_a_resolves_wait_at_once() -> None:
+    drive = leading()
+    _lock(drive, b"k")
+    run(drive, [(WriteArrived(1, _resolve(), 10), 100, []),
+                (WriteArrived(2, put(b"other"), 10), 101, ["Append(2,2)"]),  # company found: both go now
+                (committed(drive, 2, 2), None, ["ApplyCommitted(5)", "Answer(1,TxnResolve)", "Answer(2,PutResponse)"])])
+    assert not drive.store.locks.has_locks()
+
+
+def test_a_resolve_that_a_parked_write_or_a_locked_read_waits_on_lingers_as_any_write() -> None:
+    parked = leading()
+    _lock(parked, b"k")
+    run(parked, [(WriteArrived(1, put(b"k"), 10), 0, []),
+                 (Tick(), 2, [])])  # parked on the lock
+    assert parked.machine.batching.parked
+    run(parked, [(WriteArrived(2, _resolve(), 10), 10, []),
+                 (Tick(), 10 + CONFIG.linger_ms, ["Append(2,1)"])])
+    # A read waiting on the lock (the machine passes its locked reads as `waiters`): the resolve's
+    # batch is not held back for company either.
+    drive = leading()
+    _lock(drive, b"k")
+    run(drive, [(WriteArrived(1, _resolve(), 10), 0, [])])
+    assert drive.machine.batching.patient_linger and drive.machine.wake_at_ms() == CONFIG.patient_linger_ms
+    drive.machine.batching.forget_linger()
+    assert drive.machine.batching.maybe_start(drive.machine.role, waiters=True) is None  # lingers linger_ms only
+    assert drive.machine.batching.linger_until_ms == CONFIG.linger_ms and not drive.machine.batching.patient_linger
+
+
 def test_a_parked_write_planned_again_past_its_wait_is_refused() -> None:
     drive = leading()
     _lock(drive, b"k")

@@ -5,6 +5,10 @@ Invariants kept here (docs/design.md §4 "Group commit", §5.1):
 * *One batch in flight.* A batch starts only with none in flight, none committing and the
   writer idle (`RoleMachine.may_start_batch` and `batch_started` assert it again). A lone
   write lingers `linger_ms` for company; writes carried over from a full batch go first.
+  Writes that are all `patient` (resolves and forgets: no client waits on them) linger
+  `patient_linger_ms`, so that the next transaction's prepare shares their Kafka transaction
+  rather than queueing behind it; any other write ends that wait at once (it has company), and
+  nobody waiting on a lock ever waits for it (`waiters`).
 * *Answered only after the commit* (W5): a batch's answers leave right after its
   `ApplyCommitted`, in one list, and before the machine's bookkeeping at `CommitApplied`.
   Refusals and replays (`Plan.now`) are definite and given at once.
@@ -74,6 +78,7 @@ class GroupCommit:
         # max_pending with the queue.
         self.parked: list[Pending] = []
         self.linger_until_ms: float | None = None
+        self.patient_linger = False  # the linger running is `patient_linger_ms`'s
         self.in_progress: set[str] = set()  # request ids with an attempt queued or committing here
         self.probing = False
 
@@ -127,6 +132,7 @@ class GroupCommit:
     def linger_over(self, now: float) -> bool:
         if self.linger_until_ms is not None and now >= self.linger_until_ms:
             self.linger_until_ms = None
+            self.patient_linger = False
             return True
         return False
 
@@ -148,21 +154,29 @@ class GroupCommit:
 
     # ---- batches ------------------------------------------------------------------------------
 
-    def maybe_start(self, role: RoleMachine, *, lingered: bool = False) -> list[tuple[int, Response]] | None:
+    def maybe_start(self, role: RoleMachine, *, lingered: bool = False,
+                    waiters: bool = False) -> list[tuple[int, Response]] | None:
         """One batch in flight; the next starts once it is done. A lone write waits `linger_ms`
-        for company first (requests carried over or already queued together go at once).
-        Returns the answers of read-only Txns planned (they go through a barrier), or None when
-        nothing was planned. The caller checks the writer is idle."""
+        for company first (requests carried over or already queued together go at once); writes
+        that are all patient wait `patient_linger_ms`, unless something waits on a lock
+        (`waiters`: a read held by one; a parked write counts too). Returns the answers of
+        read-only Txns planned (they go through a barrier), or None when nothing was planned.
+        The caller checks the writer is idle."""
         config = self.ctx.config
         if self.busy or not role.may_start_batch() or not (self.queue or self.carry):
             return None
         if not lingered and len(self.queue) < config.batch_limits.max_records:
-            if self.linger_until_ms is not None:
+            patient = not self.carry and not waiters and not self.parked and all(p.write.patient for p in self.queue)
+            if self.linger_until_ms is not None and (patient or not self.patient_linger):
                 return None  # lingering: writes arriving meanwhile join the batch
-            if not self.carry and len(self.queue) == 1 and config.linger_ms > 0:
-                self.linger_until_ms = self.ctx.now_ms + config.linger_ms
-                return None
+            if self.linger_until_ms is None and not self.carry:
+                linger_ms = config.patient_linger_ms if patient else config.linger_ms if len(self.queue) == 1 else 0
+                if linger_ms > 0:
+                    self.linger_until_ms = self.ctx.now_ms + linger_ms
+                    self.patient_linger = patient
+                    return None
         self.linger_until_ms = None
+        self.patient_linger = False
         return self._start(role)
 
     def _start(self, role: RoleMachine) -> list[tuple[int, Response]]:
@@ -262,6 +276,7 @@ class GroupCommit:
 
     def forget_linger(self) -> None:
         self.linger_until_ms = None
+        self.patient_linger = False
         self.probing = False
 
     # ---- answers and request ids ------------------------------------------------------------------

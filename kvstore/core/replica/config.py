@@ -38,6 +38,9 @@ class ReplicaConfig:
         store_limits.MAX_BATCH_RECORDS, store_limits.MAX_BATCH_BYTES, store_limits.MAX_WAL_RECORD_BYTES))
     max_pending: int = 10_000  # queued writes (carried ones not counted): beyond, OverloadedError
     linger_ms: float = 2.0  # a lone write waits this long for company before its batch starts
+    # Writes that are all `patient` (resolves, forgets) wait this long instead, unless a write is
+    # parked or a read waits on a lock (they wait on the resolve): see `batching.GroupCommit`.
+    patient_linger_ms: float = 10.0
     bootstrap_timeout_ms: float = 120_000  # catching up to the fenced end takes longer: give the shard up
     barrier_timeout_ms: float = 10_000  # a read waits this long for the replica to apply the end it read
     # A write meeting a key locked by a prepared cross-shard transaction waits this long (retried
@@ -60,6 +63,7 @@ class ReplicaConfig:
 
     def __post_init__(self) -> None:
         assert self.shard >= 0 and self.max_pending > 0 and self.linger_ms >= 0 and self.lock_wait_ms >= 0, self
+        assert self.patient_linger_ms >= self.linger_ms, self
         assert 0 < self.backoff_first_ms <= self.backoff_max_ms, self
         assert self.beyond_end_poll_ms > 0 and self.beyond_end_grace_ms >= 0, self
 

@@ -357,7 +357,7 @@ class ReplicaMachine:
     def _maybe_start_batch(self, *, lingered: bool = False) -> None:
         if self.writer_busy:
             return
-        read_only = self.batching.maybe_start(self.role, lingered=lingered)
+        read_only = self.batching.maybe_start(self.role, lingered=lingered, waiters=bool(self.barrier.locked_reads))
         if self.batching.in_flight is not None:
             self.writer_busy = True
         # Read-only Txns saw committed state only: the barrier makes their answers linearizable.
