@@ -39,9 +39,9 @@ MAX_BATCH_BYTES = 4 * 1024 * 1024
 # the envelope (wal.record) around the store's entry.
 MAX_WAL_RECORD_BYTES = 1_000_000 - 1024
 BATCH_LINGER_MS = 2
-# A batch of only resolves and forgets (no client waits on their answers) waits this long for
-# company: the next transaction's prepare at the shard then shares its Kafka transaction instead
-# of queueing behind it. Cut short by any other write, a parked write or a read waiting on a lock.
+# A lone resolve or forget (no client waits on its answer) waits this long for company: the next
+# transaction's prepare at the shard then shares its Kafka transaction instead of queueing behind
+# it. Cut short by any other write; not taken with a parked write or a linearizable read in flight.
 PATIENT_LINGER_MS = 10
 MAX_WATCHERS = 1_024
 WATCH_QUEUE_EVENTS = 10_000  # per watcher; a watcher that falls this far behind is cut off

@@ -380,7 +380,8 @@ class Transactions:
                 wake = driver.wake_at_ms()
                 timeout_s = None if wake is None else max(0.0, (wake - _now_ms()) / 1000)
                 try:
-                    event = await asyncio.wait_for(events.get(), timeout_s)
+                    async with asyncio.timeout(timeout_s):  # no task per wait, as wait_for would make
+                        event = await events.get()
                 except TimeoutError:
                     event = Tick()
                 pending = driver.step(event, now_ms=_now_ms())
@@ -476,7 +477,8 @@ class Transactions:
         answer (a peer's response message) or the error, as the driver takes it."""
         try:
             if self.node.leads(shard):
-                return await asyncio.wait_for(here(), TXN_CALL_TIMEOUT_S)
+                async with asyncio.timeout(TXN_CALL_TIMEOUT_S):
+                    return await here()
             leader = self.node.leader_address(shard)
             if not leader or leader == self.node.address:
                 return errors.UnavailableError(f"shard {shard} has no leader known right now")
@@ -493,7 +495,8 @@ class Transactions:
         carries it in `field`); the answer or the error, as the driver takes it."""
         try:
             if self.node.leads(shard):
-                return await asyncio.wait_for(self.record(shard, write, request.ByteSize()), TXN_CALL_TIMEOUT_S)
+                async with asyncio.timeout(TXN_CALL_TIMEOUT_S):
+                    return await self.record(shard, write, request.ByteSize())
             leader = self.node.leader_address(shard)
             if not leader or leader == self.node.address:
                 return errors.UnavailableError(f"shard {shard} has no leader known right now")

@@ -984,7 +984,7 @@ def test_a_client_write_ends_a_resolves_wait_at_once() -> None:
     assert not drive.store.locks.has_locks()
 
 
-def test_a_resolve_that_a_parked_write_or_a_locked_read_waits_on_lingers_as_any_write() -> None:
+def test_a_resolve_that_a_parked_write_or_a_read_may_wait_on_lingers_as_any_write() -> None:
     parked = leading()
     _lock(parked, b"k")
     run(parked, [(WriteArrived(1, put(b"k"), 10), 0, []),
@@ -992,15 +992,23 @@ def test_a_resolve_that_a_parked_write_or_a_locked_read_waits_on_lingers_as_any_
     assert parked.machine.batching.parked
     run(parked, [(WriteArrived(2, _resolve(), 10), 10, []),
                  (Tick(), 10 + CONFIG.linger_ms, ["Append(2,1)"])])
-    # A read waiting on the lock (the machine passes its locked reads as `waiters`): the resolve's
-    # batch is not held back for company either.
+    # A linearizable read arriving while a resolve lingers may be about to wait on its lock: the
+    # batch starts at once, in the step the read's barrier round goes out.
     drive = leading()
     _lock(drive, b"k")
-    run(drive, [(WriteArrived(1, _resolve(), 10), 0, [])])
-    assert drive.machine.batching.patient_linger and drive.machine.wake_at_ms() == CONFIG.patient_linger_ms
-    drive.machine.batching.forget_linger()
-    assert drive.machine.batching.maybe_start(drive.machine.role, waiters=True) is None  # lingers linger_ms only
-    assert drive.machine.batching.linger_until_ms == CONFIG.linger_ms and not drive.machine.batching.patient_linger
+    run(drive, [(WriteArrived(1, _resolve(), 10), 100, []),
+                (ReadArrived(2, "", (b"k",)), 101, ["Append(2,1)", "ReadEnd(barrier)"])])
+
+
+def test_resolves_queued_together_go_at_once_and_a_forget_is_patient_too() -> None:
+    from kvstore.core.txn import forget_write
+
+    drive = leading()
+    _lock(drive, b"k", "t1")
+    _lock(drive, b"j", "t2")
+    run(drive, [(WriteArrived(1, _resolve("t1"), 10), 100, []),
+                (WriteArrived(2, _resolve("t2"), 10), 101, ["Append(2,2)"])])  # company: no more waiting
+    assert forget_write(["t1"], drive.store).patient
 
 
 def test_a_parked_write_planned_again_past_its_wait_is_refused() -> None:

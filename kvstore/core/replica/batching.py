@@ -5,10 +5,11 @@ Invariants kept here (docs/design.md §4 "Group commit", §5.1):
 * *One batch in flight.* A batch starts only with none in flight, none committing and the
   writer idle (`RoleMachine.may_start_batch` and `batch_started` assert it again). A lone
   write lingers `linger_ms` for company; writes carried over from a full batch go first.
-  Writes that are all `patient` (resolves and forgets: no client waits on them) linger
-  `patient_linger_ms`, so that the next transaction's prepare shares their Kafka transaction
+  A lone `patient` write (a resolve or a forget: no client waits on it) lingers
+  `patient_linger_ms`, so that the next transaction's prepare shares its Kafka transaction
   rather than queueing behind it; any other write ends that wait at once (it has company), and
-  nobody waiting on a lock ever waits for it (`waiters`).
+  neither a parked write nor a linearizable read in flight (`waiters`: it may be about to wait
+  on a lock the resolve releases) ever waits for it.
 * *Answered only after the commit* (W5): a batch's answers leave right after its
   `ApplyCommitted`, in one list, and before the machine's bookkeeping at `CommitApplied`.
   Refusals and replays (`Plan.now`) are definite and given at once.
@@ -157,16 +158,17 @@ class GroupCommit:
     def maybe_start(self, role: RoleMachine, *, lingered: bool = False,
                     waiters: bool = False) -> list[tuple[int, Response]] | None:
         """One batch in flight; the next starts once it is done. A lone write waits `linger_ms`
-        for company first (requests carried over or already queued together go at once); writes
-        that are all patient wait `patient_linger_ms`, unless something waits on a lock
-        (`waiters`: a read held by one; a parked write counts too). Returns the answers of
+        for company first (requests carried over or already queued together go at once); a lone
+        patient write waits `patient_linger_ms`, unless something may wait on a lock (`waiters`:
+        a linearizable read in flight; a parked write counts too). Returns the answers of
         read-only Txns planned (they go through a barrier), or None when nothing was planned.
         The caller checks the writer is idle."""
         config = self.ctx.config
         if self.busy or not role.may_start_batch() or not (self.queue or self.carry):
             return None
         if not lingered and len(self.queue) < config.batch_limits.max_records:
-            patient = not self.carry and not waiters and not self.parked and all(p.write.patient for p in self.queue)
+            patient = (len(self.queue) == 1 and self.queue[0].write.patient and not self.carry and not waiters
+                       and not self.parked)
             if self.linger_until_ms is not None and (patient or not self.patient_linger):
                 return None  # lingering: writes arriving meanwhile join the batch
             if self.linger_until_ms is None and not self.carry:

@@ -38,8 +38,8 @@ class ReplicaConfig:
         store_limits.MAX_BATCH_RECORDS, store_limits.MAX_BATCH_BYTES, store_limits.MAX_WAL_RECORD_BYTES))
     max_pending: int = 10_000  # queued writes (carried ones not counted): beyond, OverloadedError
     linger_ms: float = 2.0  # a lone write waits this long for company before its batch starts
-    # Writes that are all `patient` (resolves, forgets) wait this long instead, unless a write is
-    # parked or a read waits on a lock (they wait on the resolve): see `batching.GroupCommit`.
+    # A lone `patient` write (a resolve, a forget) waits this long instead, unless a write is parked
+    # or a linearizable read is in flight (they may wait on its lock): see `batching.GroupCommit`.
     patient_linger_ms: float = 10.0
     bootstrap_timeout_ms: float = 120_000  # catching up to the fenced end takes longer: give the shard up
     barrier_timeout_ms: float = 10_000  # a read waits this long for the replica to apply the end it read

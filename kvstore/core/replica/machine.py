@@ -357,7 +357,10 @@ class ReplicaMachine:
     def _maybe_start_batch(self, *, lingered: bool = False) -> None:
         if self.writer_busy:
             return
-        read_only = self.batching.maybe_start(self.role, lingered=lingered, waiters=bool(self.barrier.locked_reads))
+        # Any linearizable read in flight may be about to wait on a lock a lingering resolve releases.
+        barrier = self.barrier
+        waiters = bool(barrier.locked_reads or barrier.round or barrier.next_round)
+        read_only = self.batching.maybe_start(self.role, lingered=lingered, waiters=waiters)
         if self.batching.in_flight is not None:
             self.writer_busy = True
         # Read-only Txns saw committed state only: the barrier makes their answers linearizable.
